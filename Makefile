@@ -1,0 +1,36 @@
+# shardflow: `make test` and `make demo` work on a fresh machine (they create .venv).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch installs quickly from the local wheel cache on our machines;
+# override (e.g. TORCH_SPEC="torch==2.14.1") for a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint demo bench clean
+
+install: $(STAMP)
+
+# Re-install only when the project's dependency list changes.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check pipeline trainers tools tests
+	$(PY) -m mypy
+
+demo: $(STAMP)
+	$(PY) tools/demo.py --out demo-out
+
+bench: $(STAMP)
+	$(PY) tools/bench_shards.py --out bench-out
+
+clean:
+	rm -rf demo-out bench-out .pytest_cache

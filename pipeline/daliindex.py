@@ -1,0 +1,38 @@
+"""DALI webdataset index files (`.idx`): written beside each shard, read back to verify.
+
+Format v1.2, as DALI's `wds2idx` writes it: a first line `v1.2 <num_samples>`, then one line
+per sample holding, for each member, `<ext> <data offset> <size> <member name>`. With it,
+`fn.readers.webdataset` starts without scanning the tar.
+"""
+
+from __future__ import annotations
+
+VERSION = "v1.2"
+Entry = tuple[str, int, int, str]  # ext, offset of the member's data, size, member name
+
+
+def format_index(samples: list[list[Entry]]) -> str:
+    lines = [f"{VERSION} {len(samples)}"]
+    for members in samples:
+        lines.append(" ".join(f"{ext} {off} {size} {name}" for ext, off, size, name in members))
+    return "\n".join(lines) + "\n"
+
+
+def parse_index(text: str) -> list[list[Entry]]:
+    """Parse an index written by `format_index`; ValueError says what is malformed."""
+    lines = text.splitlines()
+    if not lines or not lines[0].startswith(VERSION + " "):
+        raise ValueError(f"index does not start with '{VERSION} <count>'")
+    count = int(lines[0].split()[1])
+    samples = [_parse_line(line) for line in lines[1:] if line.strip()]
+    if len(samples) != count:
+        raise ValueError(f"index declares {count} samples but lists {len(samples)}")
+    return samples
+
+
+def _parse_line(line: str) -> list[Entry]:
+    fields = line.split()
+    if len(fields) % 4:
+        raise ValueError(f"index line has {len(fields)} fields, not a multiple of 4: {line!r}")
+    return [(fields[i], int(fields[i + 1]), int(fields[i + 2]), fields[i + 3])
+            for i in range(0, len(fields), 4)]

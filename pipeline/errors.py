@@ -1,0 +1,90 @@
+"""Data errors and the skip log: how bad input is reported under `raise` and `skip`.
+
+A data error is a problem with the input (a truncated JPEG, a missing label), never a bug in
+our code: TypeError, AttributeError and ImportError are never turned into one. Under
+`on_error="raise"` the first data error stops the job with the source and key; under
+`on_error="skip"` it is counted by reason and named in the log, so `read + skipped == total`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pipeline.urls import redact
+
+log = logging.getLogger(__name__)
+
+OnError = Literal["raise", "skip"]
+ON_ERROR_CHOICES = ("raise", "skip")
+
+
+class DataError(Exception):
+    """Bad input: `reason` is a short code ("truncated", "bad-utf8"...), `source` the file or
+    shard URL (credentials redacted) and `key` the sample key when there is one."""
+
+    def __init__(self, reason: str, message: str, *, source: str = "", key: str = "") -> None:
+        self.reason = reason
+        self.detail = message
+        self.source = redact(source)
+        self.key = key
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        where = self.source + (f" key {self.key!r}" if self.key else "")
+        text = f"{self.detail} [{self.reason}]"
+        return f"{where}: {text}" if where else text
+
+    def __reduce__(self) -> tuple[object, tuple[str, str, str, str]]:
+        # Worker processes send DataErrors to the parent: keep every field across pickling.
+        return _rebuild, (self.reason, self.detail, self.source, self.key)
+
+    def located(self, *, source: str = "", key: str = "") -> DataError:
+        """The same error with the source/key filled in where they were unknown."""
+        return DataError(
+            self.reason, self.detail, source=self.source or source, key=self.key or key
+        )
+
+
+def _rebuild(reason: str, detail: str, source: str, key: str) -> DataError:
+    return DataError(reason, detail, source=source, key=key)
+
+
+def check_on_error(value: str) -> OnError:
+    if value not in ON_ERROR_CHOICES:
+        raise ValueError(f"on_error={value!r}: choose 'raise' (stop at the first bad sample) or "
+                         "'skip' (count, name and drop bad samples)")
+    return value  # type: ignore[return-value]
+
+
+@dataclass
+class SkipLog:
+    """Every skipped input, by reason. Kept whole: a run must be able to name all it dropped."""
+
+    entries: list[dict[str, str]] = field(default_factory=list)
+    announce: bool = True  # log each entry as it comes (off where the caller prints a report)
+
+    def add(self, err: DataError) -> None:
+        self.entries.append({"source": err.source, "key": err.key, "reason": err.reason,
+                             "detail": err.detail})
+        if self.announce:
+            log.warning("skipped %s", err)
+
+    def extend(self, entries: list[dict[str, str]]) -> None:
+        self.entries.extend(entries)
+
+    def counts(self) -> dict[str, int]:
+        return dict(sorted(Counter(e["reason"] for e in self.entries).items()))
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def handle(err: DataError, policy: OnError, skips: SkipLog) -> None:
+    """Apply the policy to one data error: re-raise it, or record it as a skip."""
+    if policy == "raise":
+        raise err
+    skips.add(err)
+

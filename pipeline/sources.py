@@ -1,0 +1,269 @@
+"""Source kinds for make_shards: what to convert, as a sorted list of tasks with stable keys.
+
+A task names one input file (or, for the `shards` kind, one sample already read from a tar).
+`build_samples(task, ...)` runs in a worker process and turns it into samples (dicts keyed by
+extension) or DataErrors; it reads only the file it names and executes nothing from it.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import fsspec
+
+from pipeline import checks
+from pipeline.errors import DataError
+
+Sample = dict[str, object]
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+SOURCE_KINDS = ("imagefolder", "manifest", "text", "pointcloud", "shards")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One input file to convert; `mode` says how (image, text, lines, jsonl, points)."""
+
+    key: str
+    path: str
+    mode: str
+    label: int | None = None
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    split_lines: bool = False
+    text_field: str = "text"
+
+
+@dataclass
+class Plan:
+    """What a source holds: tasks in a fixed order, the class map, the files passed over."""
+
+    modality: str
+    tasks: list[Task]
+    classes: dict[str, int] | None = None
+    ignored: list[dict[str, str]] = field(default_factory=list)
+
+
+def make_keys(relpaths: list[str]) -> list[str]:
+    """Stable keys from relative paths: no dots or separators; clashes get a path hash."""
+    keys = [_UNSAFE.sub("_", _strip_ext(p)).strip("_") or "sample" for p in relpaths]
+    counts: dict[str, int] = {}
+    for k in keys:
+        counts[k] = counts.get(k, 0) + 1
+    return [k if counts[k] == 1 else f"{k}-{hashlib.sha1(p.encode()).hexdigest()[:10]}"
+            for k, p in zip(keys, relpaths, strict=True)]
+
+
+def _strip_ext(relpath: str) -> str:
+    head, _, base = relpath.rpartition("/")
+    stem = base.rsplit(".", 1)[0] if "." in base.lstrip(".") else base
+    return f"{head}/{stem}" if head else stem
+
+
+def _ext(path: str) -> str:
+    return path.rsplit(".", 1)[-1].lower() if "." in Path(path).name else ""
+
+
+def _walk(root: Path) -> list[str]:
+    """Relative POSIX paths of every regular file under root, sorted; links are not followed."""
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
+                  if p.is_file() and not p.is_symlink())
+
+
+def _class_folder_plan(src: Path, exts: tuple[str, ...], mode: str, modality: str) -> Plan:
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src}: not a folder (expected one subfolder per class)")
+    classes = {d.name: i for i, d in enumerate(sorted(p for p in src.iterdir() if p.is_dir()))}
+    if not classes:
+        raise ValueError(f"{src}: no class subfolders; expected SRC/<class>/<file>")
+    rels, ignored = [], []
+    for rel in _walk(src):
+        top = rel.split("/", 1)[0]
+        if top in classes and "/" in rel and _ext(rel) in exts:
+            rels.append(rel)
+        else:
+            ignored.append({"source": str(src / rel), "reason": "not-a-class-" + modality})
+    tasks = [Task(k, str(src / r), mode, classes[r.split("/", 1)[0]])
+             for k, r in zip(make_keys(rels), rels, strict=True)]
+    return Plan(modality, tasks, classes, ignored)
+
+
+def plan_imagefolder(src: Path) -> Plan:
+    return _class_folder_plan(src, checks.IMAGE_EXTS, "image", "image")
+
+
+def plan_pointcloud(src: Path) -> Plan:
+    return _class_folder_plan(src, checks.POINTCLOUD_EXTS, "points", "pointcloud")
+
+
+def plan_text(src: Path, opts: TextOptions) -> Plan:
+    root = src if src.is_dir() else src.parent
+    rels = _walk(src) if src.is_dir() else [src.name]
+    ignored = [{"source": str(root / r), "reason": "not-a-text-file"}
+               for r in rels if _ext(r) not in ("txt", "jsonl")]
+    rels = [r for r in rels if _ext(r) in ("txt", "jsonl")]
+    if not rels:
+        raise ValueError(f"{src}: no .txt or .jsonl files to convert")
+    keys = make_keys(rels)
+    tasks = [Task(k, str(root / r), _text_mode(r, opts)) for k, r in zip(keys, rels, strict=True)]
+    return Plan("text", tasks, None, ignored)
+
+
+def _text_mode(rel: str, opts: TextOptions) -> str:
+    if _ext(rel) == "jsonl":
+        return "jsonl"
+    return "lines" if opts.split_lines else "text"
+
+
+def plan_manifest(src: Path, path_column: str, label_column: str) -> Plan:
+    rows = _read_rows(src)
+    if not rows:
+        raise ValueError(f"{src}: the manifest lists no files")
+    if path_column not in rows[0]:
+        raise ValueError(f"{src}: no column {path_column!r} (columns: {sorted(rows[0])}); "
+                         "pass --path-column")
+    modality = _manifest_modality(src, [r[path_column] for r in rows])
+    labels = [r.get(label_column) for r in rows] if label_column in rows[0] else None
+    classes, indices = _label_indices(src, labels)
+    rels = [str(r[path_column]) for r in rows]
+    paths = [p if "://" in p else str(src.parent / p) for p in rels]
+    mode = "image" if modality == "image" else "points"
+    tasks = [Task(k, p, mode, indices[i] if indices else None)
+             for i, (k, p) in enumerate(zip(make_keys(rels), paths, strict=True))]
+    return Plan(modality, tasks, classes, [])
+
+
+def _read_rows(src: Path) -> list[dict[str, str]]:
+    text = src.read_text(encoding="utf-8")
+    if src.suffix.lower() == ".jsonl":
+        rows = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{src}: line {n} is not JSON ({exc})") from None
+        return rows
+    return list(csv.DictReader(io.StringIO(text)))
+
+
+def _manifest_modality(src: Path, paths: list[str]) -> str:
+    kinds = {"image" if _ext(p) in checks.IMAGE_EXTS else
+             "pointcloud" if _ext(p) in checks.POINTCLOUD_EXTS else "other" for p in paths}
+    if len(kinds) != 1 or "other" in kinds:
+        raise ValueError(f"{src}: every path must be an image ({', '.join(checks.IMAGE_EXTS)})"
+                         f" or every path a point cloud ({', '.join(checks.POINTCLOUD_EXTS)})")
+    return kinds.pop()
+
+
+def _label_indices(src: Path, labels: Sequence[object] | None
+                   ) -> tuple[dict[str, int] | None, list[int] | None]:
+    """Integer labels are kept; names are mapped to sorted indices (stored as `classes`)."""
+    if labels is None:
+        return None, None
+    missing = [i for i, lab in enumerate(labels) if lab is None or str(lab).strip() == ""]
+    if missing:
+        raise ValueError(f"{src}: row {missing[0] + 1} has no label ({len(missing)} rows in "
+                         "all); fill them in or drop the label column")
+    names = [str(lab).strip() for lab in labels]
+    if all(re.fullmatch(r"\d+", n) for n in names):
+        return None, [int(n) for n in names]
+    classes = {n: i for i, n in enumerate(sorted(set(names)))}
+    return classes, [classes[n] for n in names]
+
+
+def list_shards(src: str) -> list[str]:
+    """Shard URLs from a folder, a glob, a brace pattern, or a comma-free single URL."""
+    from pipeline.urls import check_scheme, expand_braces
+
+    check_scheme(src)
+    local = Path(src)
+    if "://" not in src and local.is_dir():
+        return [str(p) for p in sorted(local.glob("*.tar")) + sorted(local.glob("*.tar.gz"))]
+    urls = []
+    for url in expand_braces(src):
+        urls.extend(_glob(url) if any(c in url for c in "*?[") else [url])
+    return urls
+
+
+def _glob(url: str) -> list[str]:
+    fs, path = fsspec.core.url_to_fs(url)
+    found = sorted(fs.glob(path))
+    return [fs.unstrip_protocol(p) if "://" in url else p for p in found]
+
+
+# -- the worker side: one task -> samples --------------------------------------------------
+
+def build_samples(task: Task, limits: checks.CheckLimits, text: TextOptions,
+                  max_file_bytes: int) -> list[Sample | DataError]:
+    """Read and check one task's file; data errors are returned, not raised, per sample."""
+    try:
+        data = _read_file(task.path, max_file_bytes)
+        if task.mode in ("lines", "jsonl"):
+            return list(_text_samples(task, data, limits, text))
+        return [_one_sample(task, data, limits)]
+    except DataError as err:
+        return [err.located(source=task.path, key=task.key)]
+
+
+def _read_file(path: str, max_bytes: int) -> bytes:
+    """The whole file, refusing more than max_bytes without reading past the limit."""
+    try:
+        with fsspec.open(path, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except FileNotFoundError:
+        raise DataError("missing-file", "the file does not exist") from None
+    except IsADirectoryError:
+        raise DataError("missing-file", "the path is a folder, not a file") from None
+    if len(data) > max_bytes:
+        raise DataError("file-too-large", f"more than max_file_bytes={max_bytes} bytes")
+    return data
+
+
+def _one_sample(task: Task, data: bytes, limits: checks.CheckLimits) -> Sample:
+    sample: Sample = {"__key__": task.key}
+    if task.mode == "image":
+        fmt = checks.check_image(data, limits)
+        ext = checks.KEEP_FORMATS.get(fmt)
+        sample[ext or "png"] = data if ext else checks.reencode_png(data)
+    elif task.mode == "points":
+        sample["npy"] = checks.check_points(data, _ext(task.path), limits)
+    else:
+        checks.check_text(data, limits)
+        sample["txt"] = data
+    if task.label is not None:
+        sample["cls"] = str(task.label).encode()
+    return sample
+
+
+def _text_samples(task: Task, data: bytes, limits: checks.CheckLimits,
+                  opts: TextOptions) -> Iterator[Sample | DataError]:
+    for n, line in enumerate(data.split(b"\n"), 1):
+        if not line.strip():
+            continue  # blank lines separate documents; they are not inputs
+        key = f"{task.key}-{n:07d}"
+        try:
+            body = _jsonl_text(line, opts.text_field) if task.mode == "jsonl" else line
+            checks.check_text(body, limits)
+            yield {"__key__": key, "txt": body}
+        except DataError as err:
+            yield err.located(source=f"{task.path}:{n}", key=key)
+
+
+def _jsonl_text(line: bytes, field_name: str) -> bytes:
+    try:
+        obj = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError("bad-json", f"line is not JSON ({exc})") from None
+    value = obj.get(field_name) if isinstance(obj, dict) else None
+    if not isinstance(value, str):
+        raise DataError("missing-field", f"no string field {field_name!r}; pass --text-field")
+    return value.encode("utf-8")

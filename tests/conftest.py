@@ -1,0 +1,101 @@
+"""Shared helpers: tiny real datasets written to temp dirs, the tools run as subprocesses,
+and shards read back with webdataset and with DALI's own reader in CPU mode."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def gpu_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if gpu_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (no GPU on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def jpeg_bytes(seed: int, size: tuple[int, int] = (48, 40), mode: str = "RGB",
+               fmt: str = "JPEG") -> bytes:
+    """A small noisy image in any PIL mode and format (noise: decoding must do real work)."""
+    rng = np.random.default_rng(seed)
+    w, h = size
+    img = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).convert(mode)
+    out = io.BytesIO()
+    img.save(out, format=fmt, **({"quality": 85} if fmt == "JPEG" else {}))
+    return out.getvalue()
+
+
+def make_image_folder(root: Path, classes: int = 3, per_class: int = 5) -> Path:
+    for c in range(classes):
+        folder = root / f"class{c}"
+        folder.mkdir(parents=True)
+        for i in range(per_class):
+            (folder / f"img{i:03d}.jpg").write_bytes(jpeg_bytes(c * 1000 + i))
+    return root
+
+
+def run_tool(name: str, *args: object, check: bool = False) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, str(ROOT / "tools" / f"{name}.py"), *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def load_manifest(out: Path) -> dict:
+    return json.loads((out / "manifest.json").read_text())
+
+
+def shard_paths(out: Path) -> list[Path]:
+    return [out / s["name"] for s in load_manifest(out)["shards"]]
+
+
+def read_wds(out: Path) -> list[dict]:
+    """Every sample, in shard order, read with the webdataset library."""
+    import webdataset as wds
+
+    urls = [str(p) for p in shard_paths(out)]
+    return list(wds.WebDataset(urls, shardshuffle=False, empty_check=False))
+
+
+def read_dali(out: Path, exts: list[str]) -> list[list[bytes]]:
+    """Every sample's members (as bytes, in `exts` order) read by DALI's webdataset reader on
+    the CPU, using the .idx files beside the shards."""
+    from nvidia.dali import fn, pipeline_def
+
+    tars = [str(p) for p in shard_paths(out)]
+    total = load_manifest(out)["total_samples"]
+
+    @pipeline_def(batch_size=1, num_threads=1, device_id=None)
+    def pipe():  # type: ignore[no-untyped-def]
+        outs = fn.readers.webdataset(
+            paths=tars, index_paths=[t[:-4] + ".idx" for t in tars], ext=exts,
+            missing_component_behavior="error", random_shuffle=False, name="reader")
+        return tuple(outs) if len(exts) > 1 else (outs,)
+
+    p = pipe()
+    p.build()
+    samples = []
+    for _ in range(total):
+        outs = p.run()
+        samples.append([np.array(o[0]).tobytes() for o in outs])
+    return samples

@@ -1,0 +1,239 @@
+"""make_shards round trips for every source kind, read back with webdataset and with DALI."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+from conftest import (
+    jpeg_bytes,
+    load_manifest,
+    make_image_folder,
+    read_dali,
+    read_wds,
+    run_tool,
+    shard_paths,
+)
+
+from pipeline.builtin import make_pointcloud_folder, make_text_corpus
+
+
+def test_imagefolder_round_trip_bytes_labels_and_dali(tmp_path):
+    src = make_image_folder(tmp_path / "src", classes=3, per_class=5)
+    (src / "class1" / "extra.png").write_bytes(jpeg_bytes(7, fmt="PNG"))
+    out = tmp_path / "out"
+    run_tool("make_shards", "imagefolder", src, out, "--max-count", 4, "--workers", 2,
+             check=True)
+    m = load_manifest(out)
+    assert m["classes"] == {"class0": 0, "class1": 1, "class2": 2}
+    assert m["total_samples"] == 16 and m["modality"] == "image"
+    assert [s["samples"] for s in m["shards"]] == [4, 4, 4, 4]
+    assert all((out / s["name"].replace(".tar", ".idx")).exists() for s in m["shards"])
+    originals = {p.relative_to(src).as_posix(): p.read_bytes() for p in src.rglob("*.*")}
+    by_key = {s["__key__"]: s for s in read_wds(out)}
+    assert by_key["class1_extra"]["png"] == originals["class1/extra.png"]
+    for rel, data in originals.items():
+        sample = by_key[rel.rsplit(".", 1)[0].replace("/", "_")]
+        assert sample.get("jpg", sample.get("png")) == data  # original bytes, no re-encoding
+        assert int(sample["cls"]) == int(rel[5])
+    dali = read_dali(out, ["jpg;png", "cls"])
+    wds_order = read_wds(out)
+    assert [d[0] for d in dali] == [s.get("jpg", s.get("png")) for s in wds_order]
+    assert [int(d[1]) for d in dali] == [int(s["cls"]) for s in wds_order]
+
+
+def test_dali_really_uses_the_index_files(tmp_path):
+    """Swap two entries in an index: DALI then returns the samples swapped, so it read the
+    index rather than scanning the tar."""
+    src = make_image_folder(tmp_path / "src", classes=1, per_class=3)
+    out = tmp_path / "out"
+    run_tool("make_shards", "imagefolder", src, out, check=True)
+    before = read_dali(out, ["jpg", "cls"])
+    idx = out / "train-000000.idx"
+    lines = idx.read_text().splitlines()
+    lines[1], lines[2] = lines[2], lines[1]
+    idx.write_text("\n".join(lines) + "\n")
+    after = read_dali(out, ["jpg", "cls"])
+    assert [a[0] for a in after] == [before[1][0], before[0][0], before[2][0]]
+
+
+def test_manifest_csv_and_jsonl_with_names_ints_and_no_labels(tmp_path):
+    img = tmp_path / "imgs"
+    img.mkdir()
+    for i in range(4):
+        (img / f"p{i}.jpg").write_bytes(jpeg_bytes(i))
+    (tmp_path / "named.csv").write_text(
+        "path,label\n" + "".join(f"imgs/p{i}.jpg,{'dog' if i % 2 else 'cat'}\n" for i in range(4)))
+    (tmp_path / "ints.jsonl").write_text(
+        "".join(json.dumps({"file": f"imgs/p{i}.jpg", "y": i + 5}) + "\n" for i in range(4)))
+    (tmp_path / "plain.csv").write_text("path\n" + "".join(f"imgs/p{i}.jpg\n" for i in range(4)))
+    run_tool("make_shards", "manifest", tmp_path / "named.csv", tmp_path / "o1", check=True)
+    run_tool("make_shards", "manifest", tmp_path / "ints.jsonl", tmp_path / "o2",
+             "--path-column", "file", "--label-column", "y", check=True)
+    run_tool("make_shards", "manifest", tmp_path / "plain.csv", tmp_path / "o3", check=True)
+    assert load_manifest(tmp_path / "o1")["classes"] == {"cat": 0, "dog": 1}
+    assert [int(s["cls"]) for s in read_wds(tmp_path / "o1")] == [0, 1, 0, 1]
+    assert [int(s["cls"]) for s in read_wds(tmp_path / "o2")] == [5, 6, 7, 8]
+    plain = read_wds(tmp_path / "o3")
+    assert [sorted(k for k in s if not k.startswith("__")) for s in plain] == [["jpg"]] * 4
+    assert plain[2]["jpg"] == (img / "p2.jpg").read_bytes()
+
+
+def test_text_documents_lines_and_jsonl(tmp_path):
+    corpus = make_text_corpus(tmp_path / "corpus", docs=6)
+    run_tool("make_shards", "text", corpus, tmp_path / "docs", check=True)
+    docs = read_wds(tmp_path / "docs")
+    assert [s["txt"] for s in docs] == [p.read_bytes() for p in sorted(corpus.glob("*.txt"))]
+    lines = tmp_path / "lines.txt"
+    lines.write_text("first doc\n\nsecond, naïve café\nthird\n", encoding="utf-8")
+    run_tool("make_shards", "text", lines, tmp_path / "lines", "--split-lines", check=True)
+    assert [s["txt"].decode() for s in read_wds(tmp_path / "lines")] == [
+        "first doc", "second, naïve café", "third"]
+    jl = tmp_path / "j.jsonl"
+    jl.write_text('{"body": "alpha"}\n{"body": "beta"}\n')
+    run_tool("make_shards", "text", jl, tmp_path / "jl", "--text-field", "body", check=True)
+    assert [s["txt"] for s in read_wds(tmp_path / "jl")] == [b"alpha", b"beta"]
+    assert [d[0] for d in read_dali(tmp_path / "jl", ["txt"])] == [b"alpha", b"beta"]
+
+
+def _ply_ascii(points: np.ndarray) -> bytes:
+    head = (f"ply\nformat ascii 1.0\nelement vertex {len(points)}\nproperty float x\n"
+            "property float y\nproperty float z\nend_header\n")
+    return (head + "".join(" ".join(f"{v:.6f}" for v in p) + "\n" for p in points)).encode()
+
+
+def _off(points: np.ndarray) -> bytes:
+    body = "".join(" ".join(f"{v:.6f}" for v in p) + "\n" for p in points)
+    return f"OFF\n{len(points)} 0 0\n{body}".encode()
+
+
+def test_pointcloud_formats_become_float32_npy(tmp_path):
+    src = make_pointcloud_folder(tmp_path / "src", per_class=2, points=64)
+    rng = np.random.default_rng(0)
+    pts = rng.normal(size=(50, 3)).astype(np.float32)
+    (src / "sphere" / "extra_ply.ply").write_bytes(_ply_ascii(pts))
+    (src / "cube" / "extra_off.off").write_bytes(_off(pts))
+    out = tmp_path / "out"
+    run_tool("make_shards", "pointcloud", src, out, check=True)
+    m = load_manifest(out)
+    assert m["modality"] == "pointcloud" and len(m["classes"]) == 6
+    samples = {s["__key__"]: s for s in read_wds(out)}
+    assert len(samples) == 6 * 2 + 2
+    for key, sample in samples.items():
+        arr = np.load(io.BytesIO(sample["npy"]), allow_pickle=False)
+        assert arr.dtype == np.float32 and arr.ndim == 2 and arr.shape[1] == 3
+        assert m["classes"][key.split("_")[0]] == int(sample["cls"])
+    np.testing.assert_allclose(np.load(io.BytesIO(samples["sphere_extra_ply"]["npy"])), pts,
+                               atol=1e-5)
+    np.testing.assert_allclose(np.load(io.BytesIO(samples["cube_extra_off"]["npy"])), pts,
+                               atol=1e-5)
+
+
+def test_reshard_existing_shards_to_new_limits(tmp_path):
+    src = make_image_folder(tmp_path / "src", classes=2, per_class=6)
+    run_tool("make_shards", "imagefolder", src, tmp_path / "a", "--max-count", 5, check=True)
+    pattern = str(tmp_path / "a" / "train-{000000..000002}.tar")
+    run_tool("make_shards", "shards", pattern, tmp_path / "b", "--max-count", 4,
+             "--prefix", "re", check=True)
+    m = load_manifest(tmp_path / "b")
+    assert [s["name"] for s in m["shards"]] == ["re-000000.tar", "re-000001.tar", "re-000002.tar"]
+    assert m["modality"] == "image" and m["total_samples"] == 12
+
+    def content(name: str) -> list[dict]:
+        return [{k: v for k, v in s.items() if k == "__key__" or not k.startswith("__")}
+                for s in read_wds(tmp_path / name)]
+
+    assert content("a") == content("b")
+
+
+def test_same_input_gives_byte_identical_shards(tmp_path):
+    src = make_image_folder(tmp_path / "src", classes=2, per_class=5)
+    for name, workers in (("x", 1), ("y", 2)):
+        run_tool("make_shards", "imagefolder", src, tmp_path / name, "--max-count", 3,
+                 "--workers", workers, check=True)
+    for a, b in zip(shard_paths(tmp_path / "x"), shard_paths(tmp_path / "y"), strict=True):
+        assert a.read_bytes() == b.read_bytes()
+        assert a.with_suffix(".idx").read_bytes() == b.with_suffix(".idx").read_bytes()
+
+
+def test_shuffle_seed_spreads_samples_reproducibly(tmp_path):
+    src = make_image_folder(tmp_path / "src", classes=2, per_class=10)
+
+    def keys(name: str, *extra: object) -> list[str]:
+        run_tool("make_shards", "imagefolder", src, tmp_path / name, "--max-count", 5, *extra,
+                 check=True)
+        return [s["__key__"] for s in read_wds(tmp_path / name)]
+
+    plain, s1, s1b, s2 = keys("p"), keys("s1", "--shuffle-seed", 1), keys(
+        "s1b", "--shuffle-seed", 1), keys("s2", "--shuffle-seed", 2)
+    assert plain == sorted(plain) and s1 == s1b and s1 != plain and s1 != s2
+    assert sorted(s1) == sorted(plain)
+    first_shard_labels = {k.split("_")[0] for k in s1[:5]}
+    assert len(first_shard_labels) == 2  # both classes mixed into the first shard
+
+
+def test_size_limit_is_respected(tmp_path):
+    src = make_image_folder(tmp_path / "src", classes=2, per_class=10)
+    run_tool("make_shards", "imagefolder", src, tmp_path / "o", "--max-size", "20KB",
+             check=True)
+    sizes = [p.stat().st_size for p in shard_paths(tmp_path / "o")]
+    assert len(sizes) > 2 and max(sizes) <= 20_000
+    assert load_manifest(tmp_path / "o")["total_samples"] == 20
+
+
+def test_refuses_existing_shards_unless_overwrite(tmp_path):
+    src = make_image_folder(tmp_path / "src", classes=1, per_class=2)
+    run_tool("make_shards", "imagefolder", src, tmp_path / "o", check=True)
+    again = run_tool("make_shards", "imagefolder", src, tmp_path / "o")
+    assert again.returncode != 0 and "--overwrite" in again.stderr
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "data-000000.tar").write_bytes(b"x" * 1024)
+    refused = run_tool("make_shards", "imagefolder", src, other)
+    assert refused.returncode != 0 and "data-000000.tar" in refused.stderr
+    run_tool("make_shards", "imagefolder", src, other, "--overwrite", check=True)
+    assert not (other / "data-000000.tar").exists()
+    assert load_manifest(other)["total_samples"] == 2
+
+
+def test_parts_then_merge_equal_one_conversion(tmp_path):
+    src = make_image_folder(tmp_path / "src", classes=3, per_class=4)
+    out = tmp_path / "parts"
+    for i in range(3):
+        run_tool("make_shards", "imagefolder", src, out, "--part", f"{i}/3", "--max-count", 3,
+                 check=True)
+    early = run_tool("make_shards", "merge", tmp_path / "src")
+    assert early.returncode != 0
+    run_tool("make_shards", "merge", out, check=True)
+    merged = load_manifest(out)
+    assert merged["total_samples"] == 12 and merged["classes"]["class2"] == 2
+    keys = [s["__key__"] for s in read_wds(out)]
+    assert sorted(keys) == sorted(set(keys)) and len(keys) == 12
+    assert all(s["name"].startswith("train-p00") for s in merged["shards"])
+    assert run_tool("verify_shards", out).returncode == 0
+
+
+def test_keys_are_safe_unique_and_stable(tmp_path):
+    src = tmp_path / "src" / "a.b c"
+    src.mkdir(parents=True)
+    for name in ("x.1.jpg", "x.1.png", "x_1.jpg", "ünï.jpg"):
+        fmt = "PNG" if name.endswith("png") else "JPEG"
+        (src / name).write_bytes(jpeg_bytes(len(name), fmt=fmt))
+    run_tool("make_shards", "imagefolder", tmp_path / "src", tmp_path / "o", check=True)
+    keys = [s["__key__"] for s in read_wds(tmp_path / "o")]
+    assert len(set(keys)) == 4
+    assert all("." not in k and "/" not in k and " " not in k for k in keys)
+    run_tool("make_shards", "imagefolder", tmp_path / "src", tmp_path / "o2", check=True)
+    assert keys == [s["__key__"] for s in read_wds(tmp_path / "o2")]
+
+
+@pytest.mark.parametrize("bad_args, option", [
+    (["--max-count", "0"], "--max-count"), (["--max-size", "lots"], "--max-size"),
+    (["--part", "3/3"], "--part"), (["--bogus"], "--bogus"), (["--on-error", "ignore"],
+                                                              "--on-error"),
+])
+def test_invalid_options_are_named(tmp_path, bad_args, option):
+    proc = run_tool("make_shards", "imagefolder", tmp_path, tmp_path / "o", *bad_args)
+    assert proc.returncode == 2 and option in proc.stderr

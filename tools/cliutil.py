@@ -1,0 +1,54 @@
+"""Helpers shared by the command-line tools: sizes, parts, logging, error exits."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.I)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6,
+          "G": 10**9, "T": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """`64MB` -> 64_000_000 (KB/MB/GB are powers of 1000, KiB/MiB/GiB powers of 1024)."""
+    match = _SIZE.match(text)
+    unit = (match.group(2) or "").upper() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 64MB, 1GiB, 500000")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be at least 1 byte")
+    return value
+
+
+def parse_part(text: str) -> tuple[int, int]:
+    """`2/8` -> (2, 8): this machine converts slice 2 (0-based) of 8."""
+    match = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if match is None or not 0 <= int(match.group(1)) < int(match.group(2)):
+        raise argparse.ArgumentTypeError(f"--part {text!r}: expected i/n with 0 <= i < n, "
+                                         "e.g. 0/4 for the first of four machines")
+    return int(match.group(1)), int(match.group(2))
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
+    return value
+
+
+def setup_logging(quiet: bool) -> None:
+    logging.basicConfig(level=logging.ERROR if quiet else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+
+
+def fail(message: str, code: int = 1) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(code)

@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Convert a dataset to WebDataset tar shards with DALI index files and a manifest.
+
+    python tools/make_shards.py imagefolder data/train shards/train --max-size 64MB
+    python tools/make_shards.py text corpus/ shards/text --split-lines
+    python tools/make_shards.py shards 'old/train-{000000..000099}.tar' shards/new
+    python tools/make_shards.py imagefolder SRC OUT --part 0/4   # one of four machines
+    python tools/make_shards.py merge OUT                       # after all parts
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cliutil import fail, parse_part, parse_size, positive_int, setup_logging  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from pipeline.checks import CheckLimits  # noqa: E402
+from pipeline.convert import ConvertConfig, convert  # noqa: E402
+from pipeline.errors import DataError  # noqa: E402
+from pipeline.manifest import Manifest, merge_parts  # noqa: E402
+from pipeline.sources import TextOptions  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="kind", required=True)
+    helps = {"imagefolder": "one subfolder per class of images (ImageNet layout)",
+             "manifest": "a CSV or JSONL file of path[,label]",
+             "text": ".txt files (one document each, or one per line) or JSONL",
+             "pointcloud": "one subfolder per class of .npy/.ply/.off/.xyz files",
+             "shards": "existing tar shards (folder, glob, brace pattern or URL)"}
+    for kind, text in helps.items():
+        p = sub.add_parser(kind, help=text)
+        p.add_argument("src", help="the source: " + text)
+        p.add_argument("out", type=Path, help="output folder for the shards")
+        _common_options(p)
+        _kind_options(p, kind)
+    merge = sub.add_parser("merge", help="combine the manifests of --part runs")
+    merge.add_argument("out", type=Path)
+    return parser
+
+
+def _common_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefix", default="train", help="shard names: PREFIX-000000.tar")
+    p.add_argument("--max-count", type=positive_int, default=10_000, help="samples per shard")
+    p.add_argument("--max-size", type=parse_size, default=parse_size("512MB"),
+                   help="bytes per shard, e.g. 64MB (default 512MB)")
+    p.add_argument("--shuffle-seed", type=int, default=None,
+                   help="spread samples randomly (but reproducibly) across shards")
+    p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1)
+    p.add_argument("--part", type=parse_part, default=(0, 1), metavar="I/N",
+                   help="convert only slice I (0-based) of N; merge the parts afterwards")
+    p.add_argument("--on-error", choices=("raise", "skip"), default="raise",
+                   help="raise: stop at the first bad input; skip: record it and go on")
+    p.add_argument("--overwrite", action="store_true", help="replace shards already in OUT")
+    p.add_argument("--max-pixels", type=positive_int, default=CheckLimits.max_pixels)
+    p.add_argument("--max-text-bytes", type=parse_size, default=CheckLimits.max_text_bytes)
+    p.add_argument("--max-points", type=positive_int, default=CheckLimits.max_points)
+    p.add_argument("--max-file-size", type=parse_size, default=parse_size("1GiB"))
+    p.add_argument("--quiet", action="store_true", help="no progress bar or warnings")
+
+
+def _kind_options(p: argparse.ArgumentParser, kind: str) -> None:
+    if kind == "manifest":
+        p.add_argument("--path-column", default="path")
+        p.add_argument("--label-column", default="label")
+    if kind == "text":
+        p.add_argument("--split-lines", action="store_true", help="one document per line")
+        p.add_argument("--text-field", default="text", help="JSONL field holding the text")
+    if kind == "shards":
+        p.add_argument("--max-member-size", type=parse_size, default=parse_size("256MiB"))
+
+
+def config_from_args(args: argparse.Namespace) -> ConvertConfig:
+    return ConvertConfig(
+        kind=args.kind, src=args.src, out=args.out, prefix=args.prefix,
+        max_count=args.max_count, max_size=args.max_size, shuffle_seed=args.shuffle_seed,
+        part=args.part, on_error=args.on_error,
+        limits=CheckLimits(args.max_pixels, args.max_text_bytes, args.max_points),
+        text=TextOptions(getattr(args, "split_lines", False), getattr(args, "text_field", "text")),
+        path_column=getattr(args, "path_column", "path"),
+        label_column=getattr(args, "label_column", "label"),
+        max_file_bytes=args.max_file_size,
+        max_member_bytes=getattr(args, "max_member_size", 256 * 2**20),
+        workers=args.workers, overwrite=args.overwrite)
+
+
+def print_summary(m: Manifest, out: Path, seconds: float) -> None:
+    size = sum(s.bytes for s in m.shards)
+    print(f"{out}: {len(m.shards)} shards, {m.total_samples} samples, {size / 1e6:.1f} MB "
+          f"in {seconds:.1f} s ({size / 1e6 / max(seconds, 1e-9):.1f} MB/s)")
+    if m.classes:
+        print(f"classes: {len(m.classes)}")
+    counts = m.to_json()["skipped_counts"]
+    if counts:
+        print(f"skipped {len(m.skipped)} inputs: " + ", ".join(
+            f"{reason}={n}" for reason, n in counts.items()))  # type: ignore[attr-defined]
+        print("every skipped input is listed under 'skipped' in manifest.json")
+    if m.ignored:
+        print(f"passed over {len(m.ignored)} files that are not inputs of this kind "
+              "(listed under 'ignored' in manifest.json)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.kind == "merge":
+        m = merge_parts(args.out)
+        print(f"merged: {len(m.shards)} shards, {m.total_samples} samples -> manifest.json")
+        return 0
+    setup_logging(args.quiet)
+    cfg = config_from_args(args)
+    start = time.perf_counter()
+    with tqdm(unit="sample", disable=args.quiet, dynamic_ncols=True) as bar:
+        def progress(samples: int, nbytes: int) -> None:
+            bar.update(samples - bar.n)
+            bar.set_postfix_str(f"{nbytes / 1e6 / max(bar.format_dict['elapsed'], 1e-3):.1f} MB/s",
+                                refresh=False)
+        manifest = convert(cfg, progress)
+    print_summary(manifest, args.out, time.perf_counter() - start)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except DataError as err:
+        fail(f"{err}\n(rerun with --on-error skip to record bad inputs and convert the rest)")
+    except (FileExistsError, FileNotFoundError, ValueError) as err:
+        fail(str(err), 2)
+    except OSError as err:
+        fail(f"{err}; nothing partial was left under a final name: free space or fix the "
+             "cause and rerun the same command to finish", 3)
