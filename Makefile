@@ -30,7 +30,7 @@ demo: $(STAMP)
 	$(PY) tools/demo.py --out demo-out
 
 bench: $(STAMP)
-	$(PY) tools/bench_shards.py --out bench-out
+	$(PY) tools/bench_convert.py --out bench-out
 
 clean:
 	rm -rf demo-out bench-out .pytest_cache

@@ -42,7 +42,7 @@ from pipeline.urls import redact
 log = logging.getLogger(__name__)
 
 JOURNAL = ".make_shards.journal.json"
-Progress = Callable[[int, int], None]  # (samples written so far, bytes written so far)
+Progress = Callable[[int, int, "int | None"], None]  # samples, bytes so far; total if known
 SHUFFLE_BUFFER = 10_000  # samples held when shuffling a stream of existing shards
 
 
@@ -295,6 +295,7 @@ def convert(cfg: ConvertConfig, progress: Progress | None = None) -> Manifest:
     writer = ShardWriter(cfg.out, cfg.stem, max_count=cfg.max_count, max_size=cfg.max_size,
                          start_index=len(journal.shards))
     job = _Job(cfg, journal, writer, skips, progress)
+    job.total = _expected_samples(tasks)
     try:
         job.run(tasks, _Work(cfg.limits, cfg.text, cfg.max_file_bytes))
     except BaseException:
@@ -311,6 +312,7 @@ class _Job:
         self.cfg, self.journal, self.writer, self.progress = cfg, journal, writer, progress
         self.skips = skips
         self.skips.extend(journal.skipped)
+        self.total: int | None = None
         self.written = sum(int(s["samples"]) for s in journal.shards)  # type: ignore[call-overload]
         self.bytes = sum(int(s["bytes"]) for s in journal.shards)  # type: ignore[call-overload]
 
@@ -333,7 +335,7 @@ class _Job:
         self.writer.write(item)
         self.written += 1
         if self.progress:
-            self.progress(self.written, self.bytes + self.writer.open_bytes)
+            self.progress(self.written, self.bytes + self.writer.open_bytes, self.total)
 
     def _finish_shard(self, position: tuple[int, int]) -> None:
         info = self.writer.finish()
@@ -356,6 +358,15 @@ class _Job:
         manifest.save(self.cfg.out / self.cfg.manifest_name)
         (self.cfg.out / JOURNAL).unlink(missing_ok=True)
         return manifest
+
+
+def _expected_samples(tasks: Iterable[object]) -> int | None:
+    """Samples to expect when every task is one file holding one sample (for an ETA)."""
+    if not isinstance(tasks, list):
+        return None
+    if all(isinstance(t, Task) and t.mode in ("image", "points", "text") for t in tasks):
+        return len(tasks)
+    return None
 
 
 def _skip(tasks: Iterable[Task | dict[str, object] | DataError], n: int

@@ -21,7 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cliutil import fail, setup_logging  # noqa: E402
 
 from pipeline.builtin import (  # noqa: E402
-    make_image_folder, make_photo_corpus, make_pointcloud_folder, make_text_corpus,
+    make_image_folder,
+    make_photo_corpus,
+    make_pointcloud_folder,
+    make_text_corpus,
 )
 from pipeline.convert import ConvertConfig, convert  # noqa: E402
 from pipeline.sources import TextOptions  # noqa: E402

@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(args)
     start = time.perf_counter()
     with tqdm(unit="sample", disable=args.quiet, dynamic_ncols=True) as bar:
-        def progress(samples: int, nbytes: int) -> None:
+        def progress(samples: int, nbytes: int, total: int | None) -> None:
+            bar.total = total
             bar.update(samples - bar.n)
             bar.set_postfix_str(f"{nbytes / 1e6 / max(bar.format_dict['elapsed'], 1e-3):.1f} MB/s",
                                 refresh=False)

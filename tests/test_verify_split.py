@@ -1,0 +1,47 @@
+"""verify_shards on good shards, its rank/worker view, and the split rule it shows."""
+
+from __future__ import annotations
+
+from conftest import make_image_folder, run_tool
+
+from pipeline.bench import Timings, alternate
+from pipeline.split import assignment, rank_slice, worker_slice
+
+
+def test_split_is_disjoint_and_covers_everything():
+    items = list(range(11))
+    plan = assignment(items, world_size=3, num_workers=2)
+    got = sorted(i for part in plan.values() for i in part)
+    assert got == items and len(plan) == 6
+    assert rank_slice(items, 1, 3) == [1, 4, 7, 10]
+    assert worker_slice(rank_slice(items, 1, 3), 1, 2) == [4, 10]
+
+
+def test_verify_table_and_empty_rank_warning(tmp_path):
+    src = make_image_folder(tmp_path / "src", classes=2, per_class=3)
+    run_tool("make_shards", "imagefolder", src, tmp_path / "o", "--max-count", 2, check=True)
+    ok = run_tool("verify_shards", tmp_path / "o", "--world-size", 3, check=True)
+    assert "train-000002.tar" in ok.stdout and "6 samples (manifest: 6)" in ok.stdout
+    assert "no problems" in ok.stdout and "warning" not in ok.stdout
+    crowded = run_tool("verify_shards", tmp_path / "o", "--world-size", 2, "--workers", 2)
+    assert crowded.returncode == 0  # a warning, not a data problem
+    assert "rank 1 worker 1: 0 shards, 0 samples" in crowded.stdout
+    assert "warning: 1 of 4 rank/worker slots get no samples" in crowded.stdout
+
+
+def test_verify_brace_pattern_without_manifest(tmp_path):
+    src = make_image_folder(tmp_path / "src", classes=1, per_class=4)
+    run_tool("make_shards", "imagefolder", src, tmp_path / "o", "--max-count", 2, check=True)
+    proc = run_tool("verify_shards", str(tmp_path / "o" / "train-{000000..000001}.tar"),
+                    check=True)
+    assert "(no manifest)" in proc.stdout and "4 samples" in proc.stdout
+
+
+def test_timings_medians_and_ratios():
+    t = Timings({"base": [2.0, 9.0, 4.0], "ours": [1.0, 1.0, 5.0]})
+    assert t.median("base") == 4.0 and t.ratio("ours", "base") == 4.0
+    assert t.rate("ours", work=10.0) == 10.0
+    order: list[str] = []
+    alternate({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, repeats=2,
+              warmup=1)
+    assert order == ["a", "b", "a", "b", "a", "b"]  # warm-ups, then A B A B
