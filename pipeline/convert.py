@@ -10,6 +10,7 @@ stopped; a finished job is marked by its manifest, written last.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -63,6 +64,7 @@ class ConvertConfig:
     text: TextOptions = field(default_factory=TextOptions)
     path_column: str = "path"
     label_column: str = "label"
+    classes: dict[str, int] | None = None  # reuse an earlier conversion's class map
     max_file_bytes: int = 1024 * 1024 * 1024
     max_member_bytes: int = 256 * 1024 * 1024
     workers: int = field(default=os.cpu_count() or 1, compare=False)
@@ -139,7 +141,7 @@ def prepare_out(cfg: ConvertConfig) -> Journal:
 
 def _resume(out: Path, cfg: ConvertConfig) -> Journal:
     journal = Journal.load(out)
-    if journal.args != cfg.job_args():
+    if not _same_job(journal, cfg):
         raise FileExistsError(f"{out} holds an unfinished conversion made with other arguments;"
                               " rerun that command to finish it, or pass --overwrite")
     for name in _owned(out, cfg):
@@ -148,6 +150,16 @@ def _resume(out: Path, cfg: ConvertConfig) -> Journal:
             name.unlink()  # renamed after the journal's last save: it will be written again
     log.info("resuming %s after %d finished shards", out, len(journal.shards))
     return journal
+
+
+def _same_job(journal: Journal, cfg: ConvertConfig) -> bool:
+    """Same arguments; the error policy may differ while nothing was skipped yet, since the
+    finished shards are then the same under either policy (raise, then rerun with skip)."""
+    mine, theirs = cfg.job_args(), dict(journal.args)
+    if not journal.skipped:
+        mine.pop("on_error")
+        theirs.pop("on_error", None)
+    return mine == theirs
 
 
 def _owned(out: Path, cfg: ConvertConfig) -> list[Path]:
@@ -175,13 +187,13 @@ def _clean(out: Path, cfg: ConvertConfig) -> None:
 def make_plan(cfg: ConvertConfig) -> Plan:
     src = Path(cfg.src)
     if cfg.kind == "imagefolder":
-        return plan_imagefolder(src)
+        return plan_imagefolder(src, cfg.classes)
     if cfg.kind == "pointcloud":
-        return plan_pointcloud(src)
+        return plan_pointcloud(src, cfg.classes)
     if cfg.kind == "text":
         return plan_text(src, cfg.text)
     if cfg.kind == "manifest":
-        return plan_manifest(src, cfg.path_column, cfg.label_column)
+        return plan_manifest(src, cfg.path_column, cfg.label_column, cfg.classes)
     return Plan("unknown", [])  # shards: streamed, see shard_tasks
 
 
@@ -320,11 +332,12 @@ class _Job:
         start_task, start_result = self.journal.position
         self.end = (start_task, start_result)
         results = executor.ordered_map(run_task, _skip(tasks, start_task), work, self.cfg.workers)
-        for n, outputs in enumerate(results, start_task):
-            first = start_result if n == start_task else 0
-            for r, item in enumerate(outputs[first:], first):
-                self._take(item, (n, r))
-            self.end = (n + 1, 0)
+        with contextlib.closing(results):  # stop the workers here, also on an error
+            for n, outputs in enumerate(results, start_task):
+                first = start_result if n == start_task else 0
+                for r, item in enumerate(outputs[first:], first):
+                    self._take(item, (n, r))
+                self.end = (n + 1, 0)
 
     def _take(self, item: dict[str, object] | DataError, position: tuple[int, int]) -> None:
         if isinstance(item, DataError):

@@ -107,10 +107,17 @@ def merge_parts(out: Path) -> Manifest:
 
 def _merge(manifests: list[Manifest], out: Path) -> Manifest:
     first = manifests[0]
-    for m in manifests[1:]:
-        if m.modality != first.modality or m.classes != first.classes:
-            raise ValueError(f"{out}: parts disagree on modality or classes; they were not "
-                             "converted from the same source with the same arguments")
+
+    def job(m: Manifest) -> dict[str, object]:
+        return {k: v for k, v in m.args.items() if k not in ("part", "on_error")}
+
+    for i, m in enumerate(manifests[1:], 1):
+        mine, base = job(m), job(first)
+        differ = sorted(k for k in set(mine) | set(base) if mine.get(k) != base.get(k))
+        if differ or m.modality != first.modality or m.classes != first.classes:
+            raise ValueError(f"{out}: part {i} was converted with other arguments than part 0 "
+                             f"(differ: {differ or 'modality/classes'}); parts must come from "
+                             "one source with the same arguments")
     args = {k: v for k, v in first.args.items() if k != "part"}
     return Manifest(
         shards=sorted((s for m in manifests for s in m.shards), key=lambda s: s.name),

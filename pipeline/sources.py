@@ -11,18 +11,23 @@ import csv
 import hashlib
 import io
 import json
+import logging
+import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import fsspec
 
 from pipeline import checks
 from pipeline.errors import DataError
 
+log = logging.getLogger(__name__)
 Sample = dict[str, object]
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+TEXT_RANGE_BYTES = 8 * 1024 * 1024
 SOURCE_KINDS = ("imagefolder", "manifest", "text", "pointcloud", "shards")
 
 
@@ -34,6 +39,8 @@ class Task:
     path: str
     mode: str
     label: int | None = None
+    start: int = 0  # lines/jsonl: the byte range whose lines this task converts
+    end: int = -1
 
 
 @dataclass(frozen=True)
@@ -72,49 +79,89 @@ def _ext(path: str) -> str:
     return path.rsplit(".", 1)[-1].lower() if "." in Path(path).name else ""
 
 
-def _walk(root: Path) -> list[str]:
-    """Relative POSIX paths of every regular file under root, sorted; links are not followed."""
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
-                  if p.is_file() and not p.is_symlink())
+def _walk(root: Path) -> tuple[list[str], list[dict[str, str]]]:
+    """Relative POSIX paths of the regular files under root, sorted, and the symbolic links
+    passed over (never followed: a link could lead anywhere on the machine)."""
+    files, links = [], []
+    for p in sorted(root.rglob("*")):
+        if p.is_symlink():
+            links.append({"source": str(p), "reason": "symlink"})
+        elif p.is_file():
+            files.append(p.relative_to(root).as_posix())
+    if links:
+        log.warning("%s: passed over %d symbolic links (e.g. %s); they are listed under "
+                    "'ignored' in the manifest", root, len(links), links[0]["source"])
+    return files, links
 
 
-def _class_folder_plan(src: Path, exts: tuple[str, ...], mode: str, modality: str) -> Plan:
+def _class_folder_plan(src: Path, exts: tuple[str, ...], mode: str, modality: str,
+                       classes: dict[str, int] | None) -> Plan:
     if not src.is_dir():
         raise FileNotFoundError(f"{src}: not a folder (expected one subfolder per class)")
-    classes = {d.name: i for i, d in enumerate(sorted(p for p in src.iterdir() if p.is_dir()))}
-    if not classes:
+    folders = sorted(p.name for p in src.iterdir() if p.is_dir() and not p.is_symlink())
+    if not folders:
         raise ValueError(f"{src}: no class subfolders; expected SRC/<class>/<file>")
-    rels, ignored = [], []
-    for rel in _walk(src):
-        top = rel.split("/", 1)[0]
-        if top in classes and "/" in rel and _ext(rel) in exts:
-            rels.append(rel)
-        else:
-            ignored.append({"source": str(src / rel), "reason": "not-a-class-" + modality})
+    classes = _class_map(src, folders, classes)
+    rels, ignored = _walk(src)
+    keep = [r for r in rels if r.split("/", 1)[0] in classes and "/" in r and _ext(r) in exts]
+    ignored += [{"source": str(src / r), "reason": f"not-a-class-{modality}"}
+                for r in sorted(set(rels) - set(keep))]
+    _warn_nested(src, keep)
     tasks = [Task(k, str(src / r), mode, classes[r.split("/", 1)[0]])
-             for k, r in zip(make_keys(rels), rels, strict=True)]
+             for k, r in zip(make_keys(keep), keep, strict=True)]
     return Plan(modality, tasks, classes, ignored)
 
 
-def plan_imagefolder(src: Path) -> Plan:
-    return _class_folder_plan(src, checks.IMAGE_EXTS, "image", "image")
+def _class_map(src: Path, folders: list[str], given: dict[str, int] | None) -> dict[str, int]:
+    """Sorted folder names -> 0..n-1, or the map of an earlier conversion (--classes-from),
+    so that a validation split numbers its classes like the training split."""
+    if given is None:
+        return {name: i for i, name in enumerate(folders)}
+    unknown = sorted(set(folders) - set(given))
+    if unknown:
+        raise ValueError(f"{src}: class folders {unknown[:5]} are not in the --classes-from "
+                         f"map ({len(given)} classes)")
+    return dict(given)
 
 
-def plan_pointcloud(src: Path) -> Plan:
-    return _class_folder_plan(src, checks.POINTCLOUD_EXTS, "points", "pointcloud")
+def _warn_nested(src: Path, rels: list[str]) -> None:
+    nested = [r for r in rels if r.count("/") > 1]
+    if nested:
+        log.warning("%s: %d files are in subfolders of class folders (e.g. %s); they are "
+                    "converted with their class. Point SRC at one split if these are splits.",
+                    src, len(nested), nested[0])
+
+
+def plan_imagefolder(src: Path, classes: dict[str, int] | None = None) -> Plan:
+    return _class_folder_plan(src, checks.IMAGE_EXTS, "image", "image", classes)
+
+
+def plan_pointcloud(src: Path, classes: dict[str, int] | None = None) -> Plan:
+    return _class_folder_plan(src, checks.POINTCLOUD_EXTS, "points", "pointcloud", classes)
 
 
 def plan_text(src: Path, opts: TextOptions) -> Plan:
     root = src if src.is_dir() else src.parent
-    rels = _walk(src) if src.is_dir() else [src.name]
-    ignored = [{"source": str(root / r), "reason": "not-a-text-file"}
-               for r in rels if _ext(r) not in ("txt", "jsonl")]
+    rels, ignored = _walk(src) if src.is_dir() else ([src.name], [])
+    ignored += [{"source": str(root / r), "reason": "not-a-text-file"}
+                for r in rels if _ext(r) not in ("txt", "jsonl")]
     rels = [r for r in rels if _ext(r) in ("txt", "jsonl")]
     if not rels:
         raise ValueError(f"{src}: no .txt or .jsonl files to convert")
-    keys = make_keys(rels)
-    tasks = [Task(k, str(root / r), _text_mode(r, opts)) for k, r in zip(keys, rels, strict=True)]
+    tasks = []
+    for key, rel in zip(make_keys(rels), rels, strict=True):
+        tasks.extend(_text_tasks(key, str(root / rel), _text_mode(rel, opts)))
     return Plan("text", tasks, None, ignored)
+
+
+def _text_tasks(key: str, path: str, mode: str) -> list[Task]:
+    """Whole documents are one task; line files are cut into byte ranges so that a big file
+    is converted by every worker in bounded memory."""
+    if mode == "text":
+        return [Task(key, path, mode)]
+    size = os.path.getsize(path)
+    return [Task(key, path, mode, None, lo, min(lo + TEXT_RANGE_BYTES, size))
+            for lo in range(0, max(size, 1), TEXT_RANGE_BYTES)]
 
 
 def _text_mode(rel: str, opts: TextOptions) -> str:
@@ -123,7 +170,8 @@ def _text_mode(rel: str, opts: TextOptions) -> str:
     return "lines" if opts.split_lines else "text"
 
 
-def plan_manifest(src: Path, path_column: str, label_column: str) -> Plan:
+def plan_manifest(src: Path, path_column: str, label_column: str,
+                  classes: dict[str, int] | None = None) -> Plan:
     rows = _read_rows(src)
     if not rows:
         raise ValueError(f"{src}: the manifest lists no files")
@@ -132,13 +180,19 @@ def plan_manifest(src: Path, path_column: str, label_column: str) -> Plan:
                          "pass --path-column")
     modality = _manifest_modality(src, [r[path_column] for r in rows])
     labels = [r.get(label_column) for r in rows] if label_column in rows[0] else None
-    classes, indices = _label_indices(src, labels)
-    rels = [str(r[path_column]) for r in rows]
-    paths = [p if "://" in p else str(src.parent / p) for p in rels]
+    classes, indices = _label_indices(src, labels, classes)
+    paths = [p if "://" in p else str(src.parent / p) for p in (str(r[path_column]) for r in rows)]
     mode = "image" if modality == "image" else "points"
     tasks = [Task(k, p, mode, indices[i] if indices else None)
-             for i, (k, p) in enumerate(zip(make_keys(rels), paths, strict=True))]
+             for i, (k, p) in enumerate(zip(make_keys(_relative(paths)), paths, strict=True))]
     return Plan(modality, tasks, classes, [])
+
+
+def _relative(paths: list[str]) -> list[str]:
+    """Paths relative to the deepest folder they share, so keys stay short and stable."""
+    local = [urlsplit(p).path if "://" in p else os.path.abspath(p) for p in paths]
+    common = os.path.commonpath([os.path.dirname(p) or "/" for p in local])
+    return [os.path.relpath(p, common).replace(os.sep, "/") for p in local]
 
 
 def _read_rows(src: Path) -> list[dict[str, str]]:
@@ -164,9 +218,10 @@ def _manifest_modality(src: Path, paths: list[str]) -> str:
     return kinds.pop()
 
 
-def _label_indices(src: Path, labels: Sequence[object] | None
+def _label_indices(src: Path, labels: Sequence[object] | None, given: dict[str, int] | None
                    ) -> tuple[dict[str, int] | None, list[int] | None]:
-    """Integer labels are kept; names are mapped to sorted indices (stored as `classes`)."""
+    """Integer labels are kept; names are mapped to sorted indices (stored as `classes`), or
+    to the indices of `given` (the map of an earlier conversion, --classes-from)."""
     if labels is None:
         return None, None
     missing = [i for i, lab in enumerate(labels) if lab is None or str(lab).strip() == ""]
@@ -174,9 +229,13 @@ def _label_indices(src: Path, labels: Sequence[object] | None
         raise ValueError(f"{src}: row {missing[0] + 1} has no label ({len(missing)} rows in "
                          "all); fill them in or drop the label column")
     names = [str(lab).strip() for lab in labels]
-    if all(re.fullmatch(r"\d+", n) for n in names):
+    if given is None and all(re.fullmatch(r"\d+", n) for n in names):
         return None, [int(n) for n in names]
-    classes = {n: i for i, n in enumerate(sorted(set(names)))}
+    classes = given or {n: i for i, n in enumerate(sorted(set(names)))}
+    unknown = [(i, n) for i, n in enumerate(names) if n not in classes]
+    if unknown:
+        raise ValueError(f"{src}: row {unknown[0][0] + 1} has label {unknown[0][1]!r}, which is "
+                         f"not in the --classes-from map ({len(unknown)} such rows)")
     return classes, [classes[n] for n in names]
 
 
@@ -206,10 +265,9 @@ def build_samples(task: Task, limits: checks.CheckLimits, text: TextOptions,
                   max_file_bytes: int) -> list[Sample | DataError]:
     """Read and check one task's file; data errors are returned, not raised, per sample."""
     try:
-        data = _read_file(task.path, max_file_bytes)
         if task.mode in ("lines", "jsonl"):
-            return list(_text_samples(task, data, limits, text))
-        return [_one_sample(task, data, limits)]
+            return list(_text_samples(task, limits, text))
+        return [_one_sample(task, _read_file(task.path, max_file_bytes), limits)]
     except DataError as err:
         return [err.located(source=task.path, key=task.key)]
 
@@ -244,18 +302,44 @@ def _one_sample(task: Task, data: bytes, limits: checks.CheckLimits) -> Sample:
     return sample
 
 
-def _text_samples(task: Task, data: bytes, limits: checks.CheckLimits,
+def _text_samples(task: Task, limits: checks.CheckLimits,
                   opts: TextOptions) -> Iterator[Sample | DataError]:
-    for n, line in enumerate(data.split(b"\n"), 1):
-        if not line.strip():
-            continue  # blank lines separate documents; they are not inputs
-        key = f"{task.key}-{n:07d}"
+    """One sample per non-blank line starting in [task.start, task.end); the key carries the
+    line's byte offset, which is stable and unique within the file."""
+    for offset, line in _lines(task.path, task.start, task.end, limits.max_text_bytes):
+        key = f"{task.key}-{offset:012d}"
         try:
+            if line is None:
+                raise DataError("text-too-large", f"line is longer than max_text_bytes="
+                                f"{limits.max_text_bytes}; split it or raise the limit")
             body = _jsonl_text(line, opts.text_field) if task.mode == "jsonl" else line
             checks.check_text(body, limits)
             yield {"__key__": key, "txt": body}
         except DataError as err:
-            yield err.located(source=f"{task.path}:{n}", key=key)
+            yield err.located(source=f"{task.path}@{offset}", key=key)
+
+
+def _lines(path: str, start: int, end: int, limit: int) -> Iterator[tuple[int, bytes | None]]:
+    """(offset, line without its newline) of each non-blank line that starts in [start, end);
+    None for a line over `limit` bytes, which is skipped without being held in memory."""
+    with open(path, "rb") as f:
+        if start > 0:
+            f.seek(start - 1)
+            f.readline()  # the line holding byte start-1 belongs to the previous range
+        while (offset := f.tell()) < end:
+            line = f.readline(limit + 1)
+            if not line:
+                return
+            if len(line) > limit and not line.endswith(b"\n"):
+                _skip_rest_of_line(f)
+                yield offset, None
+            elif line.strip():  # blank lines separate documents; they are not inputs
+                yield offset, line.rstrip(b"\r\n")
+
+
+def _skip_rest_of_line(f: io.BufferedReader) -> None:
+    while (chunk := f.readline(1 << 20)) and not chunk.endswith(b"\n"):
+        pass
 
 
 def _jsonl_text(line: bytes, field_name: str) -> bytes:

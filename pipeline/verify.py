@@ -53,6 +53,7 @@ class ShardReport:
     sha256: str = ""
     expected: ShardInfo | None = None
     problems: list[dict[str, str]] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -88,6 +89,7 @@ def verify_shard(url: str, expected: ShardInfo | None, opts: VerifyOptions) -> S
                 for sample in iter_samples(reader, report.url, limits=opts.tar_limits,  # type: ignore[arg-type]
                                            on_error="skip", skips=skips):
                     report.samples += 1
+                    report.keys.append(str(sample["__key__"]))
                     _check(sample, opts, skips, members)
             except DataError as err:
                 skips.add(err)
@@ -177,7 +179,22 @@ def verify(source: str, *, workers: int = 1, limits: CheckLimits | None = None
                          manifest.modality if manifest else None,
                          len(manifest.classes) if manifest and manifest.classes else None)
     items = list(zip(urls, expected, strict=True))
-    return list(executor.ordered_map(_verify_one, items, opts, workers, chunk=1)), manifest
+    reports = list(executor.ordered_map(_verify_one, items, opts, workers, chunk=1))
+    _check_keys_across_shards(reports)
+    return reports, manifest
+
+
+def _check_keys_across_shards(reports: list[ShardReport]) -> None:
+    """A key in two shards means two samples a loader cannot tell apart (or one sample twice)."""
+    first: dict[str, str] = {}
+    for report in reports:
+        for key in report.keys:
+            if key in first:
+                report.problems.append({
+                    "source": report.url, "key": key, "reason": "duplicate-key",
+                    "detail": f"key also in {first[key]}"})
+            else:
+                first[key] = report.url
 
 
 def problem_counts(reports: list[ShardReport]) -> dict[str, int]:

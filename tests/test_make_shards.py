@@ -237,3 +237,76 @@ def test_keys_are_safe_unique_and_stable(tmp_path):
 def test_invalid_options_are_named(tmp_path, bad_args, option):
     proc = run_tool("make_shards", "imagefolder", tmp_path, tmp_path / "o", *bad_args)
     assert proc.returncode == 2 and option in proc.stderr
+
+
+def test_classes_from_numbers_a_validation_split_like_training(tmp_path):
+    train = make_image_folder(tmp_path / "train", classes=3, per_class=2)
+    val = tmp_path / "val"
+    (val / "class2").mkdir(parents=True)
+    (val / "class2" / "v.jpg").write_bytes(jpeg_bytes(99))
+    run_tool("make_shards", "imagefolder", train, tmp_path / "t", check=True)
+    run_tool("make_shards", "imagefolder", val, tmp_path / "v", "--classes-from",
+             tmp_path / "t" / "manifest.json", check=True)
+    assert [int(s["cls"]) for s in read_wds(tmp_path / "v")] == [2]
+    assert load_manifest(tmp_path / "v")["classes"] == load_manifest(tmp_path / "t")["classes"]
+    (val / "class9").mkdir()
+    refused = run_tool("make_shards", "imagefolder", val, tmp_path / "v2", "--classes-from",
+                       tmp_path / "t" / "manifest.json")
+    assert refused.returncode == 2 and "class9" in refused.stderr
+
+
+def test_symlinks_are_not_followed_but_listed(tmp_path):
+    src = make_image_folder(tmp_path / "src", classes=1, per_class=2)
+    secret = tmp_path / "secret.jpg"
+    secret.write_bytes(jpeg_bytes(5))
+    (src / "class0" / "link.jpg").symlink_to(secret)
+    run_tool("make_shards", "imagefolder", src, tmp_path / "o", check=True)
+    m = load_manifest(tmp_path / "o")
+    assert m["total_samples"] == 2
+    assert {"source": str(src / "class0" / "link.jpg"), "reason": "symlink"} in m["ignored"]
+
+
+def test_big_line_files_are_cut_into_ranges_without_losing_a_line(tmp_path, monkeypatch):
+    from pipeline import sources
+    from pipeline.convert import ConvertConfig, convert
+    from pipeline.sources import TextOptions
+
+    monkeypatch.setattr(sources, "TEXT_RANGE_BYTES", 64)
+    lines = [f"line {i} " + "x" * (i % 17) for i in range(200)]
+    (tmp_path / "big.txt").write_text("\n".join(lines) + "\n")
+    cfg = ConvertConfig(kind="text", src=str(tmp_path / "big.txt"), out=tmp_path / "o",
+                        workers=1, text=TextOptions(split_lines=True), max_count=50)
+    assert convert(cfg).total_samples == 200
+    assert [s["txt"].decode() for s in read_wds(tmp_path / "o")] == lines
+
+
+def test_failed_run_can_be_finished_with_skip_without_overwrite(tmp_path):
+    src = make_image_folder(tmp_path / "src", classes=2, per_class=6)
+    (src / "class1" / "zz_bad.jpg").write_bytes(b"not an image")
+    out = tmp_path / "o"
+    failed = run_tool("make_shards", "imagefolder", src, out, "--max-count", 3, "--workers", 1)
+    assert failed.returncode == 1 and "zz_bad" in failed.stderr and "bad-image" in failed.stderr
+    assert len(list(out.glob("*.tar"))) >= 2  # the shards finished before the error are kept
+    run_tool("make_shards", "imagefolder", src, out, "--max-count", 3, "--on-error", "skip",
+             check=True)
+    m = load_manifest(out)
+    assert m["total_samples"] == 12 and m["skipped_counts"] == {"bad-image": 1}
+
+
+def test_merge_refuses_parts_made_with_other_arguments(tmp_path):
+    src = make_image_folder(tmp_path / "src", classes=2, per_class=3)
+    out = tmp_path / "parts"
+    run_tool("make_shards", "imagefolder", src, out, "--part", "0/2", check=True)
+    run_tool("make_shards", "imagefolder", src, out, "--part", "1/2", "--shuffle-seed", 4,
+             check=True)
+    merged = run_tool("make_shards", "merge", out)
+    assert merged.returncode == 2 and "shuffle_seed" in merged.stderr
+
+
+def test_verify_finds_a_key_in_two_shards(tmp_path):
+    src = make_image_folder(tmp_path / "src", classes=1, per_class=2)
+    run_tool("make_shards", "imagefolder", src, tmp_path / "a", check=True)
+    run_tool("make_shards", "imagefolder", src, tmp_path / "b", "--prefix", "copy", check=True)
+    both = str(tmp_path / "{a/train,b/copy}-000000.tar")
+    proc = run_tool("verify_shards", both)
+    assert proc.returncode == 1 and "duplicate-key" in proc.stdout

@@ -24,7 +24,7 @@ from tqdm import tqdm  # noqa: E402
 from pipeline.checks import CheckLimits  # noqa: E402
 from pipeline.convert import ConvertConfig, convert  # noqa: E402
 from pipeline.errors import DataError  # noqa: E402
-from pipeline.manifest import Manifest, merge_parts  # noqa: E402
+from pipeline.manifest import Manifest, load_manifest, merge_parts  # noqa: E402
 from pipeline.sources import TextOptions  # noqa: E402
 
 
@@ -44,39 +44,68 @@ def build_parser() -> argparse.ArgumentParser:
         _common_options(p)
         _kind_options(p, kind)
     merge = sub.add_parser("merge", help="combine the manifests of --part runs")
-    merge.add_argument("out", type=Path)
+    merge.add_argument("out", type=Path, help="the folder holding every part's shards")
     return parser
+
+
+IMAGE_KINDS = ("imagefolder", "manifest", "shards")
+POINT_KINDS = ("pointcloud", "manifest", "shards")
 
 
 def _common_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix", default="train", help="shard names: PREFIX-000000.tar")
-    p.add_argument("--max-count", type=positive_int, default=10_000, help="samples per shard")
+    p.add_argument("--max-count", type=positive_int, default=10_000,
+                   help="samples per shard (default 10000)")
     p.add_argument("--max-size", type=parse_size, default=parse_size("512MB"),
-                   help="bytes per shard, e.g. 64MB (default 512MB)")
+                   help="bytes per shard, e.g. 64MB or 1GiB (default 512MB)")
     p.add_argument("--shuffle-seed", type=int, default=None,
-                   help="spread samples randomly (but reproducibly) across shards")
-    p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1)
+                   help="spread inputs randomly (but reproducibly) across shards")
+    p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1,
+                   help="processes that read and check inputs (default: all cores)")
     p.add_argument("--part", type=parse_part, default=(0, 1), metavar="I/N",
                    help="convert only slice I (0-based) of N; merge the parts afterwards")
     p.add_argument("--on-error", choices=("raise", "skip"), default="raise",
                    help="raise: stop at the first bad input; skip: record it and go on")
     p.add_argument("--overwrite", action="store_true", help="replace shards already in OUT")
-    p.add_argument("--max-pixels", type=positive_int, default=CheckLimits.max_pixels)
-    p.add_argument("--max-text-bytes", type=parse_size, default=CheckLimits.max_text_bytes)
-    p.add_argument("--max-points", type=positive_int, default=CheckLimits.max_points)
-    p.add_argument("--max-file-size", type=parse_size, default=parse_size("1GiB"))
     p.add_argument("--quiet", action="store_true", help="no progress bar or warnings")
 
 
 def _kind_options(p: argparse.ArgumentParser, kind: str) -> None:
+    if kind in IMAGE_KINDS:
+        p.add_argument("--max-pixels", type=positive_int, default=CheckLimits.max_pixels,
+                       help="refuse images declaring more pixels, before decoding them")
+    if kind in POINT_KINDS:
+        p.add_argument("--max-points", type=positive_int, default=CheckLimits.max_points,
+                       help="refuse point clouds with more points")
+    if kind in ("text", "shards"):
+        p.add_argument("--max-text-bytes", type=parse_size, default=CheckLimits.max_text_bytes,
+                       help="refuse documents (or lines) longer than this (default 16MiB)")
+    if kind != "shards":
+        p.add_argument("--max-file-size", type=parse_size, default=parse_size("1GiB"),
+                       help="refuse input files larger than this (default 1GiB)")
+    if kind in ("imagefolder", "pointcloud", "manifest"):
+        p.add_argument("--classes-from", type=Path, default=None, metavar="MANIFEST",
+                       help="number classes as in this earlier manifest.json (e.g. the "
+                       "training split's), so that splits agree")
     if kind == "manifest":
-        p.add_argument("--path-column", default="path")
-        p.add_argument("--label-column", default="label")
+        p.add_argument("--path-column", default="path", help="CSV column / JSON field of paths")
+        p.add_argument("--label-column", default="label",
+                       help="CSV column / JSON field of labels (names or integers; optional)")
     if kind == "text":
         p.add_argument("--split-lines", action="store_true", help="one document per line")
         p.add_argument("--text-field", default="text", help="JSONL field holding the text")
     if kind == "shards":
-        p.add_argument("--max-member-size", type=parse_size, default=parse_size("256MiB"))
+        p.add_argument("--max-member-size", type=parse_size, default=parse_size("256MiB"),
+                       help="refuse tar members declaring more bytes than this")
+
+
+def _classes_from(path: Path | None) -> dict[str, int] | None:
+    if path is None:
+        return None
+    classes = load_manifest(str(path)).classes
+    if not classes:
+        raise ValueError(f"--classes-from {path}: that manifest has no class map")
+    return classes
 
 
 def config_from_args(args: argparse.Namespace) -> ConvertConfig:
@@ -84,11 +113,14 @@ def config_from_args(args: argparse.Namespace) -> ConvertConfig:
         kind=args.kind, src=args.src, out=args.out, prefix=args.prefix,
         max_count=args.max_count, max_size=args.max_size, shuffle_seed=args.shuffle_seed,
         part=args.part, on_error=args.on_error,
-        limits=CheckLimits(args.max_pixels, args.max_text_bytes, args.max_points),
+        limits=CheckLimits(getattr(args, "max_pixels", CheckLimits.max_pixels),
+                           getattr(args, "max_text_bytes", CheckLimits.max_text_bytes),
+                           getattr(args, "max_points", CheckLimits.max_points)),
         text=TextOptions(getattr(args, "split_lines", False), getattr(args, "text_field", "text")),
         path_column=getattr(args, "path_column", "path"),
         label_column=getattr(args, "label_column", "label"),
-        max_file_bytes=args.max_file_size,
+        max_file_bytes=getattr(args, "max_file_size", 2**30),
+        classes=_classes_from(getattr(args, "classes_from", None)),
         max_member_bytes=getattr(args, "max_member_size", 256 * 2**20),
         workers=args.workers, overwrite=args.overwrite)
 
@@ -133,7 +165,8 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except DataError as err:
-        fail(f"{err}\n(rerun with --on-error skip to record bad inputs and convert the rest)")
+        fail(f"{err}\n(rerun the same command with --on-error skip to record bad inputs and "
+             "convert the rest; finished shards are kept)")
     except (FileExistsError, FileNotFoundError, ValueError) as err:
         fail(str(err), 2)
     except OSError as err:

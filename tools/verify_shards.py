@@ -82,12 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(r.samples for r in reports)
     print(f"{len(reports)} shards, {total} samples"
           + (f" (manifest: {manifest.total_samples})" if manifest else " (no manifest)"))
-    if args.world_size:
-        print_split(reports, args.world_size, args.workers)
+    balanced = print_split(reports, args.world_size, args.workers) if args.world_size else True
     if any(not r.ok for r in reports):
         print_problems(reports)
         return 1
-    print("all shards verified: no problems")
+    print("all shards verified: no problems" + ("" if balanced else
+                                                 " (but see the split warning above)"))
     return 0
 
 
