@@ -182,6 +182,17 @@ def _clean(out: Path, cfg: ConvertConfig) -> None:
         path.unlink(missing_ok=True)
 
 
+def _not_in_place(cfg: ConvertConfig) -> None:
+    """Refuse to write into the folder being read: --overwrite would delete the source."""
+    if cfg.kind != "shards" or "://" in cfg.src:
+        return
+    out = cfg.out.resolve()
+    sources = [Path(u).resolve() for u in list_shards(cfg.src)]
+    if any(p.parent == out for p in sources):
+        raise ValueError(f"{cfg.out} holds the source shards; write the new shards to another "
+                         "folder")
+
+
 # -- planning and ordering ---------------------------------------------------------------------
 
 def make_plan(cfg: ConvertConfig) -> Plan:
@@ -299,6 +310,7 @@ def run_task(task: Task | dict[str, object] | DataError, work: _Work
 
 def convert(cfg: ConvertConfig, progress: Progress | None = None) -> Manifest:
     """Run (or finish) a conversion; returns the manifest it wrote."""
+    _not_in_place(cfg)
     journal = prepare_out(cfg)
     skips = SkipLog()
     plan = make_plan(cfg)

@@ -182,6 +182,7 @@ def plan_manifest(src: Path, path_column: str, label_column: str,
     labels = [r.get(label_column) for r in rows] if label_column in rows[0] else None
     classes, indices = _label_indices(src, labels, classes)
     paths = [p if "://" in p else str(src.parent / p) for p in (str(r[path_column]) for r in rows)]
+    _no_repeats(src, [p if "://" in p else os.path.abspath(p) for p in paths])
     mode = "image" if modality == "image" else "points"
     tasks = [Task(k, p, mode, indices[i] if indices else None)
              for i, (k, p) in enumerate(zip(make_keys(_relative(paths)), paths, strict=True))]
@@ -229,14 +230,35 @@ def _label_indices(src: Path, labels: Sequence[object] | None, given: dict[str, 
         raise ValueError(f"{src}: row {missing[0] + 1} has no label ({len(missing)} rows in "
                          "all); fill them in or drop the label column")
     names = [str(lab).strip() for lab in labels]
-    if given is None and all(re.fullmatch(r"\d+", n) for n in names):
-        return None, [int(n) for n in names]
+    numeric = [bool(re.fullmatch(r"[+-]?\d+", n)) for n in names]
+    if given is None and all(numeric):
+        return None, [_index_label(src, i, n) for i, n in enumerate(names)]
+    if given is None and any(numeric):
+        first = numeric.index(True) if not numeric[0] else numeric.index(False)
+        raise ValueError(f"{src}: labels mix integers and class names (row {first + 1}: "
+                         f"{names[first]!r}); use one or the other")
     classes = given or {n: i for i, n in enumerate(sorted(set(names)))}
     unknown = [(i, n) for i, n in enumerate(names) if n not in classes]
     if unknown:
         raise ValueError(f"{src}: row {unknown[0][0] + 1} has label {unknown[0][1]!r}, which is "
                          f"not in the --classes-from map ({len(unknown)} such rows)")
     return classes, [classes[n] for n in names]
+
+
+def _index_label(src: Path, row: int, text: str) -> int:
+    if int(text) < 0:
+        raise ValueError(f"{src}: row {row + 1} has label {text}; integer labels are class "
+                         "indices and must be >= 0")
+    return int(text)
+
+
+def _no_repeats(src: Path, paths: list[str]) -> None:
+    first: dict[str, int] = {}
+    for i, p in enumerate(paths):
+        if p in first:
+            raise ValueError(f"{src}: row {i + 1} lists the same file as row {first[p] + 1} "
+                             f"({p}); each file may be listed once")
+        first[p] = i
 
 
 def list_shards(src: str) -> list[str]:
@@ -350,4 +372,8 @@ def _jsonl_text(line: bytes, field_name: str) -> bytes:
     value = obj.get(field_name) if isinstance(obj, dict) else None
     if not isinstance(value, str):
         raise DataError("missing-field", f"no string field {field_name!r}; pass --text-field")
-    return value.encode("utf-8")
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as exc:  # JSON allows lone surrogates, UTF-8 does not
+        raise DataError("bad-utf8", f"text holds {value[exc.start]!r}, not encodable as "
+                        "UTF-8") from None

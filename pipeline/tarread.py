@@ -1,16 +1,21 @@
 """Reading tar shards safely, as a stream of samples.
 
-Members are grouped into samples by key (the member name up to the first dot of its base
-name), as webdataset and DALI do. Member names are only ever used as keys, never as
-file-system paths; links, devices and names that climb out (`../`, `/abs`) are refused, and so
-is a member that declares more bytes than `max_member_bytes`, before anything is allocated.
-A key seen twice in one shard (duplicated, or its members not next to each other) is an error.
+Headers are parsed here, one 512-byte block at a time (tarfile's stream mode would take a
+damaged header or a cut file for a clean end and lose the rest of a shard silently). A shard
+must end with the end-of-archive block; a `.tar.gz` is decompressed to its end, so its CRC is
+checked. Members are grouped into samples by key (the name up to the first dot of its base
+name), as webdataset and DALI do. Member names are only ever used as keys, never as paths:
+links, devices and names that climb out (`../`, `/abs`) are refused, and a member that declares
+more than `max_member_bytes` ends the shard before anything is allocated.
 """
 
 from __future__ import annotations
 
+import gzip
 import posixpath
 import tarfile
+import zlib
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -18,7 +23,12 @@ from typing import BinaryIO
 from pipeline.errors import DataError, OnError, SkipLog, handle
 
 Sample = dict[str, object]
+BLOCK = 512
 DEFAULT_MAX_MEMBER_BYTES = 256 * 1024 * 1024
+MAX_EXTENDED_HEADER = 1024 * 1024
+HOLD_BACK = 16  # samples held before passing on, to catch a key whose members come apart
+_EXTENDED = {tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE,
+             tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE}
 
 
 @dataclass(frozen=True)
@@ -41,60 +51,191 @@ def split_name(name: str) -> tuple[str, str]:
     return name[:dot], name[dot + 1:]
 
 
-def _check_member(info: tarfile.TarInfo, url: str, limits: TarLimits) -> None:
-    key = split_name(info.name)[0]
-    if not info.isreg():
-        raise DataError("not-a-regular-file", f"member {info.name!r} is a link, device or "
-                        "directory; shards hold regular files only", source=url, key=key)
-    parts = info.name.split("/")
-    if info.name.startswith("/") or ".." in parts or posixpath.isabs(info.name):
-        raise DataError("unsafe-member-name", f"member name {info.name!r} is absolute or "
-                        "climbs out with '..'", source=url, key=key)
-    if info.size > limits.max_member_bytes:
-        raise DataError("member-too-large", f"member {info.name!r} declares {info.size} bytes, "
-                        f"more than max_member_bytes={limits.max_member_bytes}",
-                        source=url, key=key)
-    if not split_name(info.name)[1] or not key or key.endswith("/"):
-        raise DataError("no-extension", f"member {info.name!r} has no key.extension form",
-                        source=url, key=key)
+@dataclass
+class _Member:
+    name: str
+    type: bytes
+    size: int
+    offset: int  # of the header
 
 
-def iter_members(stream: BinaryIO, url: str, limits: TarLimits, on_error: OnError,
-                 skips: SkipLog) -> Iterator[tuple[str, bytes]]:
-    """(name, bytes) of each acceptable member, in archive order; shard-level damage raises."""
+class _Blocks:
+    """Exact reads from a stream, counting the offset; a short read is a truncated shard."""
+
+    def __init__(self, stream: BinaryIO, url: str) -> None:
+        self.stream, self.url, self.offset = stream, url, 0
+
+    def read(self, n: int, what: str) -> bytes:
+        parts, need = [], n
+        while need:
+            chunk = self.stream.read(min(need, 1 << 20))
+            if not chunk:
+                raise DataError("truncated", f"the shard ends inside {what} (at byte "
+                                f"{self.offset + n - need})", source=self.url)
+            parts.append(chunk)
+            need -= len(chunk)
+        self.offset += n
+        return b"".join(parts)
+
+    def read_upto(self, n: int) -> bytes:
+        """Up to n bytes, fewer only at the end of the stream (reads may come back short)."""
+        parts, need = [], n
+        while need and (chunk := self.stream.read(need)):
+            parts.append(chunk)
+            need -= len(chunk)
+        self.offset += n - need
+        return b"".join(parts)
+
+    def skip(self, n: int, what: str) -> None:
+        while n:  # bounded memory: a declared size is only trusted one MiB at a time
+            n -= len(self.read(min(n, 1 << 20), what))
+
+
+def _padded(size: int) -> int:
+    return -(-size // BLOCK) * BLOCK
+
+
+def _headers(blocks: _Blocks) -> Iterator[_Member]:
+    """Each member's header (extended GNU/PAX headers applied), up to the end-of-archive block."""
+    long_name: str | None = None
+    pax: dict[str, str] = {}
+    while True:
+        at = blocks.offset
+        block = blocks.read_upto(BLOCK)
+        if not block and at == 0:
+            raise DataError("empty-shard", "the file is empty (0 bytes)", source=blocks.url)
+        if not block:
+            raise DataError("truncated", f"the shard ends at byte {at} without an end-of-"
+                            "archive block (cut short?)", source=blocks.url)
+        if len(block) < BLOCK:
+            raise DataError("truncated", f"the shard ends inside a header at byte {at}",
+                            source=blocks.url)
+        if block == bytes(BLOCK):
+            return
+        info = _parse_header(block, at, blocks.url)
+        if info.type in _EXTENDED:
+            long_name, pax = _extended(blocks, info, at, long_name, pax)
+            continue
+        name = pax.pop("path", None) or long_name or info.name
+        size = int(pax.pop("size", info.size))
+        long_name, pax = None, {}
+        yield _Member(name, info.type, size, at)
+
+
+def _parse_header(block: bytes, at: int, url: str) -> tarfile.TarInfo:
     try:
-        tar = tarfile.open(fileobj=stream, mode="r|*")  # type: ignore[call-overload]
-    except tarfile.ReadError as exc:
-        raise _open_error(stream, url, exc) from None
-    with tar:
+        return tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+    except tarfile.HeaderError as exc:
+        if at == 0:
+            raise DataError("not-a-tar", f"not a tar archive ({exc}); an HTML error page saved "
+                            "as .tar looks like this", source=url) from None
+        raise DataError("bad-header", f"damaged tar header at byte {at} ({exc})",
+                        source=url) from None
+
+
+def _extended(blocks: _Blocks, info: tarfile.TarInfo, at: int, long_name: str | None,
+              pax: dict[str, str]) -> tuple[str | None, dict[str, str]]:
+    if info.size > MAX_EXTENDED_HEADER:
+        raise DataError("bad-header", f"extended header at byte {at} declares {info.size} "
+                        "bytes", source=blocks.url)
+    data = blocks.read(_padded(info.size), "an extended header")[: info.size]
+    if info.type == tarfile.GNUTYPE_LONGNAME:
+        return data.rstrip(b"\0").decode("utf-8", "surrogateescape"), pax
+    if info.type in (tarfile.XHDTYPE, tarfile.SOLARIS_XHDTYPE):
+        return long_name, {**pax, **_pax_records(data)}
+    return long_name, pax  # long link names and global headers: nothing we use
+
+
+def _pax_records(data: bytes) -> dict[str, str]:
+    out = {}
+    for line in data.decode("utf-8", "surrogateescape").split("\n"):
+        _length, _, record = line.partition(" ")
+        key, eq, value = record.partition("=")
+        if eq and key in ("path", "size"):
+            out[key] = value
+    return out
+
+
+def _refusal(m: _Member, url: str, limits: TarLimits) -> DataError | None:
+    """Why a member is not used (None: it is fine). Members are never written anywhere."""
+    key = split_name(m.name)[0]
+    if m.type not in (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE):
+        return DataError("not-a-regular-file", f"member {m.name!r} is a link, device or folder;"
+                         " shards hold regular files only", source=url, key=key)
+    if m.name.startswith("/") or ".." in m.name.split("/") or posixpath.isabs(m.name):
+        return DataError("unsafe-member-name", f"member name {m.name!r} is absolute or climbs "
+                         "out with '..'", source=url, key=key)
+    if not split_name(m.name)[1] or not key or key.endswith("/"):
+        return DataError("no-extension", f"member {m.name!r} has no key.extension form",
+                         source=url, key=key)
+    return None
+
+
+def iter_members(stream: BinaryIO, url: str, limits: TarLimits
+                 ) -> Iterator[tuple[str, bytes | DataError]]:
+    """(name, bytes) per member in archive order, or (name, DataError) for a refused one.
+    Damage to the shard itself (truncation, a bad header, an oversize member) raises."""
+    blocks = _Blocks(_maybe_gunzip(stream), url)
+    for m in _headers(blocks):
+        if m.size > limits.max_member_bytes:
+            raise DataError("member-too-large", f"member {m.name!r} declares {m.size} bytes, "
+                            f"more than max_member_bytes={limits.max_member_bytes}",
+                            source=url, key=split_name(m.name)[0])
+        refusal = _refusal(m, url, limits)
+        if refusal is not None:
+            blocks.skip(_padded(m.size), f"member {m.name!r}")
+            yield m.name, refusal
+            continue
+        data = blocks.read(_padded(m.size), f"member {m.name!r}")[: m.size]
+        yield m.name, data
+    _drain(blocks)
+
+
+def _drain(blocks: _Blocks) -> None:
+    """Read to the end, so that a gzip stream's CRC is checked."""
+    try:
+        while blocks.stream.read(1 << 20):
+            pass
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DataError("truncated", f"compressed shard is corrupt or cut short ({exc})",
+                        source=blocks.url) from None
+
+
+def _maybe_gunzip(stream: BinaryIO) -> BinaryIO:
+    head = stream.read(2)
+    rest = _Prefixed(head, stream)
+    if head == b"\x1f\x8b":
+        return _GzipChecked(gzip.GzipFile(fileobj=rest, mode="rb"))  # type: ignore[arg-type]
+    return rest  # type: ignore[return-value]
+
+
+class _Prefixed:
+    """A stream with some already-read bytes put back in front."""
+
+    def __init__(self, head: bytes, stream: BinaryIO) -> None:
+        self.head, self.stream = head, stream
+
+    def read(self, n: int = -1) -> bytes:
+        if not self.head:
+            return self.stream.read(n)
+        if n < 0:
+            out, self.head = self.head + self.stream.read(), b""
+        else:
+            out, self.head = self.head[:n], self.head[n:]
+        return out
+
+
+class _GzipChecked:
+    """gzip errors (bad CRC, cut stream) surface as DataError-friendly OSErrors on read."""
+
+    def __init__(self, f: gzip.GzipFile) -> None:
+        self.f = f
+
+    def read(self, n: int = -1) -> bytes:
         try:
-            for info in tar:
-                try:
-                    _check_member(info, url, limits)
-                except DataError as err:
-                    handle(err, on_error, skips)
-                    continue
-                yield info.name, _read_member(tar, info, url)
-        except (tarfile.ReadError, EOFError) as exc:
-            raise DataError("truncated", f"tar structure ends or breaks early ({exc})",
-                            source=url) from None
-
-
-def _read_member(tar: tarfile.TarFile, info: tarfile.TarInfo, url: str) -> bytes:
-    f = tar.extractfile(info)
-    assert f is not None  # regular files always have data
-    data = f.read()
-    if len(data) != info.size:
-        raise DataError("truncated", f"member {info.name!r} is cut short: {len(data)} of "
-                        f"{info.size} bytes", source=url, key=split_name(info.name)[0])
-    return data
-
-
-def _open_error(stream: BinaryIO, url: str, exc: Exception) -> DataError:
-    if "empty" in str(exc):
-        return DataError("empty-shard", "the file is empty (0 bytes)", source=url)
-    return DataError("not-a-tar", f"not a tar archive ({exc}); an HTML error page saved as "
-                     ".tar looks like this", source=url)
+            return self.f.read(n)
+        except (EOFError, zlib.error) as exc:
+            raise OSError(f"gzip stream is corrupt or cut short: {exc}") from None
 
 
 def iter_samples(stream: BinaryIO, url: str, *, limits: TarLimits | None = None,
@@ -102,52 +243,93 @@ def iter_samples(stream: BinaryIO, url: str, *, limits: TarLimits | None = None,
     """Samples (`__key__`, `__url__`, ext -> bytes) of one shard, in archive order."""
     limits, skips = limits or TarLimits(), skips if skips is not None else SkipLog()
     grouper = _Grouper(url, on_error, skips)
-    for name, data in iter_members(stream, url, limits, on_error, skips):
-        done = grouper.add(name, data)
-        if done is not None:
-            yield done
-    last = grouper.flush()
-    if last is not None:
-        yield last
+    try:
+        for name, data in iter_members(stream, url, limits):
+            yield from grouper.add(name, data)
+    except OSError as exc:
+        yield from grouper.fail(DataError("truncated", str(exc), source=url))
+    except DataError as err:
+        yield from grouper.fail(err)
+    yield from grouper.finish()
 
 
 class _Grouper:
-    """Joins consecutive members of one key; a key that comes back later is an error."""
+    """Joins consecutive members of a key into a sample, holding the last few samples back so
+    that a key whose members come apart is dropped whole rather than passed on in pieces."""
 
     def __init__(self, url: str, on_error: OnError, skips: SkipLog) -> None:
         self.url, self.on_error, self.skips = url, on_error, skips
         self.current: Sample | None = None
-        self.seen: set[str] = set()
-        self.bad_key: str | None = None  # members of a rejected fragment are dropped together
+        self.held: deque[Sample] = deque()
+        self.passed: set[str] = set()  # keys already passed on
+        self.bad: set[str] = set()  # keys reported: their later members are dropped silently
 
-    def add(self, name: str, data: bytes) -> Sample | None:
+    def add(self, name: str, data: bytes | DataError) -> Iterator[Sample]:
         key, ext = split_name(name)
+        if key in self.bad:
+            return
+        if isinstance(data, DataError):
+            self._reject(key, data)
+            return
         if self.current is not None and key == self.current["__key__"]:
             self._add_member(key, ext, data)
-            return None
-        if key == self.bad_key:
-            return None
-        done = self.flush()
-        if key in self.seen:
-            self.bad_key = key
-            handle(DataError("split-key", "key appears again after other keys (duplicated, or "
-                             "its members are not next to each other)", source=self.url,
-                             key=key), self.on_error, self.skips)
-            return done
-        self.seen.add(key)
+            return
+        yield from self._close_current()
+        if self._seen(key, ext):
+            return
         self.current = {"__key__": key, "__url__": self.url, ext: data}
-        return done
+
+    def _seen(self, key: str, ext: str) -> bool:
+        """A key met again: a duplicate (its first copy had this member: keep that copy) or a
+        sample whose members are apart (the first part is incomplete: drop it too)."""
+        held = next((s for s in self.held if s["__key__"] == key), None)
+        if held is None and key not in self.passed:
+            return False
+        detail = "key appears again after other keys"
+        if held is not None and ext in held:
+            detail += " (a duplicate; the first copy is kept)"
+        elif held is not None:
+            self.held.remove(held)
+            detail += " (its members are apart; all of it is dropped)"
+        else:
+            detail += f" more than {HOLD_BACK} samples later; its first part was passed on"
+        self._reject(key, DataError("split-key", detail, source=self.url, key=key))
+        return True
 
     def _add_member(self, key: str, ext: str, data: bytes) -> None:
         assert self.current is not None
         if ext in self.current:
-            self.current = None
-            self.bad_key = key
-            handle(DataError("duplicate-member", f"member {key}.{ext} appears twice",
-                             source=self.url, key=key), self.on_error, self.skips)
-            return
-        self.current[ext] = data
+            self._reject(key, DataError("duplicate-member", f"member {key}.{ext} appears twice",
+                                        source=self.url, key=key))
+        else:
+            self.current[ext] = data
 
-    def flush(self) -> Sample | None:
-        done, self.current = self.current, None
-        return done
+    def _reject(self, key: str, err: DataError) -> None:
+        if self.current is not None and self.current["__key__"] == key:
+            self.current = None
+        self.bad.add(key)
+        handle(err, self.on_error, self.skips)
+
+    def _close_current(self) -> Iterator[Sample]:
+        if self.current is not None:
+            self.held.append(self.current)
+            self.current = None
+        while len(self.held) > HOLD_BACK:
+            yield self._pass(self.held.popleft())
+
+    def _pass(self, sample: Sample) -> Sample:
+        self.passed.add(str(sample["__key__"]))
+        return sample
+
+    def fail(self, err: DataError) -> Iterator[Sample]:
+        """The shard broke: pass on the complete samples before the break, drop the sample
+        the break cut into, and raise: the caller applies its policy to the lost shard rest."""
+        if self.current is not None and self.current["__key__"] == err.key:
+            self.current = None
+        yield from self.finish()
+        raise err
+
+    def finish(self) -> Iterator[Sample]:
+        yield from self._close_current()
+        while self.held:
+            yield self._pass(self.held.popleft())

@@ -47,8 +47,8 @@ def _brace_choices(body: str, pattern: str) -> list[str]:
 def check_scheme(url: str, *, allow_pipe: bool = False) -> str:
     """Refuse `pipe:` URLs (they execute a command) unless explicitly allowed."""
     if url.startswith("pipe:") and not allow_pipe:
-        raise ValueError(f"refusing {redact(url)!r}: pipe: URLs run a shell command; pass "
-                         "allow_pipe=True (--allow-pipe) if you trust this source")
+        raise ValueError(f"refusing {redact(url)!r}: pipe: URLs run a shell command; a "
+                         "loader accepts them only with allow_pipe=True, for sources you trust")
     return url
 
 
@@ -57,8 +57,13 @@ def is_remote(url: str) -> bool:
     return len(scheme) > 1 and scheme != "file"  # one letter: a Windows drive
 
 
+_USERINFO = re.compile(r"(?<=://)[^/\s@]+@")
+
+
 def redact(url: str) -> str:
     """The URL with user:password and secret-looking query values replaced by ***."""
+    if url.startswith("pipe:"):  # a command line: redact every URL inside it
+        return _USERINFO.sub("***@", url)
     if "://" not in url and "?" not in url:
         return url
     parts = urlsplit(url)

@@ -1,0 +1,50 @@
+"""What crosses module boundaries on the loading side: encoded batches and final batches.
+
+Samples stay dicts keyed by extension until batching (see tarread); from there on a batch is a
+dataclass of named fields, never a positional tuple.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class EncodedBatch:
+    """Up to batch_size samples as read from shards, not yet decoded.
+
+    `state` is the reader's position right after this batch: loading it into a new reader
+    continues with the batch that followed this one.
+    """
+
+    keys: list[str]
+    urls: list[str]
+    data: list[np.ndarray]  # the encoded image (or document, or cloud) bytes, uint8 1-D
+    labels: list[bytes | None]  # raw `.cls` members; None where the sample has none
+    state: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def drop(self, index: int) -> None:
+        for column in (self.keys, self.urls, self.data, self.labels):
+            del column[index]
+
+
+@dataclass
+class Batch:
+    """A batch on the target device. `keys` lets a user audit exactly what was read.
+
+    `image` is uint8 (N, C, H, W) or (N, H, W, C) as configured, or float32 when normalized;
+    `label` is int64 (N,).
+    """
+
+    image: Any  # torch.Tensor
+    label: Any  # torch.Tensor
+    keys: list[str]
+
+    def __len__(self) -> int:
+        return len(self.keys)

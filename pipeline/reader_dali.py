@@ -1,0 +1,94 @@
+"""Local shards read by DALI's own `fn.readers.webdataset`, through the `.idx` files.
+
+One small reader pipeline per epoch (the rank's shards in this epoch's order, DALI's bounded
+shuffle buffer seeded from (seed, epoch, rank)); it yields encoded bytes, the `.cls` member and
+each sample's source (`shard:offset:member`), which gives the key. DALI's own checkpointing
+records the position: the state after each batch is `pipe.checkpoint()` at that batch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from pipeline.batch import EncodedBatch
+from pipeline.daliindex import parse_index
+from pipeline.errors import DataError
+from pipeline.readplan import EpochPlan
+from pipeline.tarread import split_name
+
+IMAGE_EXTS = "jpg;png;jpeg"
+
+
+def check_local_shard(url: str) -> int:
+    """Samples in a local shard per its index, after checking that the tar holds every byte
+    the index points at (a truncated shard is refused up front, not mid-epoch)."""
+    idx = url[: -len(".tar")] + ".idx"
+    if not os.path.exists(idx):
+        raise DataError("missing-index", "no .idx beside the shard; make it with "
+                        "tools/make_shards.py shards, or read through the streaming reader",
+                        source=url)
+    with open(idx) as f:
+        samples = parse_index(f.read())
+    end = max((off + size for s in samples for _, off, size, _ in s), default=0)
+    if os.path.getsize(url) < end:
+        raise DataError("truncated", f"the shard has {os.path.getsize(url)} bytes but its index "
+                        f"points up to byte {end}", source=url)
+    return len(samples)
+
+
+def _seed(plan: EpochPlan) -> int:
+    return (plan.seed * 1_000_003 + plan.epoch * 7919 + plan.rank) % (2**31 - 1)
+
+
+def _build(plan: EpochPlan, checkpoint: str | None) -> Any:
+    from nvidia.dali import fn, pipeline_def
+
+    paths = [s.url for s in plan.shards]
+    shuffle = plan.shuffle_buffer > 1
+
+    @pipeline_def(batch_size=plan.batch_size, num_threads=1, device_id=None, seed=_seed(plan),
+                  enable_checkpointing=True, prefetch_queue_depth=2)
+    def reader() -> Any:
+        data, label = fn.readers.webdataset(
+            paths=paths, index_paths=[p[: -len(".tar")] + ".idx" for p in paths],
+            ext=[IMAGE_EXTS, "cls"], missing_component_behavior="empty",
+            random_shuffle=shuffle, initial_fill=max(plan.shuffle_buffer, 1),
+            pad_last_batch=True, name="reader")
+        return data, label, fn.get_property(data, key="source_info")
+
+    pipe = reader(checkpoint=checkpoint) if checkpoint else reader()
+    pipe.build()
+    return pipe
+
+
+def batches(plan: EpochPlan, state: dict[str, Any] | None) -> Iterator[EncodedBatch]:
+    """This rank's encoded batches for the epoch, from `state` on (None: from the start)."""
+    emitted = int(state["emitted"]) if state else 0
+    pipe = _build(plan, state["checkpoint"] if state else None)
+    try:
+        while emitted < plan.length:
+            data, labels, info = pipe.run()
+            take = min(plan.batch_size, plan.length - emitted)  # the rest is padding
+            emitted += take
+            yield _encoded(data, labels, info, take, {"emitted": emitted,
+                                                      "checkpoint": pipe.checkpoint()})
+    finally:
+        del pipe  # DALI frees the pipeline's threads and buffers with the object
+
+
+def _encoded(data: Any, labels: Any, info: Any, take: int, state: dict[str, Any]
+             ) -> EncodedBatch:
+    batch = EncodedBatch([], [], [], [], state)
+    for i in range(take):
+        source = np.array(info[i]).tobytes().decode()
+        url, _offset, member = source.rsplit(":", 2)
+        label = np.array(labels[i]).tobytes()
+        batch.keys.append(split_name(member)[0])
+        batch.urls.append(url)
+        batch.data.append(np.array(data[i]))
+        batch.labels.append(label if label else None)
+    return batch
