@@ -37,7 +37,7 @@ class GraphSpec:
     std: tuple[float, float, float] = IMAGENET_STD
 
 
-INPUTS = ("encoded", "anchor", "shape", "flip")
+INPUTS = ("encoded", "anchor", "shape", "flip")  # the last three only when training
 
 
 def build(spec: GraphSpec, *, batch_size: int, num_threads: int, device_id: int | None,
@@ -60,13 +60,14 @@ def _graph(spec: GraphSpec) -> Any:
     from nvidia.dali import fn, types
 
     encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
-    anchor = fn.external_source(name="anchor", dtype=types.INT32, ndim=1)
-    shape = fn.external_source(name="shape", dtype=types.INT32, ndim=1)
-    flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
+    flip: Any = 0
     decode_device = "mixed" if spec.device == "gpu" else "cpu"
     extra = {"hw_decoder_load": spec.hw_decoder_load} if spec.device == "gpu" else {}
     interp = types.INTERP_LINEAR if not spec.antialias else types.INTERP_TRIANGULAR
     if spec.train:
+        anchor = fn.external_source(name="anchor", dtype=types.INT32, ndim=1)
+        shape = fn.external_source(name="shape", dtype=types.INT32, ndim=1)
+        flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
         images = fn.decoders.image_slice(encoded, anchor, shape, device=decode_device,
                                          output_type=types.RGB, adjust_orientation=False,
                                          normalized_anchor=False, normalized_shape=False,

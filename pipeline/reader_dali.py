@@ -67,12 +67,14 @@ def _build(plan: EpochPlan, checkpoint: str | None) -> Any:
 
 def batches(plan: EpochPlan, state: dict[str, Any] | None) -> Iterator[EncodedBatch]:
     """This rank's encoded batches for the epoch, from `state` on (None: from the start)."""
-    emitted = int(state["emitted"]) if state else 0
+    if plan.length is None:
+        raise ValueError("DALI's reader needs sample counts (manifest.json or .idx files)")
+    length, emitted = plan.length, int(state["emitted"]) if state else 0
     pipe = _build(plan, state["checkpoint"] if state else None)
     try:
-        while emitted < plan.length:
+        while emitted < length:
             data, labels, info = pipe.run()
-            take = min(plan.batch_size, plan.length - emitted)  # the rest is padding
+            take = min(plan.batch_size, length - emitted)  # the rest is padding
             emitted += take
             yield _encoded(data, labels, info, take, {"emitted": emitted,
                                                       "checkpoint": pipe.checkpoint()})

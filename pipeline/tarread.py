@@ -205,7 +205,7 @@ def _maybe_gunzip(stream: BinaryIO) -> BinaryIO:
     head = stream.read(2)
     rest = _Prefixed(head, stream)
     if head == b"\x1f\x8b":
-        return _GzipChecked(gzip.GzipFile(fileobj=rest, mode="rb"))  # type: ignore[arg-type]
+        return _GzipChecked(gzip.GzipFile(fileobj=rest, mode="rb"))  # type: ignore[call-overload,return-value]
     return rest  # type: ignore[return-value]
 
 

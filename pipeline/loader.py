@@ -1,0 +1,149 @@
+"""The `Loader`: one rank's batches, epoch after epoch, resumable, with one API for every
+modality. A modality supplies `_produce(plan, reader_state, stop)`, the batches of one epoch
+each paired with the reader's position after it; the Loader runs it in a background stage,
+counts epochs and batches, and saves and restores the position.
+
+    for epoch in range(epochs):      # each pass over the loader is one epoch; the next pass
+        for batch in loader: ...     # reshuffles (or call set_epoch(e) yourself)
+    state = loader.state_dict()      # mid-epoch: a new loader + load_state_dict continues
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+from pipeline.errors import OnError, SkipLog
+from pipeline.prefetch import Stage
+from pipeline.readplan import EpochPlan, plan_epoch
+from pipeline.shardlist import Source
+
+log = logging.getLogger(__name__)
+STATE_VERSION = 1
+Produced = tuple[Any, dict[str, Any], Any]  # (batch, reader state after it, ready event)
+
+
+class Loader(ABC):
+    """Iterable over `Batch`es on the target device; a context manager; `state_dict()`."""
+
+    kind = "base"
+
+    def __init__(self, source: Source, *, batch_size: int, seed: int, rank: int,
+                 world_size: int, shuffle: bool, shuffle_buffer: int, on_error: OnError,
+                 prefetch: int, reader: str) -> None:
+        self.source, self.batch_size, self.seed = source, batch_size, seed
+        self.rank, self.world_size, self.shuffle = rank, world_size, shuffle
+        self.shuffle_buffer, self.on_error, self.prefetch = shuffle_buffer, on_error, prefetch
+        self.reader = reader
+        self.epoch, self._batches_done = 0, 0
+        self._reader_state: dict[str, Any] | None = None
+        self.skips = SkipLog()
+        self._stage: Stage[Produced] | None = None
+        self._closed = False
+        plan_epoch(**self._plan_args(0))  # fail at build time, not mid-run, on a bad split
+
+    # -- epochs ----------------------------------------------------------------------------
+
+    def _plan_args(self, epoch: int) -> dict[str, Any]:
+        return {"source": self.source, "epoch": epoch, "seed": self.seed, "rank": self.rank,
+                "world_size": self.world_size, "shuffle": self.shuffle,
+                "batch_size": self.batch_size, "shuffle_buffer": self.shuffle_buffer}
+
+    def plan(self, epoch: int | None = None) -> EpochPlan:
+        return plan_epoch(**self._plan_args(self.epoch if epoch is None else epoch))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start `epoch` from its beginning on the next iteration (no-op if already there)."""
+        if epoch != self.epoch:
+            self.epoch, self._batches_done, self._reader_state = epoch, 0, None
+
+    def __len__(self) -> int:
+        batches = self.plan().batches
+        if batches is None:
+            raise TypeError("this loader's length is unknown: its shards have no sample counts "
+                            "(read a folder with manifest.json)")
+        return batches
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._closed:
+            raise RuntimeError("the loader is closed")
+        if self._stage is not None:
+            raise RuntimeError("the loader is already being iterated; finish or close that "
+                               "iteration first")
+        plan, state = self.plan(), self._reader_state
+        self._report(plan)
+        stage: Stage[Produced] = Stage(lambda stop: self._produce(plan, state, stop),
+                                       depth=self.prefetch, name=f"shardflow-{self.kind}")
+        self._stage = stage
+        try:
+            for batch, reader_state, ready in stage:
+                if ready is not None:
+                    _wait(ready)
+                self._reader_state, self._batches_done = reader_state, self._batches_done + 1
+                yield batch
+            self.epoch, self._batches_done, self._reader_state = self.epoch + 1, 0, None
+        finally:
+            stage.close()
+            self._stage = None
+
+    def _report(self, plan: EpochPlan) -> None:
+        if plan.dropped and self._batches_done == 0:
+            log.warning("epoch %d: each of %d ranks reads %s samples; %d samples are left out "
+                        "this epoch so that every rank runs the same number of batches",
+                        plan.epoch, plan.world_size, plan.length, plan.dropped)
+
+    @abstractmethod
+    def _produce(self, plan: EpochPlan, reader_state: dict[str, Any] | None,
+                 stop: threading.Event) -> Iterator[Produced]:
+        """The batches of `plan`'s epoch from `reader_state` on (None: from the start)."""
+
+    # -- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch handed out (JSON-compatible, credential-free)."""
+        return {"version": STATE_VERSION, "kind": self.kind, "source": self.source.describe(),
+                "world_size": self.world_size, "rank": self.rank, "seed": self.seed,
+                "reader": self.reader, "epoch": self.epoch, "batches": self._batches_done,
+                "reader_state": self._reader_state, "skipped": len(self.skips)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state`; raises ValueError naming what differs from this loader."""
+        mine = self.state_dict()
+        for field in ("version", "kind", "source", "world_size", "rank", "seed", "reader"):
+            if state.get(field) != mine[field]:
+                raise ValueError(f"loader state does not match this loader: {field} is "
+                                 f"{state.get(field)!r} in the state, {mine[field]!r} here; build "
+                                 "the loader as it was when the state was saved")
+        self.epoch, self._batches_done = int(state["epoch"]), int(state["batches"])
+        self._reader_state = state["reader_state"]
+
+    # -- skips and lifetime ----------------------------------------------------------------
+
+    @property
+    def skipped(self) -> list[dict[str, str]]:
+        """Every sample skipped so far (shard URL, key, reason, detail)."""
+        return list(self.skips.entries)
+
+    def skip_counts(self) -> dict[str, int]:
+        return self.skips.counts()
+
+    def close(self) -> None:
+        if self._stage is not None:
+            self._stage.close()
+            self._stage = None
+        self._closed = True
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _wait(ready: Any) -> None:
+    import torch
+
+    torch.cuda.current_stream().wait_event(ready)  # the copy on the side stream is done

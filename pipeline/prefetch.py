@@ -1,0 +1,119 @@
+"""Prefetching: bounded background stages, and host-to-device copies on a side CUDA stream.
+
+A `Stage` runs a generator in its own thread and hands its items over a bounded queue, so a
+slow consumer stops the producer instead of letting memory grow; an exception raised in the
+producer is re-raised in the consumer, and `close()` stops and joins the thread.
+
+On CUDA, a batch is copied from pinned host memory on a side stream (so the copy overlaps the
+training step on the default stream) and normalized there; the consumer's stream waits on an
+event recorded after the copy, before it touches the tensors.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+_DONE = object()
+POLL_S = 0.1  # how often a blocked put/get rechecks whether the stage was closed
+
+
+class _Raised:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class Stage(Generic[T]):
+    """Iterate `produce(stop)` in a thread, `depth` items ahead of the consumer."""
+
+    def __init__(self, produce: Callable[[threading.Event], Iterator[T]], *, depth: int,
+                 name: str) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(produce,), name=name,
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, produce: Callable[[threading.Event], Iterator[T]]) -> None:
+        try:
+            for item in produce(self._stop):
+                if not self._put(item):
+                    return
+            self._put(_DONE)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer thread
+            self._put(_Raised(exc))
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> Iterator[T]:
+        while True:
+            item = self._get()
+            if item is _DONE:
+                return
+            if isinstance(item, _Raised):
+                raise item.exc
+            yield item
+
+    def _get(self) -> Any:
+        while True:
+            try:
+                return self._queue.get(timeout=POLL_S)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    return _Raised(RuntimeError(f"{self._thread.name} stopped without a word"))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class DeviceCopier:
+    """Moves host batches to `device`: pinned memory, a side stream, normalization there."""
+
+    def __init__(self, device: Any, mean: tuple[float, ...] | None,
+                 std: tuple[float, ...] | None, channels_first: bool) -> None:
+        import torch
+
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        shape = (1, -1, 1, 1) if channels_first else (1, 1, 1, -1)
+        self.mean = None if mean is None else torch.tensor(mean, device=self.device).view(shape)
+        self.std = None if std is None else torch.tensor(std, device=self.device).view(shape)
+
+    def pinned(self, array: Any) -> Any:
+        """A host tensor over `array` (numpy), in pinned memory when copying to a GPU."""
+        import torch
+
+        tensor = torch.from_numpy(array)
+        return tensor.pin_memory() if self.cuda else tensor
+
+    def __call__(self, image: Any, label: Any) -> tuple[Any, Any, Any]:
+        """(image, label, ready event or None). Normalizes when mean/std are set."""
+        import torch
+
+        if not self.cuda:
+            return self._normalize(image), label, None
+        assert self.stream is not None
+        with torch.cuda.stream(self.stream):
+            image = image.to(self.device, non_blocking=True)  # pinned: truly asynchronous
+            label = label.to(self.device, non_blocking=True)
+            image = self._normalize(image)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        return image, label, ready
+
+    def _normalize(self, image: Any) -> Any:
+        if self.mean is None or self.std is None:
+            return image
+        return (image.float() - self.mean) / self.std

@@ -1,0 +1,270 @@
+"""The image loader on real shards: both readers, ranks, resume, shuffling, bad data."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import jpeg_bytes, make_image_folder, run_tool
+
+from pipeline import image_loader
+from pipeline.builtin import make_image_folder as builtin_images
+from pipeline.errors import DataError
+
+OPTS = {"size": 32, "threads": 1, "shuffle_buffer": 16}
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """60 images in 10 classes, 8 per shard (8 shards, the last one short)."""
+    root = tmp_path_factory.mktemp("imgshards")
+    src = builtin_images(root / "src", per_class=6, size=48)
+    run_tool("make_shards", "imagefolder", src, root / "out", "--max-count", 8, check=True)
+    return root / "out"
+
+
+def epoch(loader) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
+    keys, images, labels = [], [], []
+    for batch in loader:
+        keys += batch.keys
+        images.append(batch.image)
+        labels.append(batch.label)
+    return keys, images, labels
+
+
+@pytest.fixture(scope="module")
+def http_url(shards: Path):
+    """The shard folder served on 127.0.0.1 by a server the test starts and stops."""
+    handler = functools.partial(_QuietHandler, directory=str(shards))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_batches_hold_decoded_images_labels_and_keys(shards):
+    with image_loader(shards, batch_size=16, device="cpu", **OPTS) as loader:
+        assert len(loader) == 4 and loader.reader == "dali"
+        keys, images, labels = epoch(loader)
+    assert sorted(keys) == sorted(set(keys)) and len(keys) == 60
+    assert [tuple(i.shape) for i in images] == [(16, 3, 32, 32)] * 3 + [(12, 3, 32, 32)]
+    assert images[0].dtype == torch.uint8 and images[0].float().std() > 10
+    label_of = {k: int(k[:2]) for k in keys}  # builtin class folders are 00_circle, 01_...
+    assert [label_of[k] for k in keys] == torch.cat(labels).tolist()
+
+
+def test_local_dali_stream_and_http_give_the_same_epoch(shards, http_url):
+    def run(source, reader):
+        with image_loader(source, batch_size=16, train=False, device="cpu", reader=reader,
+                          **OPTS) as loader:
+            return epoch(loader)
+
+    dali, stream, http = run(shards, "dali"), run(shards, "stream"), run(http_url, "auto")
+    assert dali[0] == stream[0] == http[0]  # eval: no shuffling, same order
+    for a, b, c in zip(dali[1], stream[1], http[1], strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    train = [set(epoch(image_loader(src, batch_size=16, device="cpu", reader=r, **OPTS))[0])
+             for src, r in ((shards, "dali"), (http_url, "stream"))]
+    assert train[0] == train[1] == set(dali[0])
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_ranks_are_disjoint_cover_and_run_equal_batches(shards, world_size, caplog):
+    per_rank = []
+    for rank in range(world_size):
+        loader = image_loader(shards, batch_size=5, device="cpu", rank=rank,
+                              world_size=world_size, **OPTS)
+        keys = epoch(loader)[0]
+        per_rank.append(keys)
+        assert len(loader) == -(-len(keys) // 5)
+        plan = loader.plan(0)
+    lengths = {len(k) for k in per_rank}
+    assert len(lengths) == 1, "every rank reads the same number of samples"
+    everything = [k for keys in per_rank for k in keys]
+    assert len(everything) == len(set(everything)), "ranks overlap"
+    assert len(everything) + plan.dropped == 60, "read + dropped must be the whole epoch"
+    if plan.dropped:
+        assert "left out" in caplog.text
+
+
+def test_more_ranks_than_shards_is_an_error_at_build(shards):
+    with pytest.raises(ValueError, match="cannot feed 9 ranks"):
+        image_loader(shards, batch_size=4, device="cpu", rank=0, world_size=9, **OPTS)
+
+
+@pytest.mark.parametrize("reader", ["dali", "stream"])
+def test_resume_mid_epoch_gives_exactly_the_rest(shards, reader):
+    make = functools.partial(image_loader, shards, batch_size=8, device="cpu", seed=3,
+                             reader=reader, **OPTS)
+    full = make()
+    epoch(full)  # epoch 0 passes; the snapshot is taken in epoch 1
+    it = iter(full)
+    for _ in range(3):
+        next(it)
+    state = full.state_dict()
+    rest = list(it)
+    resumed = make()
+    resumed.load_state_dict(state)
+    again = list(resumed)
+    assert [b.keys for b in again] == [b.keys for b in rest] and len(rest) == 5
+    for a, b in zip(again, rest, strict=True):
+        assert torch.equal(a.image, b.image) and torch.equal(a.label, b.label)
+    assert resumed.epoch == full.epoch == 2
+
+
+def test_state_from_another_loader_is_refused(shards):
+    state = image_loader(shards, batch_size=8, device="cpu", **OPTS).state_dict()
+    other = image_loader(shards, batch_size=8, device="cpu", seed=1, **OPTS)
+    with pytest.raises(ValueError, match="seed"):
+        other.load_state_dict(state)
+    two = image_loader(shards, batch_size=8, device="cpu", rank=0, world_size=2, **OPTS)
+    with pytest.raises(ValueError, match="world_size"):
+        two.load_state_dict(state)
+
+
+def test_shuffling_is_seeded_per_epoch(shards):
+    def order(seed, ep):
+        loader = image_loader(shards, batch_size=60, device="cpu", seed=seed, **OPTS)
+        loader.set_epoch(ep)
+        return epoch(loader)[0]
+
+    assert order(0, 0) == order(0, 0)
+    assert order(0, 0) != order(1, 0) and order(0, 0) != order(0, 1)
+    assert sorted(order(0, 1)) == sorted(order(1, 0))
+
+
+def test_nhwc_float_normalized_and_eval_center_crop(shards):
+    loader = image_loader(shards, batch_size=10, device="cpu", layout="NHWC", normalize=True,
+                          train=False, **OPTS)
+    batch = next(iter(loader))
+    assert batch.image.shape == (10, 32, 32, 3) and batch.image.dtype == torch.float32
+    assert -3 < batch.image.mean() < 3 and batch.image.std() > 0.2
+
+
+def _bad_shards(tmp_path: Path, corrupt: dict[str, bytes]) -> Path:
+    src = make_image_folder(tmp_path / "src", classes=2, per_class=6)
+    out = tmp_path / "out"
+    run_tool("make_shards", "imagefolder", src, out, "--max-count", 4, check=True)
+    shard = out / "train-000001.tar"
+    raw = bytearray(shard.read_bytes())
+    lines = (out / "train-000001.idx").read_text().splitlines()[1:]
+    for line in lines:
+        f = line.split()
+        for i in range(0, len(f), 4):
+            name, off, size = f[i + 3], int(f[i + 1]), int(f[i + 2])
+            if name in corrupt:
+                new = corrupt[name][:size].ljust(size, b"\0")
+                raw[off: off + size] = new
+    shard.write_bytes(bytes(raw))
+    return out
+
+
+def _corrupt_scan(seed: int) -> bytes:
+    """A JPEG whose header is fine but whose entropy-coded data is garbage."""
+    good = jpeg_bytes(seed)
+    rng = np.random.default_rng(seed)
+    return good[:400] + rng.integers(0, 256, len(good) - 400, dtype=np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("reader", ["dali", "stream"])
+def test_corrupt_jpeg_raises_naming_shard_and_key_or_is_skipped(tmp_path, reader):
+    bad = {"class0_img004.jpg": _corrupt_scan(1), "class0_img005.cls": b"7"}
+    out = _bad_shards(tmp_path, bad)
+    with pytest.raises(DataError) as info:
+        epoch(image_loader(out, batch_size=4, train=False, device="cpu", reader=reader, **OPTS))
+    assert "train-000001.tar" in str(info.value)
+    assert "class0_img004" in str(info.value) or "class0_img005" in str(info.value)
+    loader = image_loader(out, batch_size=4, train=False, device="cpu", reader=reader,
+                          on_error="skip", **OPTS)
+    keys = epoch(loader)[0]
+    assert loader.skip_counts() == {"bad-image": 1, "label-out-of-range": 1}
+    assert {e["key"] for e in loader.skipped} == {"class0_img004", "class0_img005"}
+    assert len(keys) + len(loader.skipped) == 12 and "class0_img004" not in keys
+
+
+def _png_declaring(width: int, height: int) -> bytes:
+    """A tiny PNG whose header claims width x height (a decompression bomb's calling card)."""
+    import struct
+    import zlib
+
+    raw = jpeg_bytes(0, size=(4, 4), fmt="PNG")
+    ihdr = struct.pack(">II", width, height) + raw[24:29]
+    crc = struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
+    return raw[:16] + ihdr + crc + raw[33:]
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_missing_label_bad_bytes_and_pixel_bomb_are_caught_before_decode(tmp_path, policy):
+    from pipeline.shardwriter import ShardWriter
+
+    writer = ShardWriter(tmp_path, "train", max_count=100, max_size=10**8)
+    samples = [{"__key__": f"good{i}", "jpg": jpeg_bytes(i), "cls": b"1"} for i in range(5)]
+    samples[1:1] = [{"__key__": "nolabel", "jpg": jpeg_bytes(9)},
+                    {"__key__": "bomb", "png": _png_declaring(100_000, 100_000), "cls": b"0"},
+                    {"__key__": "noise", "jpg": b"\xff\xd8" + bytes(300), "cls": b"0"}]
+    for sample in samples:
+        writer.write(sample)
+    writer.finish()
+    make = functools.partial(image_loader, [str(tmp_path / "train-000000.tar")], batch_size=4,
+                             device="cpu", on_error=policy, **OPTS)
+    if policy == "raise":
+        with pytest.raises(DataError, match="train-000000.tar.*'(nolabel|bomb|noise)'"):
+            epoch(make())
+        return
+    loader = make()
+    keys = epoch(loader)[0]
+    assert sorted(keys) == [f"good{i}" for i in range(5)]
+    assert loader.skip_counts() == {"bad-image": 1, "missing-field": 1, "too-many-pixels": 1}
+
+
+def test_truncated_shard_is_refused_up_front_or_skipped_whole(tmp_path):
+    src = make_image_folder(tmp_path / "src", classes=2, per_class=4)
+    out = tmp_path / "out"
+    run_tool("make_shards", "imagefolder", src, out, "--max-count", 4, check=True)
+    shard = out / "train-000001.tar"
+    shard.write_bytes(shard.read_bytes()[:3000])
+    with pytest.raises(DataError, match="train-000001.tar.*truncated"):
+        image_loader(out, batch_size=4, device="cpu", **OPTS)
+    loader = image_loader(out, batch_size=4, device="cpu", on_error="skip", **OPTS)
+    assert len(epoch(loader)[0]) == 4 and loader.skip_counts() == {"truncated": 1}
+
+
+def test_missing_shards_are_listed_together(shards, tmp_path):
+    pattern = str(shards / "train-{000006..000009}.tar")
+    with pytest.raises(FileNotFoundError, match="2 of 4 shards are missing.*000008.*000009"):
+        image_loader(pattern, batch_size=4, device="cpu")
+
+
+@pytest.mark.parametrize("option, value", [("batch_size", 0), ("size", -1), ("layout", "CHW"),
+                                           ("on_error", "ignore"), ("crop_scale", (0.5, 0.1)),
+                                           ("device", "tpu"), ("reader", "fast")])
+def test_invalid_options_name_the_option(shards, option, value):
+    kwargs = {"batch_size": 4, option: value}
+    with pytest.raises(ValueError, match=option):
+        image_loader(shards, **kwargs)
+
+
+def test_unknown_option_is_refused(shards):
+    with pytest.raises(TypeError, match="colour"):
+        image_loader(shards, batch_size=4, colour=True)
+
+
+@pytest.mark.gpu
+def test_gpu_mixed_decode_gives_batches_on_the_device(shards):
+    with image_loader(shards, batch_size=16, device="gpu", normalize=True, **OPTS) as loader:
+        batch = next(iter(loader))
+    assert batch.image.is_cuda and batch.image.dtype == torch.float32
+    assert batch.image.shape == (16, 3, 32, 32) and batch.label.is_cuda
