@@ -31,6 +31,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) tools/bench_convert.py --out bench-out
+	$(PY) tools/bench_loader.py --json bench-out/loader.json
 
 clean:
 	rm -rf demo-out bench-out .pytest_cache

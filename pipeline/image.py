@@ -60,7 +60,9 @@ class ImageConfig:
     shuffle_buffer: int = 1024
     reader: ReaderKind = "auto"
     max_pixels: int = 64_000_000
+    interp: Literal["linear", "triangular", "cubic"] = "linear"
     antialias: bool = True
+    fast_idct: bool = False
     hw_decoder_load: float = 0.65
     allow_pipe: bool = False
 
@@ -70,6 +72,7 @@ class ImageConfig:
         _choice(self, "device", ("auto", "cpu", "gpu"))
         _choice(self, "reader", ("auto", "dali", "stream"))
         _choice(self, "layout", ("NCHW", "NHWC"))
+        _choice(self, "interp", ("linear", "triangular", "cubic"))
         if self.shuffle_buffer < 0:
             raise ValueError(f"shuffle_buffer={self.shuffle_buffer}: use 0 for no shuffling")
         lo, hi = self.crop_scale
@@ -149,7 +152,7 @@ class ImageLoader(Loader):
         if reader == "dali":
             self.source = self._check_local_shards(source)
         self.num_classes = len(source.classes) if source.classes else None
-        self._graph: Any = None
+        self._graph_runner: image_graph.GraphRunner | None = None
         self._copier: DeviceCopier | None = None
 
     def _check_local_shards(self, source: Source) -> Source:
@@ -213,32 +216,28 @@ class ImageLoader(Loader):
         prepared = Stage(lambda s: self._prepared(plan, reader_state, s), depth=self.prefetch,
                          name="shardflow-image-reader")
         try:
-            for enc, (labels, windows) in prepared:
+            for (enc, (labels, _)), images in self._runner.run(prepared, self._on_failure):
                 if stop.is_set():
                     return
-                images = self._decode(enc, labels, windows)
-                yield self._to_device(enc, labels, images)
+                yield self._to_device(enc, labels, self._empty() if images is None else images)
         finally:
             prepared.close()
 
-    def _decode(self, enc: EncodedBatch, labels: list[int], windows: list[Any]) -> np.ndarray:
-        if not len(enc):
-            return self._empty()
-        try:
-            return self._run_graph(enc, windows)
-        except RuntimeError as exc:
-            if "Critical error" not in str(exc) and "DALI" not in str(exc):
-                raise
-            bad = self._undecodable(enc)
-            if not bad:
-                raise
-            self._graph = None  # a failed DALI pipeline is not reused
-            for i in reversed(bad):
-                del labels[i], windows[i]
-            return self._decode(enc, labels, windows)
+    def _on_failure(self, item: tuple[EncodedBatch, list[Any]], exc: Exception
+                    ) -> tuple[EncodedBatch, list[Any]]:
+        """A batch failed to decode: find the samples PIL cannot decode (each raised or
+        skipped); re-raise if there is none, since then the failure is not the data's."""
+        enc, (labels, windows) = item
+        bad = self._undecodable(enc)
+        if not bad:
+            raise exc
+        for i in reversed(bad):
+            for column in (enc.keys, enc.urls, enc.data, enc.labels, labels, windows):
+                del column[i]
+        return enc, [labels, windows]
 
     def _undecodable(self, enc: EncodedBatch) -> list[int]:
-        """Indices of the samples PIL cannot fully decode; each is raised or skipped."""
+        """Indices of the samples PIL cannot fully decode; each one is raised or recorded."""
         bad = []
         for i in range(len(enc)):
             try:
@@ -247,23 +246,28 @@ class ImageLoader(Loader):
                 bad.append(i)
                 handle(err.located(source=enc.urls[i], key=enc.keys[i]), self.on_error,
                        self.skips)
-        for i in reversed(bad):
-            enc.drop(i)
         return bad
 
-    def _run_graph(self, enc: EncodedBatch, windows: list[Any]) -> np.ndarray:
-        if self._graph is None:
-            self._graph = image_graph.build(self._spec(), batch_size=self.batch_size,
-                                            num_threads=self.cfg.threads,
-                                            device_id=self._device_id(), seed=self.seed)
-        self._graph.feed_input("encoded", enc.data)
+    @property
+    def _runner(self) -> image_graph.GraphRunner:
+        if self._graph_runner is None:
+            self._graph_runner = image_graph.GraphRunner(
+                self._build_graph, self._feed, _to_numpy, lambda item: not len(item[0]),
+                depth=2)
+        return self._graph_runner
+
+    def _build_graph(self, depth: int) -> Any:
+        return image_graph.build(self._spec(), batch_size=self.batch_size,
+                                 num_threads=self.cfg.threads, device_id=self._device_id(),
+                                 seed=self.seed, prefetch_depth=depth)
+
+    def _feed(self, graph: Any, item: tuple[EncodedBatch, list[Any]]) -> None:
+        enc, (_labels, windows) = item
+        graph.feed_input("encoded", enc.data)
         if self.cfg.train:
-            self._graph.feed_input("anchor", [np.array([w.x, w.y], np.int32) for w in windows])
-            self._graph.feed_input("shape", [np.array([w.width, w.height], np.int32)
-                                             for w in windows])
-            self._graph.feed_input("flip", [np.array(int(w.flip), np.int32) for w in windows])
-        (out,) = self._graph.run()
-        return out
+            graph.feed_input("anchor", [np.array([w.x, w.y], np.int32) for w in windows])
+            graph.feed_input("shape", [np.array([w.width, w.height], np.int32) for w in windows])
+            graph.feed_input("flip", [np.array(int(w.flip), np.int32) for w in windows])
 
     def _spec(self) -> image_graph.GraphSpec:
         c = self.cfg
@@ -271,7 +275,8 @@ class ImageLoader(Loader):
         in_graph = c.normalize and self.device == "cpu"
         return image_graph.GraphSpec(
             train=c.train, size=c.size, device=self.device, layout=c.layout,
-            normalize=in_graph, antialias=c.antialias, hw_decoder_load=c.hw_decoder_load,
+            normalize=in_graph, interp=c.interp, antialias=c.antialias, fast_idct=c.fast_idct,
+            hw_decoder_load=c.hw_decoder_load,
             mean=c.mean, std=c.std)
 
     def _device_id(self) -> int | None:
@@ -302,7 +307,7 @@ class ImageLoader(Loader):
 
     def close(self) -> None:
         super().close()
-        self._graph = None
+        self._graph_runner = None
 
 
 def _to_numpy(out: Any) -> np.ndarray:

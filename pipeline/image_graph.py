@@ -13,8 +13,12 @@ Normalization runs in the graph only when asked for there; by default images lea
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
+
+T = TypeVar("T")
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -31,7 +35,9 @@ class GraphSpec:
     layout: Layout = "NCHW"
     normalize: bool = False  # float output, normalized inside the graph
     crop_fraction: float = 0.875
+    interp: Literal["linear", "triangular", "cubic"] = "linear"
     antialias: bool = True
+    fast_idct: bool = False  # libjpeg-turbo's faster, slightly less exact integer IDCT
     hw_decoder_load: float = 0.65
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
@@ -42,12 +48,12 @@ INPUTS = ("encoded", "anchor", "shape", "flip")  # the last three only when trai
 
 def build(spec: GraphSpec, *, batch_size: int, num_threads: int, device_id: int | None,
           seed: int, prefetch_depth: int = 2) -> Any:
-    """A built DALI pipeline whose inputs are fed with `feed_input(name, ...)` per batch."""
+    """A built DALI pipeline whose inputs are fed with `feed_input(name, ...)` per batch and
+    run with `schedule_run()` / `outputs()` (see GraphRunner)."""
     from nvidia.dali import pipeline_def
 
     @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
-                  seed=seed, prefetch_queue_depth=prefetch_depth, exec_async=False,
-                  exec_pipelined=False)
+                  seed=seed, prefetch_queue_depth=prefetch_depth)
     def graph() -> Any:
         return _graph(spec)
 
@@ -62,8 +68,11 @@ def _graph(spec: GraphSpec) -> Any:
     encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
     flip: Any = 0
     decode_device = "mixed" if spec.device == "gpu" else "cpu"
-    extra = {"hw_decoder_load": spec.hw_decoder_load} if spec.device == "gpu" else {}
-    interp = types.INTERP_LINEAR if not spec.antialias else types.INTERP_TRIANGULAR
+    extra: dict[str, Any] = {"use_fast_idct": spec.fast_idct}
+    if spec.device == "gpu":
+        extra["hw_decoder_load"] = spec.hw_decoder_load
+    interp = {"linear": types.INTERP_LINEAR, "triangular": types.INTERP_TRIANGULAR,
+              "cubic": types.INTERP_CUBIC}[spec.interp]
     if spec.train:
         anchor = fn.external_source(name="anchor", dtype=types.INT32, ndim=1)
         shape = fn.external_source(name="shape", dtype=types.INT32, ndim=1)
@@ -91,3 +100,67 @@ def _finish(images: Any, flip: Any, crop: tuple[int, int] | None, spec: GraphSpe
     return fn.crop_mirror_normalize(
         images, mirror=flip, crop=crop, output_layout="CHW" if spec.layout == "NCHW" else "HWC",
         dtype=types.FLOAT if spec.normalize else types.UINT8, **norm)
+
+
+class GraphRunner:
+    """Runs a graph up to `depth` batches ahead of its consumer (DALI's pipelined executor),
+    pairing every output with the batch that went in. Empty batches (every sample skipped)
+    pass through in their place with output None, so the batch count never changes.
+
+    When an iteration fails, `on_failure(item, error)` gets the batch that went in: it
+    returns the batch to run again (its bad samples removed; possibly empty) or raises. The
+    graph is then rebuilt and every batch still in flight is fed again.
+    """
+
+    def __init__(self, build: Callable[[int], Any], feed: Callable[[Any, Any], None],
+                 fetch: Callable[[Any], Any], is_empty: Callable[[Any], bool],
+                 depth: int) -> None:
+        self.build, self.feed, self.fetch, self.is_empty = build, feed, fetch, is_empty
+        self.depth = max(1, depth)
+        self.graph: Any = None
+
+    def run(self, items: Iterator[T], on_failure: Callable[[T, Exception], T]
+            ) -> Iterator[tuple[T, Any]]:
+        source = iter(items)
+        pending: deque[list[Any]] = deque()  # [item, fed into the current graph?]
+        while True:
+            self._fill(source, pending)
+            if not pending:
+                return
+            head = pending[0][0]
+            if self.is_empty(head):
+                pending.popleft()
+                yield head, None
+                continue
+            if self.graph is None:
+                self._start(pending)
+            try:
+                (out,) = self.graph.outputs()
+                result = self.fetch(out)
+            except RuntimeError as exc:
+                self.graph = None  # a pipeline that failed is not used again
+                pending[0][0] = on_failure(head, exc)
+                for entry in pending:
+                    entry[1] = False
+                continue
+            pending.popleft()
+            yield head, result
+
+    def _fill(self, source: Iterator[T], pending: deque[list[Any]]) -> None:
+        while len(pending) < self.depth and (item := next(source, None)) is not None:
+            entry = [item, False]
+            pending.append(entry)
+            if self.graph is not None and not self.is_empty(item):
+                self.feed(self.graph, item)
+                self.graph.schedule_run()
+                entry[1] = True
+
+    def _start(self, pending: deque[list[Any]]) -> None:
+        """Build the graph and feed what is waiting: its first scheduled run prefetches that
+        many iterations at once."""
+        waiting = [e for e in pending if not self.is_empty(e[0])]
+        self.graph = self.build(len(waiting))
+        for entry in waiting:
+            self.feed(self.graph, entry[0])
+            entry[1] = True
+        self.graph.schedule_run()

@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""Image loader throughput: shardflow beside the baselines of shared/BENCHMARKS.md.
+
+    python tools/bench_loader.py [--images 800] [--batch-size 64] [--repeats 3] [--json PATH]
+
+Same JPEG bytes for everyone (a photo-like corpus as an image folder and as shards), same work
+(random-resized-crop 224, flip, uint8 out), same batch size and thread count; contenders run
+alternately after a warm-up, and every figure is a median of the repeats. Ratios are against
+baselines measured in this same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cliutil import positive_int, setup_logging  # noqa: E402
+
+from pipeline import bench_image as bi  # noqa: E402
+from pipeline.bench import alternate  # noqa: E402
+from pipeline.builtin import make_photo_corpus  # noqa: E402
+from pipeline.convert import ConvertConfig, convert  # noqa: E402
+
+BASELINES = {"torchvision-style uint8": "tv", "webdataset + PIL": "wds",
+             "DALI by hand": "dali", "DALI decode only": "decode"}
+
+
+def build_corpus(work: Path, images: int, batch: int, threads: int) -> bi.Corpus:
+    folder = make_photo_corpus(work / "photos", count=images)
+    convert(ConvertConfig(kind="imagefolder", src=str(folder), out=work / "shards",
+                          max_count=max(images // 8, 1), workers=threads))
+    return bi.Corpus(folder, work / "shards", images, batch, threads)
+
+
+def contenders(c: bi.Corpus) -> dict[str, Any]:
+    return {"shardflow": bi.Ours(c), "torchvision-style uint8": bi.TorchvisionStyle(c),
+            "webdataset + PIL": bi.WebdatasetPil(c), "DALI by hand": bi.DaliByHand(c),
+            "DALI decode only": bi.DaliByHand(c, decode_only=True),
+            "shardflow float": bi.Ours(c, normalize=True),
+            "torchvision-style float": bi.TorchvisionStyle(c, normalize=True)}
+
+
+def overlap(c: bi.Corpus, batch_seconds: float) -> float:
+    """Epoch time with a stand-in accelerator step (a sleep: no CPU) equal to the loader's
+    batch time, over max(total step time, loader epoch time); 1.0 is perfect overlap."""
+    ours = bi.Ours(c)
+    ours.epoch()  # warm
+    batches = 0
+    start = time.perf_counter()
+    for _ in ours.loader:
+        time.sleep(batch_seconds)
+        batches += 1
+    elapsed = time.perf_counter() - start
+    return elapsed / max(batches * batch_seconds, batch_seconds * len(ours.loader))
+
+
+def memory_growth(c: bi.Corpus, epochs: int) -> list[float]:
+    ours = bi.Ours(c)
+    readings = []
+    for _ in range(epochs):
+        ours.epoch()
+        readings.append(round(bi.rss_mb(), 1))
+    return readings
+
+
+def report(c: bi.Corpus, timings: Any, runs: dict[str, Any], args: argparse.Namespace
+           ) -> dict[str, Any]:
+    rate = {name: timings.rate(name, c.images) for name in runs}
+    ratios = {f"shardflow/{short}": round(timings.ratio("shardflow", name), 3)
+              for name, short in BASELINES.items()}
+    ratios["shardflow float/torchvision-style float"] = round(
+        timings.ratio("shardflow float", "torchvision-style float"), 3)
+    batch_s = timings.median("shardflow") / -(-c.images // c.batch_size)
+    return {
+        "images": c.images, "batch_size": c.batch_size, "threads": c.threads,
+        "repeats": args.repeats, "torchvision": runs["torchvision-style uint8"].flavour,
+        "images_per_s": {k: round(v, 1) for k, v in rate.items()}, "ratios": ratios,
+        "cpu_s_per_image": {k: round(statistics.median(timings.cpu[k]) / c.images, 5)
+                            for k in runs},
+        "time_to_first_batch_s": round(statistics.median(
+            bi.time_to_first_batch(c) for _ in range(3)), 3),
+        "overlap": round(overlap(c, batch_s), 3),
+        "rss_mb_after_each_epoch": memory_growth(c, args.epochs),
+        "peak_rss_mb": round(bi.resource.getrusage(bi.resource.RUSAGE_SELF).ru_maxrss / 1e3, 1),
+    }
+
+
+def print_table(r: dict[str, Any]) -> str:
+    lines = [f"{r['images']} photo-like JPEGs, batch {r['batch_size']}, {r['threads']} threads,"
+             f" median of {r['repeats']} (torchvision: {r['torchvision']})", "",
+             "| loader | images/s | CPU-s/image |", "|---|---|---|"]
+    lines += [f"| {k} | {v} | {r['cpu_s_per_image'][k]} |" for k, v in r["images_per_s"].items()]
+    lines += ["", "| ratio | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in r["ratios"].items()]
+    lines += ["", f"time to first batch: {r['time_to_first_batch_s']} s; overlap: "
+              f"{r['overlap']} (1.0 = perfect); RSS after each epoch (MB): "
+              f"{r['rss_mb_after_each_epoch']}; peak RSS {r['peak_rss_mb']} MB"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--images", type=positive_int, default=800)
+    p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--epochs", type=positive_int, default=4, help="for the memory figure")
+    p.add_argument("--work", type=Path, default=Path("bench-out/loader-work"))
+    p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    args = p.parse_args(argv)
+    setup_logging(quiet=True)
+    shutil.rmtree(args.work, ignore_errors=True)
+    corpus = build_corpus(args.work, args.images, args.batch_size, args.threads)
+    runs = contenders(corpus)
+    timings = alternate({k: v.epoch for k, v in runs.items()}, repeats=args.repeats,
+                        cpu_clock=bi.cpu_seconds)
+    result = report(corpus, timings, runs, args)
+    table = print_table(result)
+    print(table)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        args.json.with_suffix(".md").write_text(table + "\n")
+    shutil.rmtree(args.work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
