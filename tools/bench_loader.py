@@ -12,6 +12,7 @@ baselines measured in this same run.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -49,18 +50,18 @@ def contenders(c: bi.Corpus) -> dict[str, Any]:
             "torchvision-style float": bi.TorchvisionStyle(c, normalize=True)}
 
 
-def overlap(c: bi.Corpus, batch_seconds: float) -> float:
+def overlap(c: bi.Corpus, loader_epoch_s: float) -> float:
     """Epoch time with a stand-in accelerator step (a sleep: no CPU) equal to the loader's
-    batch time, over max(total step time, loader epoch time); 1.0 is perfect overlap."""
+    batch time, over max(total step time, loader epoch time); 1.0 is perfect overlap. The
+    epoch's first batch (filling the shuffle buffer) counts, as it does in training."""
     ours = bi.Ours(c)
     ours.epoch()  # warm
-    batches = 0
+    step = loader_epoch_s / len(ours.loader)
     start = time.perf_counter()
     for _ in ours.loader:
-        time.sleep(batch_seconds)
-        batches += 1
+        time.sleep(step)
     elapsed = time.perf_counter() - start
-    return elapsed / max(batches * batch_seconds, batch_seconds * len(ours.loader))
+    return elapsed / max(step * len(ours.loader), loader_epoch_s)
 
 
 def memory_growth(c: bi.Corpus, epochs: int) -> list[float]:
@@ -68,6 +69,7 @@ def memory_growth(c: bi.Corpus, epochs: int) -> list[float]:
     readings = []
     for _ in range(epochs):
         ours.epoch()
+        gc.collect()  # count what is kept, not garbage not yet collected
         readings.append(round(bi.rss_mb(), 1))
     return readings
 
@@ -79,7 +81,6 @@ def report(c: bi.Corpus, timings: Any, runs: dict[str, Any], args: argparse.Name
               for name, short in BASELINES.items()}
     ratios["shardflow float/torchvision-style float"] = round(
         timings.ratio("shardflow float", "torchvision-style float"), 3)
-    batch_s = timings.median("shardflow") / -(-c.images // c.batch_size)
     return {
         "images": c.images, "batch_size": c.batch_size, "threads": c.threads,
         "repeats": args.repeats, "torchvision": runs["torchvision-style uint8"].flavour,
@@ -88,7 +89,7 @@ def report(c: bi.Corpus, timings: Any, runs: dict[str, Any], args: argparse.Name
                             for k in runs},
         "time_to_first_batch_s": round(statistics.median(
             bi.time_to_first_batch(c) for _ in range(3)), 3),
-        "overlap": round(overlap(c, batch_s), 3),
+        "overlap": round(overlap(c, timings.median("shardflow")), 3),
         "rss_mb_after_each_epoch": memory_growth(c, args.epochs),
         "peak_rss_mb": round(bi.resource.getrusage(bi.resource.RUSAGE_SELF).ru_maxrss / 1e3, 1),
     }
