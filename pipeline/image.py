@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pipeline import augment, image_graph, reader_dali, reader_stream
+from pipeline import augment, image_graph, reader_dali, reader_stream, resize
 from pipeline.batch import Batch, EncodedBatch
 from pipeline.checks import CheckLimits, check_image, check_label
 from pipeline.errors import DataError, OnError, check_on_error, handle
@@ -213,6 +213,8 @@ class ImageLoader(Loader):
 
     def _produce(self, plan: EpochPlan, reader_state: dict[str, Any] | None,
                  stop: threading.Event) -> Iterator[Produced]:
+        if self.device == "cpu":
+            resize.one_core_in_this_thread()  # this stage thread resizes (see resize.py)
         prepared = Stage(lambda s: self._prepared(plan, reader_state, s), depth=self.prefetch,
                          name="shardflow-image-reader")
         try:
@@ -252,7 +254,7 @@ class ImageLoader(Loader):
     def _runner(self) -> image_graph.GraphRunner:
         if self._graph_runner is None:
             self._graph_runner = image_graph.GraphRunner(
-                self._build_graph, self._feed, _to_numpy, lambda item: not len(item[0]),
+                self._build_graph, self._feed, self._fetch, lambda item: not len(item[0]),
                 depth=2)
         return self._graph_runner
 
@@ -267,16 +269,26 @@ class ImageLoader(Loader):
         if self.cfg.train:
             graph.feed_input("anchor", [np.array([w.x, w.y], np.int32) for w in windows])
             graph.feed_input("shape", [np.array([w.width, w.height], np.int32) for w in windows])
-            graph.feed_input("flip", [np.array(int(w.flip), np.int32) for w in windows])
+            if self.device == "gpu":  # the graph flips; on the CPU resize.py does
+                graph.feed_input("flip", [np.array(int(w.flip), np.int32) for w in windows])
+
+    def _fetch(self, out: Any, item: tuple[EncodedBatch, list[Any]]) -> Any:
+        """The graph's output as a host batch: resized here on the CPU (see resize.py)."""
+        if self.device == "gpu":
+            return _to_numpy(out)
+        windows, c = item[1][1], self.cfg
+        if c.train:
+            return resize.train_batch(resize.views(out), [w.flip for w in windows], c.size,
+                                      c.layout == "NCHW")
+        return resize.eval_batch(resize.views(out), c.size, 0.875, c.layout == "NCHW")
 
     def _spec(self) -> image_graph.GraphSpec:
         c = self.cfg
-        # On the CPU the graph normalizes (one pass fewer); on a GPU the copier does, on device.
-        in_graph = c.normalize and self.device == "cpu"
+        # On a GPU the graph does it all; on the CPU it decodes and torch resizes (resize.py).
         return image_graph.GraphSpec(
-            train=c.train, size=c.size, device=self.device, layout=c.layout,
-            normalize=in_graph, interp=c.interp, antialias=c.antialias, fast_idct=c.fast_idct,
-            hw_decoder_load=c.hw_decoder_load,
+            train=c.train, size=c.size, device=self.device, layout=c.layout, normalize=False,
+            interp=c.interp, antialias=c.antialias, fast_idct=c.fast_idct,
+            resize=self.device == "gpu", hw_decoder_load=c.hw_decoder_load,
             mean=c.mean, std=c.std)
 
     def _device_id(self) -> int | None:
@@ -289,20 +301,19 @@ class ImageLoader(Loader):
     def _empty(self) -> np.ndarray:
         c = self.cfg
         shape = (0, 3, c.size, c.size) if c.layout == "NCHW" else (0, c.size, c.size, 3)
-        return np.zeros(shape, np.float32 if c.normalize and self.device == "cpu" else np.uint8)
+        return np.zeros(shape, np.uint8)
 
     def _to_device(self, enc: EncodedBatch, labels: list[int], images: Any) -> Produced:
         import torch
 
         if self._copier is None:
-            on_device = self.cfg.normalize and self.device == "gpu"
+            norm = self.cfg.normalize
             self._copier = DeviceCopier(
-                "cuda" if self.device == "gpu" else "cpu",
-                self.cfg.mean if on_device else None, self.cfg.std if on_device else None,
-                self.cfg.layout == "NCHW")
-        host = images if isinstance(images, np.ndarray) else _to_numpy(images)
+                "cuda" if self.device == "gpu" else "cpu", self.cfg.mean if norm else None,
+                self.cfg.std if norm else None, self.cfg.layout == "NCHW")
+        host = self._copier.pinned(images)
         label = torch.tensor(labels, dtype=torch.int64)
-        image, label, ready = self._copier(self._copier.pinned(host), label)
+        image, label, ready = self._copier(host, label)
         return Batch(image=image, label=label, keys=list(enc.keys)), enc.state, ready
 
     def close(self) -> None:

@@ -38,12 +38,13 @@ class GraphSpec:
     interp: Literal["linear", "triangular", "cubic"] = "linear"
     antialias: bool = True
     fast_idct: bool = False  # libjpeg-turbo's faster, slightly less exact integer IDCT
+    resize: bool = True  # False: the graph only decodes (the CPU path resizes with torch)
     hw_decoder_load: float = 0.65
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
 
 
-INPUTS = ("encoded", "anchor", "shape", "flip")  # the last three only when training
+INPUTS = ("encoded", "anchor", "shape", "flip")  # anchor, shape: training; flip: and resize
 
 
 def build(spec: GraphSpec, *, batch_size: int, num_threads: int, device_id: int | None,
@@ -76,17 +77,21 @@ def _graph(spec: GraphSpec) -> Any:
     if spec.train:
         anchor = fn.external_source(name="anchor", dtype=types.INT32, ndim=1)
         shape = fn.external_source(name="shape", dtype=types.INT32, ndim=1)
-        flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
         images = fn.decoders.image_slice(encoded, anchor, shape, device=decode_device,
                                          output_type=types.RGB, adjust_orientation=False,
                                          normalized_anchor=False, normalized_shape=False,
                                          **extra)
+        if not spec.resize:
+            return images
+        flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
         images = fn.resize(images, resize_x=spec.size, resize_y=spec.size, interp_type=interp,
                            antialias=spec.antialias)
         crop: tuple[int, int] | None = None
     else:
         images = fn.decoders.image(encoded, device=decode_device, output_type=types.RGB,
                                    adjust_orientation=False, **extra)
+        if not spec.resize:
+            return images
         images = fn.resize(images, resize_shorter=round(spec.size / spec.crop_fraction),
                            interp_type=interp, antialias=spec.antialias)
         crop = (spec.size, spec.size)
@@ -104,7 +109,8 @@ def _finish(images: Any, flip: Any, crop: tuple[int, int] | None, spec: GraphSpe
 
 class GraphRunner:
     """Runs a graph up to `depth` batches ahead of its consumer (DALI's pipelined executor),
-    pairing every output with the batch that went in. Empty batches (every sample skipped)
+    pairing every output with the batch that went in; `fetch(output, batch)` copies an
+    output out before the graph runs again. Empty batches (every sample skipped)
     pass through in their place with output None, so the batch count never changes.
 
     When an iteration fails, `on_failure(item, error)` gets the batch that went in: it
@@ -113,7 +119,7 @@ class GraphRunner:
     """
 
     def __init__(self, build: Callable[[int], Any], feed: Callable[[Any, Any], None],
-                 fetch: Callable[[Any], Any], is_empty: Callable[[Any], bool],
+                 fetch: Callable[[Any, Any], Any], is_empty: Callable[[Any], bool],
                  depth: int) -> None:
         self.build, self.feed, self.fetch, self.is_empty = build, feed, fetch, is_empty
         self.depth = max(1, depth)
@@ -136,7 +142,7 @@ class GraphRunner:
                 self._start(pending)
             try:
                 (out,) = self.graph.outputs()
-                result = self.fetch(out)
+                result = self.fetch(out, head)  # before the next run reuses the buffers
             except RuntimeError as exc:
                 self.graph = None  # a pipeline that failed is not used again
                 pending[0][0] = on_failure(head, exc)

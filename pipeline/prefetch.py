@@ -92,10 +92,11 @@ class DeviceCopier:
         self.std = None if std is None else torch.tensor(std, device=self.device).view(shape)
 
     def pinned(self, array: Any) -> Any:
-        """A host tensor over `array` (numpy), in pinned memory when copying to a GPU."""
+        """A host tensor over `array` (numpy or torch), in pinned memory when copying to a
+        GPU (a pinned buffer is what makes the side-stream copy asynchronous)."""
         import torch
 
-        tensor = torch.from_numpy(array)
+        tensor = array if isinstance(array, torch.Tensor) else torch.from_numpy(array)
         return tensor.pin_memory() if self.cuda else tensor
 
     def __call__(self, image: Any, label: Any) -> tuple[Any, Any, Any]:

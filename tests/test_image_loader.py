@@ -56,6 +56,7 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 
 def test_batches_hold_decoded_images_labels_and_keys(shards):
+    threads = torch.get_num_threads()
     with image_loader(shards, batch_size=16, device="cpu", **OPTS) as loader:
         assert len(loader) == 4 and loader.reader == "dali"
         keys, images, labels = epoch(loader)
@@ -64,6 +65,7 @@ def test_batches_hold_decoded_images_labels_and_keys(shards):
     assert images[0].dtype == torch.uint8 and images[0].float().std() > 10
     label_of = {k: int(k[:2]) for k in keys}  # builtin class folders are 00_circle, 01_...
     assert [label_of[k] for k in keys] == torch.cat(labels).tolist()
+    assert torch.get_num_threads() == threads  # the loader leaves the consumer's torch alone
 
 
 def test_local_dali_stream_and_http_give_the_same_epoch(shards, http_url):
