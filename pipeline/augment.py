@@ -103,3 +103,10 @@ def _central(width: int, height: int, ratio: tuple[float, float]) -> tuple[int, 
     if aspect > ratio[1]:
         return max(1, round(height * ratio[1])), height
     return width, height
+
+
+def center_crop(width: int, height: int, crop_fraction: float) -> CropParams:
+    """The evaluation window: a centred square, `crop_fraction` of the shorter side (the same
+    pixels as resizing the shorter side to size / crop_fraction and cropping size x size)."""
+    side = max(1, round(min(width, height) * crop_fraction))
+    return CropParams((width - side) // 2, (height - side) // 2, side, side, False)

@@ -25,6 +25,7 @@ class EncodedBatch:
     data: list[np.ndarray]  # the encoded image (or document, or cloud) bytes, uint8 1-D
     labels: list[bytes | None]  # raw `.cls` members; None where the sample has none
     state: dict[str, Any] = field(default_factory=dict)
+    skips: list[dict[str, str]] = field(default_factory=list)  # dropped on the way here
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -39,7 +40,9 @@ class Batch:
     """A batch on the target device. `keys` lets a user audit exactly what was read.
 
     `image` is uint8 (N, C, H, W) or (N, H, W, C) as configured, or float32 when normalized;
-    `label` is int64 (N,).
+    `label` is int64 (N,). Under on_error="skip" a batch can be smaller than batch_size, or
+    even empty (N == 0) when every sample in it was bad: every rank still runs the same
+    number of batches, so a training step must accept (and may skip) an empty batch.
     """
 
     image: Any  # torch.Tensor

@@ -1,5 +1,5 @@
 """The image loader: shards -> (DALI or streaming reader) -> checks and crop windows ->
-DALI decode-and-augment graph -> device copy -> `Batch(image, label, keys)`.
+DALI decode graph -> resize/flip (CPU: torch; GPU: in the graph) -> `Batch(image, label, keys)`.
 
     from pipeline import image_loader
     with image_loader("shards/train", batch_size=256) as loader:
@@ -7,9 +7,9 @@ DALI decode-and-augment graph -> device copy -> `Batch(image, label, keys)`.
             ...  # batch.image: uint8 NCHW on the device; batch.label; batch.keys
 
 Two background stages overlap with the consumer: the reader stage (read, check labels and
-image headers, draw crop windows) and the decode stage (DALI graph, copy to the device).
-A DALI decode failure is traced to its sample(s) by decoding each one with PIL; under
-`on_error="skip"` they are dropped and counted and the batch is decoded again without them.
+image headers, choose crop windows) and the decode stage (image_decode.py). Every sample's
+window comes from its header before decoding: a random-resized crop drawn from (seed, epoch,
+key) when training, the centre crop when evaluating, so memory is bounded by the output size.
 """
 
 from __future__ import annotations
@@ -22,14 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
-
-from pipeline import augment, image_graph, reader_dali, reader_stream, resize
-from pipeline.batch import Batch, EncodedBatch
-from pipeline.checks import CheckLimits, check_image, check_label
-from pipeline.errors import DataError, OnError, check_on_error, handle
+from pipeline import augment, image_graph, reader_dali, reader_stream
+from pipeline.batch import EncodedBatch
+from pipeline.checks import check_label
+from pipeline.errors import DataError, OnError, SkipLog, check_on_error, handle
+from pipeline.image_decode import DecodeStage
 from pipeline.loader import Loader, Produced
-from pipeline.prefetch import DeviceCopier, Stage
+from pipeline.prefetch import Stage
 from pipeline.readplan import EpochPlan
 from pipeline.shardlist import ShardSpec, Source, resolve
 from pipeline.urls import is_remote
@@ -37,6 +36,10 @@ from pipeline.urls import is_remote
 log = logging.getLogger(__name__)
 Device = Literal["auto", "cpu", "gpu"]
 ReaderKind = Literal["auto", "dali", "stream"]
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -51,16 +54,18 @@ class ImageConfig:
     size: int = 224
     crop_scale: tuple[float, float] = (0.08, 1.0)
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    crop_fraction: float = 0.875  # eval: the centre crop's share of the shorter side
     layout: image_graph.Layout = "NCHW"
     normalize: bool = False  # float32 normalized with mean/std instead of uint8
     mean: tuple[float, float, float] = image_graph.IMAGENET_MEAN
     std: tuple[float, float, float] = image_graph.IMAGENET_STD
-    threads: int = field(default_factory=lambda: os.cpu_count() or 1)
+    num_classes: int | None = None  # labels must be below it (default: the manifest's classes)
+    threads: int = field(default_factory=_cores)
     prefetch: int = 2
     shuffle_buffer: int = 1024
     reader: ReaderKind = "auto"
     max_pixels: int = 64_000_000
-    interp: Literal["linear", "triangular", "cubic"] = "linear"
+    interp: Literal["linear", "triangular", "cubic"] = "linear"  # GPU graph resize filter
     antialias: bool = True
     fast_idct: bool = False
     hw_decoder_load: float = 0.65
@@ -75,13 +80,14 @@ class ImageConfig:
         _choice(self, "interp", ("linear", "triangular", "cubic"))
         if self.shuffle_buffer < 0:
             raise ValueError(f"shuffle_buffer={self.shuffle_buffer}: use 0 for no shuffling")
-        lo, hi = self.crop_scale
-        if not 0 < lo <= hi <= 1:
-            raise ValueError(f"crop_scale={self.crop_scale}: need 0 < low <= high <= 1")
-        if not 0 < self.crop_ratio[0] <= self.crop_ratio[1]:
-            raise ValueError(f"crop_ratio={self.crop_ratio}: need 0 < low <= high")
+        _range(self, "crop_scale", 0, 1)
+        _range(self, "crop_ratio", 0, float("inf"))
+        if not 0 < self.crop_fraction <= 1:
+            raise ValueError(f"crop_fraction={self.crop_fraction}: a share in (0, 1]")
         if not 0 <= self.hw_decoder_load <= 1:
             raise ValueError(f"hw_decoder_load={self.hw_decoder_load}: a share in [0, 1]")
+        if self.num_classes is not None and self.num_classes < 1:
+            raise ValueError(f"num_classes={self.num_classes}: must be positive (or None)")
 
 
 def _positive(cfg: object, *names: str) -> None:
@@ -94,6 +100,12 @@ def _positive(cfg: object, *names: str) -> None:
 def _choice(cfg: object, name: str, choices: tuple[str, ...]) -> None:
     if getattr(cfg, name) not in choices:
         raise ValueError(f"{name}={getattr(cfg, name)!r}: choose one of {', '.join(choices)}")
+
+
+def _range(cfg: object, name: str, low: float, high: float) -> None:
+    lo, hi = getattr(cfg, name)
+    if not low < lo <= hi <= high:
+        raise ValueError(f"{name}={getattr(cfg, name)}: need {low} < low <= high <= {high}")
 
 
 def image_loader(source: str | Path | Sequence[str], *, batch_size: int, train: bool = True,
@@ -124,16 +136,18 @@ def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
-def resolve_device(device: Device) -> Literal["cpu", "gpu"]:
+def resolve_device(device: Device) -> tuple[Literal["cpu", "gpu"], int | None]:
+    """The decode device and, on a GPU, the CUDA index, read in the calling thread (the
+    current device is per thread: under torchrun each rank has set its own)."""
     import torch
 
     if device == "gpu" and not torch.cuda.is_available():
         raise ValueError("device='gpu' but CUDA is not available here; use device='cpu' or "
                          "'auto'")
-    chosen: Literal["cpu", "gpu"] = "gpu" if device == "gpu" or (
-        device == "auto" and torch.cuda.is_available()) else "cpu"
-    log.info("image loader: decode and augment on %s (device=%r)", chosen, device)
-    return chosen
+    gpu = device == "gpu" or (device == "auto" and torch.cuda.is_available())
+    log.info("image loader: decode and augment on %s (device=%r)", "gpu" if gpu else "cpu",
+             device)
+    return ("gpu", torch.cuda.current_device()) if gpu else ("cpu", None)
 
 
 class ImageLoader(Loader):
@@ -143,27 +157,18 @@ class ImageLoader(Loader):
 
     def __init__(self, source: Source, cfg: ImageConfig, rank: int, world_size: int) -> None:
         self.cfg = cfg
-        self.device = resolve_device(cfg.device)
+        self.device, self.cuda_index = resolve_device(cfg.device)
         reader = _pick_reader(source, cfg.reader)
+        early = SkipLog()
+        if reader == "dali":  # before planning: a dropped shard changes the plan
+            source = _check_local_shards(source, cfg.on_error, early)
         super().__init__(source, batch_size=cfg.batch_size, seed=cfg.seed, rank=rank,
                          world_size=world_size, shuffle=cfg.train,
                          shuffle_buffer=cfg.shuffle_buffer, on_error=cfg.on_error,
                          prefetch=cfg.prefetch, reader=reader)
-        if reader == "dali":
-            self.source = self._check_local_shards(source)
-        self.num_classes = len(source.classes) if source.classes else None
-        self._graph_runner: image_graph.GraphRunner | None = None
-        self._copier: DeviceCopier | None = None
-
-    def _check_local_shards(self, source: Source) -> Source:
-        good = []
-        for shard in source.shards:
-            try:
-                reader_dali.check_local_shard(shard.url)
-                good.append(shard)
-            except DataError as err:
-                handle(err, self.on_error, self.skips)
-        return Source(tuple(good), source.classes, source.modality)
+        self.skips.extend(early.entries)
+        self.num_classes = cfg.num_classes or (len(source.classes) if source.classes else None)
+        self._decoder = DecodeStage(cfg, self.device, self.cuda_index, self.batch_size)
 
     # -- the reader stage ------------------------------------------------------------------
 
@@ -171,7 +176,7 @@ class ImageLoader(Loader):
                  ) -> Iterator[EncodedBatch]:
         if self.reader == "dali":
             return reader_dali.batches(plan, state)
-        return reader_stream.batches(plan, state, self.on_error, self.skips)
+        return reader_stream.batches(plan, state, self.on_error)
 
     def _prepared(self, plan: EpochPlan, state: dict[str, Any] | None,
                   stop: threading.Event) -> Iterator[tuple[EncodedBatch, list[Any]]]:
@@ -183,17 +188,17 @@ class ImageLoader(Loader):
     def _check_and_place(self, enc: EncodedBatch, epoch: int) -> list[Any]:
         """Drop (or raise on) samples with a bad label or image header; crop windows for the
         rest. Returns [labels, windows] aligned with what is left in `enc`."""
-        labels, windows = [], []
+        labels, windows, skips = [], [], SkipLog()
         for i in reversed(range(len(enc))):
             try:
                 label, window = self._check_one(enc, i, epoch)
             except DataError as err:
-                handle(err.located(source=enc.urls[i], key=enc.keys[i]), self.on_error,
-                       self.skips)
+                handle(err.located(source=enc.urls[i], key=enc.keys[i]), self.on_error, skips)
                 enc.drop(i)
                 continue
             labels.append(label)
             windows.append(window)
+        enc.skips.extend(reversed(skips.entries))
         return [labels[::-1], windows[::-1]]
 
     def _check_one(self, enc: EncodedBatch, i: int, epoch: int) -> tuple[int, Any]:
@@ -204,7 +209,7 @@ class ImageLoader(Loader):
         label = check_label(enc.labels[i] or b"", self.num_classes)
         width, height = augment.check_pixels(enc.data[i].tobytes(), self.cfg.max_pixels)
         if not self.cfg.train:
-            return label, None
+            return label, augment.center_crop(width, height, self.cfg.crop_fraction)
         rng = augment.sample_rng(self.seed, epoch, enc.keys[i])
         return label, augment.random_resized_crop(rng, width, height, self.cfg.crop_scale,
                                                   self.cfg.crop_ratio)
@@ -213,119 +218,30 @@ class ImageLoader(Loader):
 
     def _produce(self, plan: EpochPlan, reader_state: dict[str, Any] | None,
                  stop: threading.Event) -> Iterator[Produced]:
-        if self.device == "cpu":
-            resize.one_core_in_this_thread()  # this stage thread resizes (see resize.py)
+        self._decoder.enter_thread()
         prepared = Stage(lambda s: self._prepared(plan, reader_state, s), depth=self.prefetch,
-                         name="shardflow-image-reader")
+                         name="shardflow-image-reader", parent_stop=stop)
         try:
-            for (enc, (labels, _)), images in self._runner.run(prepared, self._on_failure):
-                if stop.is_set():
-                    return
-                yield self._to_device(enc, labels, self._empty() if images is None else images)
+            yield from self._decoder.run(prepared, stop)
         finally:
             prepared.close()
 
-    def _on_failure(self, item: tuple[EncodedBatch, list[Any]], exc: Exception
-                    ) -> tuple[EncodedBatch, list[Any]]:
-        """A batch failed to decode: find the samples PIL cannot decode (each raised or
-        skipped); re-raise if there is none, since then the failure is not the data's."""
-        enc, (labels, windows) = item
-        bad = self._undecodable(enc)
-        if not bad:
-            raise exc
-        for i in reversed(bad):
-            for column in (enc.keys, enc.urls, enc.data, enc.labels, labels, windows):
-                del column[i]
-        return enc, [labels, windows]
-
-    def _undecodable(self, enc: EncodedBatch) -> list[int]:
-        """Indices of the samples PIL cannot fully decode; each one is raised or recorded."""
-        bad = []
-        for i in range(len(enc)):
-            try:
-                check_image(enc.data[i].tobytes(), CheckLimits(max_pixels=self.cfg.max_pixels))
-            except DataError as err:
-                bad.append(i)
-                handle(err.located(source=enc.urls[i], key=enc.keys[i]), self.on_error,
-                       self.skips)
-        return bad
-
-    @property
-    def _runner(self) -> image_graph.GraphRunner:
-        if self._graph_runner is None:
-            self._graph_runner = image_graph.GraphRunner(
-                self._build_graph, self._feed, self._fetch, lambda item: not len(item[0]),
-                depth=2)
-        return self._graph_runner
-
-    def _build_graph(self, depth: int) -> Any:
-        return image_graph.build(self._spec(), batch_size=self.batch_size,
-                                 num_threads=self.cfg.threads, device_id=self._device_id(),
-                                 seed=self.seed, prefetch_depth=depth)
-
-    def _feed(self, graph: Any, item: tuple[EncodedBatch, list[Any]]) -> None:
-        enc, (_labels, windows) = item
-        graph.feed_input("encoded", enc.data)
-        if self.cfg.train:
-            graph.feed_input("anchor", [np.array([w.x, w.y], np.int32) for w in windows])
-            graph.feed_input("shape", [np.array([w.width, w.height], np.int32) for w in windows])
-            if self.device == "gpu":  # the graph flips; on the CPU resize.py does
-                graph.feed_input("flip", [np.array(int(w.flip), np.int32) for w in windows])
-
-    def _fetch(self, out: Any, item: tuple[EncodedBatch, list[Any]]) -> Any:
-        """The graph's output as a host batch: resized here on the CPU (see resize.py)."""
-        if self.device == "gpu":
-            return _to_numpy(out)
-        windows, c = item[1][1], self.cfg
-        if c.train:
-            return resize.train_batch(resize.views(out), [w.flip for w in windows], c.size,
-                                      c.layout == "NCHW")
-        return resize.eval_batch(resize.views(out), c.size, 0.875, c.layout == "NCHW")
-
-    def _spec(self) -> image_graph.GraphSpec:
-        c = self.cfg
-        # On a GPU the graph does it all; on the CPU it decodes and torch resizes (resize.py).
-        return image_graph.GraphSpec(
-            train=c.train, size=c.size, device=self.device, layout=c.layout, normalize=False,
-            interp=c.interp, antialias=c.antialias, fast_idct=c.fast_idct,
-            resize=self.device == "gpu", hw_decoder_load=c.hw_decoder_load,
-            mean=c.mean, std=c.std)
-
-    def _device_id(self) -> int | None:
-        if self.device == "cpu":
-            return None
-        import torch
-
-        return torch.cuda.current_device()
-
-    def _empty(self) -> np.ndarray:
-        c = self.cfg
-        shape = (0, 3, c.size, c.size) if c.layout == "NCHW" else (0, c.size, c.size, 3)
-        return np.zeros(shape, np.uint8)
-
-    def _to_device(self, enc: EncodedBatch, labels: list[int], images: Any) -> Produced:
-        import torch
-
-        if self._copier is None:
-            norm = self.cfg.normalize
-            self._copier = DeviceCopier(
-                "cuda" if self.device == "gpu" else "cpu", self.cfg.mean if norm else None,
-                self.cfg.std if norm else None, self.cfg.layout == "NCHW")
-        host = self._copier.pinned(images)
-        label = torch.tensor(labels, dtype=torch.int64)
-        image, label, ready = self._copier(host, label)
-        return Batch(image=image, label=label, keys=list(enc.keys)), enc.state, ready
-
     def close(self) -> None:
         super().close()
-        self._graph_runner = None
+        self._decoder.close()
 
 
-def _to_numpy(out: Any) -> np.ndarray:
-    """A DALI TensorList as one numpy array (GPU outputs are first brought to the host)."""
-    if hasattr(out, "as_cpu"):
-        out = out.as_cpu()
-    return np.array(out.as_tensor())
+def _check_local_shards(source: Source, on_error: OnError, skips: SkipLog) -> Source:
+    good = []
+    for shard in source.shards:
+        try:
+            reader_dali.check_local_shard(shard.url)
+            good.append(shard)
+        except DataError as err:
+            lost = f"; its {shard.samples} samples are lost" if shard.samples else ""
+            handle(DataError(err.reason, err.detail + lost, source=err.source), on_error,
+                   skips)
+    return Source(tuple(good), source.classes, source.modality)
 
 
 def _pick_reader(source: Source, reader: ReaderKind) -> str:

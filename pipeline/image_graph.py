@@ -1,14 +1,14 @@
-"""The DALI decode-and-augment graph for images; the device is a parameter.
+"""The DALI decode graph for images; the device is a parameter.
 
-    encoded bytes, crop window, flip  (external_source, fed per batch by the loader)
-      train: decoders.image_slice (region-of-interest decode of the window) -> resize to size
-      eval:  decoders.image -> resize (shorter side = size / crop_fraction)
-      -> crop_mirror_normalize: flip, centre crop (eval), layout, uint8 or normalized float
+    encoded bytes, crop window (anchor, shape), flip   (external_source, fed per batch)
+      -> decoders.image_slice: region-of-interest decode of the window
+      -> with `resize`: resize to size x size and crop_mirror_normalize (flip, layout)
 
-`device="cpu"` runs everything on the CPU (`device_id=None`); `device="gpu"` decodes with
-nvJPEG ("mixed", `hw_decoder_load` of it on the hardware decoder) and augments on the GPU.
-Normalization runs in the graph only when asked for there; by default images leave as uint8
-(4x fewer bytes) and the prefetcher normalizes them on the device.
+The window is chosen in Python from the image header (a random-resized crop when training,
+the centre crop when evaluating), so one graph serves both. `device="cpu"` decodes on the CPU
+(`device_id=None`) and leaves resizing to torch (resize.py measured faster there);
+`device="gpu"` decodes with nvJPEG ("mixed", `hw_decoder_load` of it on the hardware decoder)
+and resizes and flips on the GPU. Images leave as uint8; normalization is done on the device.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 T = TypeVar("T")
-
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 Layout = Literal["NHWC", "NCHW"]
@@ -29,22 +28,17 @@ Layout = Literal["NHWC", "NCHW"]
 class GraphSpec:
     """What the graph computes. Built once per loader (and again after a decode failure)."""
 
-    train: bool
     size: int
     device: Literal["cpu", "gpu"]
     layout: Layout = "NCHW"
-    normalize: bool = False  # float output, normalized inside the graph
-    crop_fraction: float = 0.875
     interp: Literal["linear", "triangular", "cubic"] = "linear"
     antialias: bool = True
     fast_idct: bool = False  # libjpeg-turbo's faster, slightly less exact integer IDCT
     resize: bool = True  # False: the graph only decodes (the CPU path resizes with torch)
     hw_decoder_load: float = 0.65
-    mean: tuple[float, float, float] = IMAGENET_MEAN
-    std: tuple[float, float, float] = IMAGENET_STD
 
 
-INPUTS = ("encoded", "anchor", "shape", "flip")  # anchor, shape: training; flip: and resize
+INPUTS = ("encoded", "anchor", "shape", "flip")  # flip only when the graph resizes
 
 
 def build(spec: GraphSpec, *, batch_size: int, num_threads: int, device_id: int | None,
@@ -67,44 +61,24 @@ def _graph(spec: GraphSpec) -> Any:
     from nvidia.dali import fn, types
 
     encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
-    flip: Any = 0
-    decode_device = "mixed" if spec.device == "gpu" else "cpu"
+    anchor = fn.external_source(name="anchor", dtype=types.INT32, ndim=1)
+    shape = fn.external_source(name="shape", dtype=types.INT32, ndim=1)
     extra: dict[str, Any] = {"use_fast_idct": spec.fast_idct}
     if spec.device == "gpu":
         extra["hw_decoder_load"] = spec.hw_decoder_load
+    images = fn.decoders.image_slice(encoded, anchor, shape,
+                                     device="mixed" if spec.device == "gpu" else "cpu",
+                                     output_type=types.RGB, adjust_orientation=False,
+                                     normalized_anchor=False, normalized_shape=False, **extra)
+    if not spec.resize:
+        return images
     interp = {"linear": types.INTERP_LINEAR, "triangular": types.INTERP_TRIANGULAR,
               "cubic": types.INTERP_CUBIC}[spec.interp]
-    if spec.train:
-        anchor = fn.external_source(name="anchor", dtype=types.INT32, ndim=1)
-        shape = fn.external_source(name="shape", dtype=types.INT32, ndim=1)
-        images = fn.decoders.image_slice(encoded, anchor, shape, device=decode_device,
-                                         output_type=types.RGB, adjust_orientation=False,
-                                         normalized_anchor=False, normalized_shape=False,
-                                         **extra)
-        if not spec.resize:
-            return images
-        flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
-        images = fn.resize(images, resize_x=spec.size, resize_y=spec.size, interp_type=interp,
-                           antialias=spec.antialias)
-        crop: tuple[int, int] | None = None
-    else:
-        images = fn.decoders.image(encoded, device=decode_device, output_type=types.RGB,
-                                   adjust_orientation=False, **extra)
-        if not spec.resize:
-            return images
-        images = fn.resize(images, resize_shorter=round(spec.size / spec.crop_fraction),
-                           interp_type=interp, antialias=spec.antialias)
-        crop = (spec.size, spec.size)
-    return _finish(images, flip, crop, spec)
-
-
-def _finish(images: Any, flip: Any, crop: tuple[int, int] | None, spec: GraphSpec) -> Any:
-    from nvidia.dali import fn, types
-
-    norm = {"mean": list(spec.mean), "std": list(spec.std)} if spec.normalize else {}
-    return fn.crop_mirror_normalize(
-        images, mirror=flip, crop=crop, output_layout="CHW" if spec.layout == "NCHW" else "HWC",
-        dtype=types.FLOAT if spec.normalize else types.UINT8, **norm)
+    flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
+    images = fn.resize(images, resize_x=spec.size, resize_y=spec.size, interp_type=interp,
+                       antialias=spec.antialias)
+    return fn.crop_mirror_normalize(images, mirror=flip, dtype=types.UINT8,
+                                    output_layout="CHW" if spec.layout == "NCHW" else "HWC")
 
 
 class GraphRunner:
@@ -124,11 +98,24 @@ class GraphRunner:
         self.build, self.feed, self.fetch, self.is_empty = build, feed, fetch, is_empty
         self.depth = max(1, depth)
         self.graph: Any = None
+        self.built_depth = self.depth
 
     def run(self, items: Iterator[T], on_failure: Callable[[T, Exception], T]
             ) -> Iterator[tuple[T, Any]]:
-        source = iter(items)
         pending: deque[list[Any]] = deque()  # [item, fed into the current graph?]
+        try:
+            yield from self._run(iter(items), pending, on_failure)
+        finally:
+            if any(fed for _, fed in pending) or self.built_depth < self.depth:
+                # Abandoned with batches inside (a `break`, close(), an error), or shallow
+                # after a rebuild: a later pass must not get their outputs.
+                self.graph = None
+
+    def close(self) -> None:
+        self.graph = None
+
+    def _run(self, source: Iterator[T], pending: deque[list[Any]],
+             on_failure: Callable[[T, Exception], T]) -> Iterator[tuple[T, Any]]:
         while True:
             self._fill(source, pending)
             if not pending:
@@ -165,7 +152,7 @@ class GraphRunner:
         """Build the graph and feed what is waiting: its first scheduled run prefetches that
         many iterations at once."""
         waiting = [e for e in pending if not self.is_empty(e[0])]
-        self.graph = self.build(len(waiting))
+        self.graph, self.built_depth = self.build(len(waiting)), len(waiting)
         for entry in waiting:
             self.feed(self.graph, entry[0])
             entry[1] = True

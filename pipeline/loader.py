@@ -23,7 +23,10 @@ from pipeline.shardlist import Source
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 1
-Produced = tuple[Any, dict[str, Any], Any]  # (batch, reader state after it, ready event)
+# (batch, reader state after it, CUDA event the batch is ready at or None, samples skipped
+# on the way to it): skips are committed when the batch is handed out, so that a batch read
+# ahead but never consumed is not counted, and a resumed loader counts each skip once.
+Produced = tuple[Any, dict[str, Any], Any, list[dict[str, str]]]
 
 
 class Loader(ABC):
@@ -57,6 +60,7 @@ class Loader(ABC):
 
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` from its beginning on the next iteration (no-op if already there)."""
+        self._not_iterating("set_epoch")
         if epoch != self.epoch:
             self.epoch, self._batches_done, self._reader_state = epoch, 0, None
 
@@ -79,12 +83,14 @@ class Loader(ABC):
                                        depth=self.prefetch, name=f"shardflow-{self.kind}")
         self._stage = stage
         try:
-            for batch, reader_state, ready in stage:
+            for batch, reader_state, ready, skipped in stage:
                 if ready is not None:
-                    _wait(ready)
+                    _wait(ready, batch)
                 self._reader_state, self._batches_done = reader_state, self._batches_done + 1
+                self.skips.extend(skipped)
                 yield batch
-            self.epoch, self._batches_done, self._reader_state = self.epoch + 1, 0, None
+            if stage.completed:  # not when close() ended the pass early
+                self.epoch, self._batches_done, self._reader_state = self.epoch + 1, 0, None
         finally:
             stage.close()
             self._stage = None
@@ -103,22 +109,37 @@ class Loader(ABC):
     # -- state -----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The position after the last batch handed out (JSON-compatible, credential-free)."""
+        """The position after the last batch handed out: JSON-compatible, credential-free
+        (shard URLs appear only as a fingerprint), with every skip so far."""
         return {"version": STATE_VERSION, "kind": self.kind, "source": self.source.describe(),
-                "world_size": self.world_size, "rank": self.rank, "seed": self.seed,
-                "reader": self.reader, "epoch": self.epoch, "batches": self._batches_done,
-                "reader_state": self._reader_state, "skipped": len(self.skips)}
+                "source_fingerprint": self.source.fingerprint(), "world_size": self.world_size,
+                "rank": self.rank, "seed": self.seed, "reader": self.reader,
+                "batch_size": self.batch_size, "shuffle": self.shuffle,
+                "shuffle_buffer": self.shuffle_buffer, "epoch": self.epoch,
+                "batches": self._batches_done, "reader_state": self._reader_state,
+                "skipped": list(self.skips.entries)}
+
+    _MUST_MATCH = ("version", "kind", "source_fingerprint", "world_size", "rank", "seed",
+                   "reader", "batch_size", "shuffle", "shuffle_buffer")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`; raises ValueError naming what differs from this loader."""
+        self._not_iterating("load_state_dict")
         mine = self.state_dict()
-        for field in ("version", "kind", "source", "world_size", "rank", "seed", "reader"):
+        for field in self._MUST_MATCH:
             if state.get(field) != mine[field]:
-                raise ValueError(f"loader state does not match this loader: {field} is "
-                                 f"{state.get(field)!r} in the state, {mine[field]!r} here; build "
-                                 "the loader as it was when the state was saved")
+                what = "the shards (their names or counts)" if field == "source_fingerprint" \
+                    else f"{field}: {state.get(field)!r} in the state, {mine[field]!r} here"
+                raise ValueError(f"loader state does not match this loader; it differs in "
+                                 f"{what}. Build the loader as it was when the state was saved")
         self.epoch, self._batches_done = int(state["epoch"]), int(state["batches"])
         self._reader_state = state["reader_state"]
+        self.skips.entries = list(state.get("skipped", []))
+
+    def _not_iterating(self, what: str) -> None:
+        if self._stage is not None:
+            raise RuntimeError(f"{what}() while the loader is being iterated; call it between "
+                               "passes")
 
     # -- skips and lifetime ----------------------------------------------------------------
 
@@ -143,7 +164,12 @@ class Loader(ABC):
         self.close()
 
 
-def _wait(ready: Any) -> None:
+def _wait(ready: Any, batch: Any) -> None:
     import torch
 
-    torch.cuda.current_stream().wait_event(ready)  # the copy on the side stream is done
+    stream = torch.cuda.current_stream()
+    stream.wait_event(ready)  # the copy and normalization on the side stream are done
+    for tensor in (batch.image, batch.label):
+        # Made on the side stream, used on this one: tell the caching allocator, so it does
+        # not hand the memory to the next batch while this stream still reads it.
+        tensor.record_stream(stream)

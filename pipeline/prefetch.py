@@ -11,13 +11,16 @@ event recorded after the copy, before it touches the tensors.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
-_DONE = object()
+_DONE = object()  # the producer finished
+_STOPPED = object()  # the stage was closed before that
 POLL_S = 0.1  # how often a blocked put/get rechecks whether the stage was closed
 
 
@@ -27,12 +30,19 @@ class _Raised:
 
 
 class Stage(Generic[T]):
-    """Iterate `produce(stop)` in a thread, `depth` items ahead of the consumer."""
+    """Iterate `produce(stop)` in a thread, `depth` items ahead of the consumer.
+
+    `parent_stop` is the stop event of the stage that consumes this one (if any): a consumer
+    waiting here gives up when either is set, so closing an outer stage never waits on an
+    inner one that is blocked.
+    """
 
     def __init__(self, produce: Callable[[threading.Event], Iterator[T]], *, depth: int,
-                 name: str) -> None:
+                 name: str, parent_stop: threading.Event | None = None) -> None:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
+        self._parent_stop = parent_stop
+        self.completed = False  # True once the producer's last item was consumed
         self._thread = threading.Thread(target=self._run, args=(produce,), name=name,
                                         daemon=True)
         self._thread.start()
@@ -59,6 +69,9 @@ class Stage(Generic[T]):
         while True:
             item = self._get()
             if item is _DONE:
+                self.completed = True
+                return
+            if item is _STOPPED:
                 return
             if isinstance(item, _Raised):
                 raise item.exc
@@ -66,15 +79,21 @@ class Stage(Generic[T]):
 
     def _get(self) -> Any:
         while True:
+            if self._stop.is_set() or (self._parent_stop and self._parent_stop.is_set()):
+                return _STOPPED  # closed: end quietly, there is no one to report to
             try:
                 return self._queue.get(timeout=POLL_S)
             except queue.Empty:
                 if not self._thread.is_alive() and self._queue.empty():
                     return _Raised(RuntimeError(f"{self._thread.name} stopped without a word"))
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the producer and wait for its thread; warn (not hang) if it does not stop."""
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("%s did not stop within %.0f s (blocked in I/O?); it is a daemon "
+                        "thread and ends with the process", self._thread.name, timeout)
 
 
 class DeviceCopier:
@@ -84,7 +103,7 @@ class DeviceCopier:
                  std: tuple[float, ...] | None, channels_first: bool) -> None:
         import torch
 
-        self.device = torch.device(device)
+        self.device = torch.device(*device) if isinstance(device, tuple) else torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         shape = (1, -1, 1, 1) if channels_first else (1, 1, 1, -1)
@@ -97,7 +116,7 @@ class DeviceCopier:
         import torch
 
         tensor = array if isinstance(array, torch.Tensor) else torch.from_numpy(array)
-        return tensor.pin_memory() if self.cuda else tensor
+        return tensor.pin_memory() if self.cuda and not tensor.is_cuda else tensor
 
     def __call__(self, image: Any, label: Any) -> tuple[Any, Any, Any]:
         """(image, label, ready event or None). Normalizes when mean/std are set."""
@@ -107,7 +126,9 @@ class DeviceCopier:
             return self._normalize(image), label, None
         assert self.stream is not None
         with torch.cuda.stream(self.stream):
-            image = image.to(self.device, non_blocking=True)  # pinned: truly asynchronous
+            # From pinned memory the copy is asynchronous; a GPU-decoded batch is already here
+            # (written on this stream by DALI's feed_ndarray).
+            image = image.to(self.device, non_blocking=True)
             label = label.to(self.device, non_blocking=True)
             image = self._normalize(image)
             ready = torch.cuda.Event()

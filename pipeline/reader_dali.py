@@ -8,6 +8,7 @@ records the position: the state after each batch is `pipe.checkpoint()` at that 
 
 from __future__ import annotations
 
+import base64
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -32,7 +33,10 @@ def check_local_shard(url: str) -> int:
                         "tools/make_shards.py shards, or read through the streaming reader",
                         source=url)
     with open(idx) as f:
-        samples = parse_index(f.read())
+        try:
+            samples = parse_index(f.read())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise DataError("bad-index", f"{idx}: {exc}", source=url) from None
     end = max((off + size for s in samples for _, off, size, _ in s), default=0)
     if os.path.getsize(url) < end:
         raise DataError("truncated", f"the shard has {os.path.getsize(url)} bytes but its index "
@@ -70,16 +74,25 @@ def batches(plan: EpochPlan, state: dict[str, Any] | None) -> Iterator[EncodedBa
     if plan.length is None:
         raise ValueError("DALI's reader needs sample counts (manifest.json or .idx files)")
     length, emitted = plan.length, int(state["emitted"]) if state else 0
-    pipe = _build(plan, state["checkpoint"] if state else None)
+    pipe = _build(plan, _unpack(state["checkpoint"]) if state else None)
     try:
         while emitted < length:
             data, labels, info = pipe.run()
             take = min(plan.batch_size, length - emitted)  # the rest is padding
             emitted += take
             yield _encoded(data, labels, info, take, {"emitted": emitted,
-                                                      "checkpoint": pipe.checkpoint()})
+                                                      "checkpoint": _pack(pipe.checkpoint())})
     finally:
         del pipe  # DALI frees the pipeline's threads and buffers with the object
+
+
+def _pack(checkpoint: bytes) -> str:
+    """DALI's checkpoint (serialized bytes) as text, so that the loader state stays JSON."""
+    return base64.b64encode(checkpoint).decode("ascii")
+
+
+def _unpack(text: str) -> bytes:
+    return base64.b64decode(text)
 
 
 def _encoded(data: Any, labels: Any, info: Any, take: int, state: dict[str, Any]

@@ -2,11 +2,12 @@
 
     fetch thread: the rank's shards in epoch order, read ahead in bounded chunks
       -> tar parsing (tarread) -> bounded shuffle buffer seeded from (seed, epoch, rank)
-      -> the plan's length -> encoded batches
+      -> the plan's length -> encoded batches, padded with empty ones up to the plan's count
 
 The position is our own: the number of samples emitted this epoch. Resuming replays the epoch
 from its start (same shard order, same shuffle buffer draws) and skips what was emitted, so it
-continues with exactly the samples that would have come next.
+continues with exactly the samples that would have come next. Whatever is lost to bad data,
+a rank yields exactly `plan.batches` batches, so distributed ranks stay in step.
 """
 
 from __future__ import annotations
@@ -24,85 +25,109 @@ import numpy as np
 from pipeline.batch import EncodedBatch
 from pipeline.errors import DataError, OnError, SkipLog, handle
 from pipeline.readplan import EpochPlan
+from pipeline.shardlist import ShardSpec
 from pipeline.tarread import TarLimits, iter_samples
-from pipeline.urls import redact
+from pipeline.urls import redact, scrub
 
 log = logging.getLogger(__name__)
 CHUNK = 4 * 1024 * 1024
 READ_AHEAD_CHUNKS = 16  # at most 64 MiB of shard bytes waiting to be parsed
 IMAGE_EXTS = ("jpg", "png", "jpeg")
+POLL_S = 0.1
 _END = object()
 
 
-class _ChunkStream:
-    """A read-only file over the chunks of one shard that the fetch thread queues."""
+class _Shard:
+    """One shard's chunks, handed from the fetch thread to the parser. `cancel()` tells the
+    fetch thread to stop reading it (the parser gave up on it) and go on to the next."""
 
-    def __init__(self, chunks: queue.Queue[Any]) -> None:
-        self.chunks, self.buffer, self.done = chunks, b"", False
+    def __init__(self, spec: ShardSpec, stop: threading.Event) -> None:
+        self.spec, self.stop = spec, stop
+        self.chunks: queue.Queue[Any] = queue.Queue(maxsize=READ_AHEAD_CHUNKS)
+        self.cancelled = threading.Event()
+        self.buffer, self.pos, self.done = bytearray(), 0, False
+
+    def cancel(self) -> None:
+        self.cancelled.set()
 
     def read(self, n: int = -1) -> bytes:
-        while not self.done and (n < 0 or len(self.buffer) < n):
-            item = self.chunks.get()
+        while not self.done and (n < 0 or len(self.buffer) - self.pos < n):
+            item = _get(self.chunks, self.stop)
             if item is _END:
                 self.done = True
             elif isinstance(item, BaseException):
                 raise item
             else:
+                del self.buffer[: self.pos]  # keep the buffer to what is not read yet
+                self.pos = 0
                 self.buffer += item
-        if n < 0:
-            n = len(self.buffer)
-        out, self.buffer = self.buffer[:n], self.buffer[n:]
+        end = len(self.buffer) if n < 0 else min(len(self.buffer), self.pos + n)
+        out = bytes(self.buffer[self.pos: end])
+        self.pos = end
         return out
 
 
-class _Fetcher:
-    """Reads the shards one after another into a bounded queue of chunks, per shard."""
+def _get(q: queue.Queue[Any], stop: threading.Event) -> Any:
+    while not stop.is_set():
+        try:
+            return q.get(timeout=POLL_S)
+        except queue.Empty:
+            continue
+    return _END  # stopped: end the stream; the consumer is being closed
 
-    def __init__(self, urls: list[str]) -> None:
-        self.streams: queue.Queue[tuple[str, queue.Queue[Any]]] = queue.Queue(maxsize=2)
+
+class _Fetcher:
+    """Reads the shards one after another, each into a bounded queue of chunks."""
+
+    def __init__(self, specs: list[ShardSpec]) -> None:
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(urls,), daemon=True,
+        self.shards: queue.Queue[_Shard] = queue.Queue(maxsize=2)
+        self.thread = threading.Thread(target=self._run, args=(specs,), daemon=True,
                                        name="shardflow-fetch")
         self.thread.start()
 
-    def _run(self, urls: list[str]) -> None:
-        for url in urls:
-            chunks: queue.Queue[Any] = queue.Queue(maxsize=READ_AHEAD_CHUNKS)
-            if not self._put(self.streams, (url, chunks)):
+    def _run(self, specs: list[ShardSpec]) -> None:
+        for spec in specs:
+            shard = _Shard(spec, self.stop)
+            if not self._put(self.shards, shard, None):
                 return
-            try:
-                with fsspec.open(url, "rb") as f:
-                    while chunk := f.read(CHUNK):
-                        if not self._put(chunks, chunk):
-                            return
-            except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-                self._put(chunks, DataError("fetch-failed", f"reading the shard failed: {exc}",
-                                            source=redact(url)))
-            self._put(chunks, _END)
+            self._fetch(shard)
 
-    def _put(self, q: queue.Queue[Any], item: Any) -> bool:
-        while not self.stop.is_set():
+    def _fetch(self, shard: _Shard) -> None:
+        try:
+            with fsspec.open(shard.spec.url, "rb") as f:
+                while chunk := f.read(CHUNK):
+                    if not self._put(shard.chunks, chunk, shard):
+                        return
+        except Exception as exc:  # noqa: BLE001 - handed to the parser, which raises it
+            # The message may hold the URL, query string included: scrub it.
+            self._put(shard.chunks, DataError(
+                "fetch-failed", f"reading the shard failed: {type(exc).__name__}: "
+                f"{scrub(str(exc))}", source=redact(shard.spec.url)), shard)
+        self._put(shard.chunks, _END, shard)
+
+    def _put(self, q: queue.Queue[Any], item: Any, shard: _Shard | None) -> bool:
+        while not self.stop.is_set() and not (shard and shard.cancelled.is_set()):
             try:
-                q.put(item, timeout=0.1)
+                q.put(item, timeout=POLL_S)
                 return True
             except queue.Full:
                 continue
         return False
 
-    def shards(self, count: int) -> Iterator[tuple[str, _ChunkStream]]:
-        for _ in range(count):
-            url, chunks = self.streams.get()
-            yield url, _ChunkStream(chunks)
+    def next_shard(self) -> _Shard | None:
+        item = _get(self.shards, self.stop)  # type: ignore[arg-type]
+        return None if item is _END else item
 
     def close(self) -> None:
         self.stop.set()
-        self.thread.join()
+        self.thread.join(timeout=30)
 
 
 def samples(plan: EpochPlan, on_error: OnError, skips: SkipLog,
             limits: TarLimits) -> Iterator[dict[str, object]]:
     """The epoch's samples for this rank, shuffled through a bounded buffer."""
-    fetcher = _Fetcher([s.url for s in plan.shards])
+    fetcher = _Fetcher(list(plan.shards))
     try:
         stream = _read_all(fetcher, len(plan.shards), on_error, skips, limits)
         yield from _shuffled(stream, plan)
@@ -112,12 +137,27 @@ def samples(plan: EpochPlan, on_error: OnError, skips: SkipLog,
 
 def _read_all(fetcher: _Fetcher, count: int, on_error: OnError, skips: SkipLog,
               limits: TarLimits) -> Iterator[dict[str, object]]:
-    for url, stream in fetcher.shards(count):
+    for _ in range(count):
+        shard = fetcher.next_shard()
+        if shard is None:
+            return
+        read = 0
         try:
-            yield from iter_samples(stream, redact(url), limits=limits, on_error=on_error,  # type: ignore[arg-type]
-                                    skips=skips)
+            for sample in iter_samples(shard, redact(shard.spec.url), limits=limits,  # type: ignore[arg-type]
+                                       on_error=on_error, skips=skips):
+                read += 1
+                yield sample
         except DataError as err:
-            handle(err, on_error, skips)  # the rest of this shard is lost; named in the log
+            shard.cancel()  # the rest of this shard is not read
+            handle(_with_loss(err, shard.spec, read), on_error, skips)
+
+
+def _with_loss(err: DataError, spec: ShardSpec, read: int) -> DataError:
+    """Name how many samples the lost rest of a shard held, when the count is known."""
+    if spec.samples is None:
+        return err
+    return DataError(err.reason, f"{err.detail}; {max(spec.samples - read, 0)} samples of "
+                     "this shard are lost", source=err.source, key=err.key)
 
 
 def _shuffled(stream: Iterator[dict[str, object]], plan: EpochPlan
@@ -137,28 +177,41 @@ def _shuffled(stream: Iterator[dict[str, object]], plan: EpochPlan
     yield from buf
 
 
-def batches(plan: EpochPlan, state: dict[str, Any] | None, on_error: OnError, skips: SkipLog,
+def batches(plan: EpochPlan, state: dict[str, Any] | None, on_error: OnError,
             limits: TarLimits | None = None) -> Iterator[EncodedBatch]:
-    """Encoded batches for the epoch; `state` ({"emitted": n}) resumes after n samples."""
+    """Encoded batches for the epoch; `state` ({"emitted": n, "batches": b}) resumes after n
+    samples and b batches. Skips met while reading a batch travel with that batch."""
     skip_first = int(state["emitted"]) if state else 0
-    emitted, current = 0, EncodedBatch([], [], [], [])
-    replay = SkipLog(announce=False)  # skips met while replaying were reported before
-    for sample in samples(plan, on_error, replay if skip_first else skips, limits or TarLimits()):
+    done = int(state.get("batches", 0)) if state else 0
+    if plan.batches is not None and done >= plan.batches:
+        return
+    emitted, current, pending = 0, EncodedBatch([], [], [], []), SkipLog(announce=False)
+    for sample in samples(plan, on_error, pending, limits or TarLimits()):
         if plan.length is not None and emitted >= plan.length:
             break
         emitted += 1
         if emitted <= skip_first:
+            pending.entries.clear()  # met while replaying: reported by the earlier run
             continue
-        if emitted == skip_first + 1 and skip_first:
-            replay = skips  # noqa: F841 - from here on, skips are new
         _append(current, sample)
         if len(current) == plan.batch_size:
-            current.state = {"emitted": emitted}
-            yield current
+            done += 1
+            yield _finish(current, pending, emitted, done)
             current = EncodedBatch([], [], [], [])
-    if len(current):
-        current.state = {"emitted": emitted}
-        yield current
+    if len(current) or (pending.entries and (plan.batches is None or done < plan.batches)):
+        done += 1
+        yield _finish(current, pending, emitted, done)
+    # Skips still pending here were met beyond this rank's share of the epoch (read ahead
+    # past its even length): those samples are not part of this epoch on this rank.
+    while plan.batches is not None and done < plan.batches:  # samples were lost: keep step
+        done += 1
+        yield _finish(EncodedBatch([], [], [], []), pending, emitted, done)
+
+
+def _finish(batch: EncodedBatch, pending: SkipLog, emitted: int, done: int) -> EncodedBatch:
+    batch.state = {"emitted": emitted, "batches": done}
+    batch.skips, pending.entries = list(pending.entries), []
+    return batch
 
 
 def _append(batch: EncodedBatch, sample: dict[str, object]) -> None:

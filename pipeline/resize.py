@@ -44,27 +44,19 @@ def _resize(hwc: np.ndarray, height: int, width: int) -> torch.Tensor:
                          align_corners=False)
 
 
-def train_batch(images: Sequence[np.ndarray], flips: Sequence[bool], size: int,
-                channels_first: bool) -> torch.Tensor:
-    """Each decoded crop resized to size x size and flipped where asked, as one batch."""
-    out = torch.empty((len(images), 3, size, size), dtype=torch.uint8)
+def batch(images: Sequence[np.ndarray], flips: Sequence[bool], size: int,
+          channels_first: bool, normalize: tuple[Sequence[float], Sequence[float]] | None
+          ) -> torch.Tensor:
+    """Each decoded window resized to size x size and flipped where asked, as one batch:
+    uint8, or float32 (x - mean) / std when `normalize` gives (mean, std) in 0..255 units."""
+    dtype = torch.float32 if normalize else torch.uint8
+    out = torch.empty((len(images), 3, size, size), dtype=dtype)
     for i, (image, flip) in enumerate(zip(images, flips, strict=True)):
         resized = _resize(image, size, size)[0]
         out[i] = resized.flip(-1) if flip else resized
-    return out if channels_first else out.permute(0, 2, 3, 1).contiguous()
-
-
-def eval_batch(images: Sequence[np.ndarray], size: int, crop_fraction: float,
-               channels_first: bool) -> torch.Tensor:
-    """Shorter side to size / crop_fraction, then the centre size x size crop."""
-    out = torch.empty((len(images), 3, size, size), dtype=torch.uint8)
-    shorter = round(size / crop_fraction)
-    for i, image in enumerate(images):
-        h, w = image.shape[:2]
-        scale = shorter / min(h, w)
-        rh, rw = max(size, round(h * scale)), max(size, round(w * scale))
-        top, left = (rh - size) // 2, (rw - size) // 2
-        out[i] = _resize(image, rh, rw)[0, :, top: top + size, left: left + size]
+    if normalize:  # per batch: the stage thread runs torch on one core, this is one pass
+        mean, std = (torch.tensor(v, dtype=torch.float32).view(1, 3, 1, 1) for v in normalize)
+        out.sub_(mean).div_(std)
     return out if channels_first else out.permute(0, 2, 3, 1).contiguous()
 
 

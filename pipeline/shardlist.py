@@ -22,7 +22,7 @@ import fsspec
 
 from pipeline.manifest import MANIFEST, load_manifest
 from pipeline.sources import list_shards
-from pipeline.urls import check_scheme, expand_braces, is_remote, redact
+from pipeline.urls import check_scheme, expand_braces, is_remote, redact, scrub
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,14 @@ class Source:
     def total(self) -> int | None:
         counts = [s.samples for s in self.shards if s.samples is not None]
         return sum(counts) if len(counts) == len(self.shards) else None
+
+    def fingerprint(self) -> str:
+        """A hash of every shard's redacted URL and count: equal for the same dataset."""
+        import hashlib
+
+        # Names, not full paths: a dataset moved to another folder or bucket is the same one.
+        text = "\n".join(f"{s.url.rsplit('/', 1)[-1]} {s.samples}" for s in self.shards)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def describe(self) -> str:
         """A credential-free name for logs, errors and state dicts."""
@@ -83,7 +91,7 @@ def _from_manifest(text: str) -> Source | None:
 
 def _preflight(urls: list[str], source: str) -> None:
     if not urls:
-        raise FileNotFoundError(f"{redact(source)}: no shards found")
+        raise FileNotFoundError(f"{scrub(source)}: no shards found")
     missing = [u for u in urls if not u.startswith("pipe:") and not _exists(u)]
     if missing:
         listed = ", ".join(redact(u) for u in missing[:20])

@@ -52,6 +52,14 @@ def check_scheme(url: str, *, allow_pipe: bool = False) -> str:
     return url
 
 
+_URL_IN_TEXT = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]+")
+
+
+def scrub(text: str) -> str:
+    """`text` (an exception's message, say) with every URL in it redacted."""
+    return _URL_IN_TEXT.sub(lambda m: redact(m.group(0)), text)
+
+
 def is_remote(url: str) -> bool:
     scheme = urlsplit(url).scheme
     return len(scheme) > 1 and scheme != "file"  # one letter: a Windows drive

@@ -7,6 +7,7 @@ import io
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# fsspec runs one event-loop thread per process for http(s) and other async filesystems.
+LONG_LIVED_THREADS = {"fsspecIO"}
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left_behind():
+    """Fail a test that leaves a thread running (a loader, stage or fetcher not closed).
+    Threads of the tests' own servers are named "test-..." and may outlive one test."""
+    before = set(threading.enumerate())
+    yield
+    stray = [t for t in threading.enumerate() if t not in before and t.is_alive()
+             and not t.name.startswith("test-") and t.name not in LONG_LIVED_THREADS]
+    for thread in stray:
+        thread.join(timeout=5)  # a stage that is stopping gets a moment to finish
+    stray = [t.name for t in stray if t.is_alive()]
+    assert not stray, f"threads left running: {stray}"
 
 
 def jpeg_bytes(seed: int, size: tuple[int, int] = (48, 40), mode: str = "RGB",

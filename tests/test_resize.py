@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -17,7 +18,7 @@ def _image(h: int, w: int, seed: int = 0) -> np.ndarray:
 
 def test_train_batch_matches_torch_bilinear_antialias_and_flips():
     images = [_image(90, 70, 1), _image(40, 50, 2)]
-    out = resize.train_batch(images, [False, True], 32, channels_first=True)
+    out = resize.batch(images, [False, True], 32, True, None)
     assert out.shape == (2, 3, 32, 32) and out.dtype == torch.uint8
     for i, img in enumerate(images):
         ref = F.interpolate(torch.from_numpy(img).permute(2, 0, 1)[None].float(), size=(32, 32),
@@ -28,18 +29,25 @@ def test_train_batch_matches_torch_bilinear_antialias_and_flips():
 
 def test_nhwc_layout_is_the_same_pixels():
     images = [_image(60, 80)]
-    nchw = resize.train_batch(images, [False], 24, channels_first=True)
-    nhwc = resize.train_batch(images, [False], 24, channels_first=False)
+    nchw = resize.batch(images, [False], 24, True, None)
+    nhwc = resize.batch(images, [False], 24, False, None)
     assert torch.equal(nchw.permute(0, 2, 3, 1), nhwc)
 
 
-def test_eval_batch_resizes_the_shorter_side_then_crops_the_centre():
-    img = np.zeros((100, 200, 3), np.uint8)
-    img[:, 95:105] = 255  # a vertical bar in the middle stays in the middle
-    out = resize.eval_batch([img], 32, 0.5, channels_first=True)
-    assert out.shape == (1, 3, 32, 32)
-    column = out[0, 0].float().mean(0)
-    assert column[14:18].min() > 100 and column[:8].max() < 5 and column[-8:].max() < 5
+def test_normalize_gives_float_mean_std_units():
+    images = [np.full((10, 10, 3), 128, np.uint8)]
+    out = resize.batch(images, [False], 4, True, ((128.0, 0.0, 255.0), (2.0, 1.0, 5.0)))
+    assert out.dtype == torch.float32
+    assert out[0, :, 0, 0].tolist() == pytest.approx([0.0, 128.0, -25.4])
+
+
+def test_center_crop_window_is_a_centred_square():
+    from pipeline.augment import center_crop
+
+    w = center_crop(200, 100, 0.5)
+    assert (w.x, w.y, w.width, w.height, w.flip) == (75, 25, 50, 50, False)
+    thin = center_crop(20000, 1, 0.875)  # a 1-pixel-high image stays a tiny window
+    assert thin.width == thin.height == 1
 
 
 def test_one_core_setting_stays_in_its_thread():
