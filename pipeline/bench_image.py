@@ -20,6 +20,7 @@ import numpy as np
 from pipeline import augment
 
 SCALE, RATIO = (0.08, 1.0), (3 / 4, 4 / 3)
+DALI_DEPTH = 2  # DALI's default prefetch_queue_depth
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,8 @@ class DaliByHand:
 
         tars = sorted(glob.glob(str(c.shards / "*.tar")))
 
-        @pipeline_def(batch_size=c.batch_size, num_threads=c.threads, device_id=None, seed=1)
+        @pipeline_def(batch_size=c.batch_size, num_threads=c.threads, device_id=None, seed=1,
+                      prefetch_queue_depth=DALI_DEPTH)
         def pipe() -> Any:
             jpg, label = fn.readers.webdataset(
                 paths=tars, index_paths=[t[:-4] + ".idx" for t in tars], ext=["jpg;png", "cls"],
@@ -109,12 +111,22 @@ class DaliByHand:
         self.pipe = pipe()
         self.pipe.build()
         self.batches = -(-c.images // c.batch_size)
+        self.primed = False
 
     def epoch(self) -> int:
-        n = 0
+        """One epoch, with DALI's usual two iterations in flight, ending with none: a pipeline
+        left running ahead would decode in the background, on the CPU time of whichever
+        contender runs next."""
+        depth = min(DALI_DEPTH, self.batches)
+        for _ in range(1 if not self.primed else depth):
+            self.pipe.schedule_run()  # the very first call prefetches `depth` iterations
+        self.primed, scheduled, n = True, depth, 0
         for _ in range(self.batches):
-            images, _labels = self.pipe.run()
+            images, _labels = self.pipe.outputs()
             n += len(images)
+            if scheduled < self.batches:
+                self.pipe.schedule_run()
+                scheduled += 1
         return n
 
 

@@ -31,8 +31,11 @@ from pipeline.bench import alternate  # noqa: E402
 from pipeline.builtin import make_photo_corpus  # noqa: E402
 from pipeline.convert import ConvertConfig, convert  # noqa: E402
 
+# Ours (uint8 out, normalized later on the accelerator) against each baseline; the last is
+# the canonical recipe users run today, normalizing to float in the workers.
 BASELINES = {"torchvision-style uint8": "tv", "webdataset + PIL": "wds",
-             "DALI by hand": "dali", "DALI decode only": "decode"}
+             "DALI by hand": "dali", "DALI decode only": "decode",
+             "torchvision-style float": "canonical float"}
 
 
 def build_corpus(work: Path, images: int, batch: int, threads: int) -> bi.Corpus:
