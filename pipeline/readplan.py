@@ -38,7 +38,8 @@ def plan_epoch(source: Source, *, epoch: int, seed: int, rank: int, world_size: 
     per_rank = split_ranks(order, world_size)
     length, dropped = even_length(per_rank)
     if length == 0:
-        raise ValueError(f"rank {min(range(world_size), key=lambda r: len(per_rank[r]))} would "
-                         "get no samples this epoch; use fewer ranks or smaller shards")
+        empty = next(r for r in range(world_size) if not any(s.samples for s in per_rank[r]))
+        raise ValueError(f"rank {empty} would get no samples in epoch {epoch} (its shards are "
+                         "empty); use fewer ranks or re-shard")
     return EpochPlan(epoch, seed, rank, world_size, tuple(per_rank[rank]), length, dropped,
                      batch_size, shuffle_buffer if shuffle else 0)
