@@ -67,6 +67,25 @@ def run_one(name: str, out: Path, workers: int) -> str:
             f"{time.perf_counter() - start:>6.1f}s")
 
 
+def load_images(shards: Path) -> None:
+    """Two epochs of the image loader over the photo shards, as training would read them:
+    the first says how soon data arrives, the second how fast it flows once warm."""
+    from pipeline import image_loader
+
+    with image_loader(shards, batch_size=25, device="auto") as loader:
+        start = time.perf_counter()
+        batch = next(iter(loader))
+        first = time.perf_counter() - start
+        loader.set_epoch(1)
+        start, seen = time.perf_counter(), 0
+        for batch in loader:
+            seen += len(batch)
+        rate = seen / (time.perf_counter() - start)
+    print(f"image loader ({loader.device}, {loader.reader} reader): batches of "
+          f"{tuple(batch.image.shape)} {batch.image.dtype}; first batch after {first:.2f} s; "
+          f"{rate:.0f} images/s over an epoch of {seen}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [run_one(name, args.out, args.workers) for name in DATASETS]
     for line in lines:
         print(line)
+    print()
+    load_images(args.out / "shards" / "photos")
     print(f"\nshards are in {args.out / 'shards'}; check any of them with\n"
           f"  python tools/verify_shards.py {args.out / 'shards' / 'images'} --world-size 2")
     return 0 if all(line.split()[-2] == "ok" for line in lines) else 1
