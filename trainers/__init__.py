@@ -1,2 +1,2 @@
-"""shardflow's training side: the Task protocol, precision (AMP), the step, the loop,
-checkpoints and distributed setup. Nothing is exported yet: it arrives with the trainer issue."""
+"""shardflow's training side: the Task protocol, precision (AMP), the step and the loop,
+checkpoints. See trainers/README.md."""

@@ -1,0 +1,184 @@
+"""The training side on real shards: precision, learning, exact resume, bad checkpoints,
+a SIGKILL in the middle of a run."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, run_tool
+
+from pipeline.builtin import make_image_folder
+from pipeline.image import ImageConfig, ImageLoader
+from pipeline.shardlist import resolve
+from trainers import checkpoint
+from trainers.image_task import ImageClassification
+from trainers.loop import TrainConfig, Trainer
+from trainers.precision import Precision
+from trainers.precision import resolve as resolve_precision
+from trainers.run import fit
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("train")
+    src = make_image_folder(root / "src", per_class=30, size=40)
+    run_tool("make_shards", "imagefolder", src, root / "shards", "--max-count", 30,
+             "--shuffle-seed", 0, check=True)
+    return root / "shards"
+
+
+def _trainer(shards: Path, run_dir: Path, steps: int, **cfg: object) -> Trainer:
+    torch.manual_seed(0)
+    source = resolve(shards)
+    loader = ImageLoader(source, ImageConfig(batch_size=16, size=24, device="cpu", threads=1,
+                                             shuffle_buffer=32), 0, 1)
+    task = ImageClassification(10, device=CPU)
+    config = TrainConfig(run_dir=run_dir, steps=steps, warmup=2, precision="bf16", **cfg)
+    return Trainer(task, loader, config, CPU, {"data": source.fingerprint()})
+
+
+# -- precision -----------------------------------------------------------------------------
+
+def test_fp16_needs_cuda_and_only_fp16_has_a_scaler():
+    with pytest.raises(ValueError, match="fp16.*CUDA"):
+        Precision("fp16", CPU)
+    assert Precision("bf16", CPU).scaler is None and Precision("fp32", CPU).scaler is None
+    with pytest.raises(ValueError, match="precision='half'"):
+        resolve_precision("half", CPU)  # type: ignore[arg-type]
+
+
+def test_bf16_autocast_runs_on_the_cpu():
+    p = Precision("bf16", CPU)
+    with p.forward_context():
+        out = torch.nn.Linear(8, 4)(torch.randn(2, 8))
+    assert out.dtype == torch.bfloat16
+    assert resolve_precision("auto", CPU) in ("bf16", "fp32")
+
+
+def test_a_diverged_run_aborts_with_a_clear_message():
+    p = Precision("fp32", CPU, max_nonfinite=3)
+    p.check_loss(float("nan"))
+    p.check_loss(float("inf"))
+    with pytest.raises(FloatingPointError, match="3 non-finite losses in a row"):
+        p.check_loss(float("nan"))
+
+
+@pytest.mark.gpu
+def test_fp16_on_cuda_uses_the_scaler():
+    p = Precision("fp16", torch.device("cuda"))
+    assert p.scaler is not None and p.name == "fp16"
+
+
+# -- learning and the tool -------------------------------------------------------------------
+
+def test_train_tool_learns_and_writes_metrics_and_summary(shards, tmp_path):
+    out = tmp_path / "run"
+    proc = run_tool("train", "--task", "image", "--data", shards, "--out", out, "--steps", 120,
+                    "--batch-size", 32, "--size", 32, "--quiet", check=True)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 120 and summary["precision"] in ("bf16", "fp32")
+    assert summary["accuracy"] > 0.35, summary  # 10 classes: chance is 0.1
+    assert "train-000009.tar" in summary["held_out"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {"step", "loss", "lr", "samples_per_s", "data_wait", "skipped"} <= set(records[0])
+    assert records[-1]["loss"] < records[0]["loss"] * 0.8
+    assert "eval accuracy" in proc.stdout
+
+
+@pytest.mark.parametrize("bad, option", [(["--steps", "0"], "--steps"), (["--lr", "nan"], "lr"),
+                                         (["--precision", "half"], "--precision"),
+                                         (["--bogus", "1"], "--bogus")])
+def test_invalid_options_are_named(shards, tmp_path, bad, option):
+    proc = run_tool("train", "--task", "image", "--data", shards, "--out", tmp_path / "r",
+                    *(["--steps", "5"] if "--steps" not in bad else []), *bad, "--quiet")
+    assert proc.returncode == 2 and option in proc.stderr
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+
+def test_resume_from_a_checkpoint_gives_bit_identical_steps(shards, tmp_path):
+    whole = _trainer(shards, tmp_path / "a", steps=14, checkpoint_every=7, keep=5)
+    fit(whole)
+    (tmp_path / "b").mkdir()
+    shutil.copy(checkpoint.checkpoint_path(tmp_path / "a", 7), tmp_path / "b")
+    resumed = _trainer(shards, tmp_path / "b", steps=14, checkpoint_every=7, keep=5)
+    summary = fit(resumed)
+    assert summary["resumed_at_step"] == 7
+    for (name, a), (_, b) in zip(whole.task.model.state_dict().items(),
+                                 resumed.task.model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_corrupt_newest_checkpoint_is_named_and_the_previous_used(shards, tmp_path, caplog):
+    run = tmp_path / "run"
+    fit(_trainer(shards, run, steps=6, checkpoint_every=3, keep=5))
+    newest = checkpoint.checkpoint_path(run, 6)
+    newest.write_bytes(newest.read_bytes()[:2000])  # killed mid-write, say
+    again = _trainer(shards, run, steps=6, checkpoint_every=3, keep=5)
+    assert again.resume() and again.step == 3
+    assert "ckpt-00000006.pt is corrupt" in caplog.text
+
+
+class _Payload:
+    def __reduce__(self):
+        return (print, ("this ran",))
+
+
+def test_checkpoint_with_a_pickled_object_is_refused(shards, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(checkpoint.checkpoint_path(run, 1), "wb") as f:
+        torch.save({"version": 1, "step": 1, "evil": _Payload()}, f, pickle_module=pickle)
+    with pytest.raises(ValueError, match="weights_only"):
+        _trainer(shards, run, steps=2).resume()
+
+
+def test_checkpoint_of_another_model_is_refused_with_what_differs(shards, tmp_path):
+    run = tmp_path / "run"
+    fit(_trainer(shards, run, steps=2, checkpoint_every=2))
+    other = _trainer(shards, run, steps=2)
+    other.fingerprint["num_classes"] = 5
+    with pytest.raises(ValueError, match="num_classes: 10 there, 5 here"):
+        other.resume()
+
+
+# -- a real kill -------------------------------------------------------------------------------
+
+def test_sigkill_then_rerun_finishes_and_sees_each_sample_once(shards, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "tools" / "train.py"), "--task", "image", "--data",
+           str(shards), "--out", str(out), "--steps", "40", "--batch-size", "9", "--size", "24",
+           "--checkpoint-every", "4", "--log-keys", "--quiet"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        if (out / "keys.jsonl").exists() and len((out / "keys.jsonl").read_text().split()) > 200:
+            break  # well past a few checkpoints: kill it mid-run
+        try:
+            proc.wait(timeout=0.05)  # poll the real process; no timing is asserted
+        except subprocess.TimeoutExpired:
+            pass
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "summary.json").exists(), "the run finished before it could be killed"
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 40 and summary["resumed_at_step"] >= 4
+    # A step re-run after the resume replaces what the killed run logged for it.
+    steps = {}
+    for line in (out / "keys.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        steps[record["step"]] = record
+    epoch0 = [k for r in steps.values() if r["epoch"] == 0 for k in r["keys"]]
+    assert len(epoch0) == len(set(epoch0)) == 270  # 300 images, one shard of 30 held out

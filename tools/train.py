@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""Train a task on shards; running the same command again resumes from the run folder.
+
+    python tools/train.py --task image --data shards/train --out runs/r1 --steps 300
+    python tools/train.py --task image --data shards/train --eval-data shards/val --epochs 2
+
+Without --eval-data, every 10th shard of --data (sorted by name, at least one) is held out for
+evaluation and never trained on; summary.json says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cliutil import fail, positive_int, setup_logging  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from pipeline.errors import DataError  # noqa: E402
+from pipeline.shardlist import Source, resolve  # noqa: E402
+
+HOLD_OUT_EVERY = 10
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", choices=("image",), required=True)
+    p.add_argument("--data", required=True, help="training shards (folder with manifest.json)")
+    p.add_argument("--eval-data", default=None, help="held-out shards (default: a slice of --data)")
+    p.add_argument("--out", type=Path, required=True, help="the run folder")
+    length = p.add_mutually_exclusive_group(required=True)
+    length.add_argument("--steps", type=positive_int)
+    length.add_argument("--epochs", type=positive_int)
+    p.add_argument("--model", default="small-resnet", help="small-resnet or a torchvision name")
+    p.add_argument("--precision", choices=("auto", "bf16", "fp16", "fp32"), default="auto")
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--size", type=positive_int, default=224, help="image side after cropping")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--grad-accum", type=positive_int, default=1)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--checkpoint-every", type=positive_int, default=100)
+    p.add_argument("--checkpoint-minutes", type=float, default=5.0)
+    p.add_argument("--keep", type=positive_int, default=3)
+    p.add_argument("--log-every", type=positive_int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--on-error", choices=("raise", "skip"), default="raise")
+    p.add_argument("--log-keys", action="store_true", help="write each step's keys to keys.jsonl")
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def split_eval(source: Source, eval_data: str | None) -> tuple[Source, Source, str]:
+    if eval_data:
+        return source, resolve(eval_data), f"--eval-data {eval_data}"
+    shards = sorted(source.shards, key=lambda s: s.url)
+    if len(shards) < 2:
+        raise ValueError("--data has one shard: nothing to hold out; pass --eval-data or "
+                         "re-shard with a smaller --max-count")
+    held = shards[HOLD_OUT_EVERY - 1:: HOLD_OUT_EVERY] or shards[-1:]
+    train = tuple(s for s in shards if s not in held)
+    names = ", ".join(s.url.rsplit("/", 1)[-1] for s in held)
+    return (Source(train, source.classes, source.modality),
+            Source(tuple(held), source.classes, source.modality),
+            f"every {HOLD_OUT_EVERY}th shard of --data, never trained on: {names}")
+
+
+def make_loaders(args: argparse.Namespace, train: Source, held: Source) -> tuple[Any, Any, int]:
+    from pipeline.image import ImageConfig, ImageLoader
+
+    if not train.classes:
+        raise ValueError(f"{args.data}: its manifest has no classes; image training needs "
+                         "labelled shards")
+    classes = len(train.classes)
+    common = {"batch_size": args.batch_size, "seed": args.seed, "device": args.device,
+              "on_error": args.on_error, "size": args.size, "num_classes": classes}
+    loader = ImageLoader(train, ImageConfig(train=True, **common), 0, 1)
+    evaluation = ImageLoader(held, ImageConfig(train=False, **common), 0, 1)
+    return loader, evaluation, classes
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from trainers.image_task import ImageClassification
+    from trainers.loop import TrainConfig, Trainer
+    from trainers.run import fit
+
+    args = build_parser().parse_args(argv)
+    setup_logging(args.quiet)
+    logging.getLogger("trainers").setLevel(logging.INFO)
+    train, held, held_out = split_eval(resolve(args.data), args.eval_data)
+    loader, evaluation, classes = make_loaders(args, train, held)
+    device = torch.device("cuda", loader.cuda_index) if loader.device == "gpu" else \
+        torch.device("cpu")
+    steps = args.steps or args.epochs * len(loader) // args.grad_accum
+    cfg = TrainConfig(run_dir=args.out, steps=steps, lr=args.lr, optimizer=args.optimizer,
+                      warmup=args.warmup, grad_accum=args.grad_accum, clip=args.clip or None,
+                      precision=args.precision, log_every=args.log_every,
+                      checkpoint_every=args.checkpoint_every,
+                      checkpoint_minutes=args.checkpoint_minutes, keep=args.keep,
+                      seed=args.seed, log_keys=args.log_keys)
+    torch.manual_seed(args.seed)
+    task = ImageClassification(classes, args.model, device)
+    trainer = Trainer(task, loader, cfg, device, {"data": train.fingerprint()})
+    with tqdm(total=steps, disable=args.quiet, unit="step") as bar:
+        def progress(r: dict[str, Any]) -> None:
+            bar.update(r["step"] - bar.n)
+            bar.set_postfix_str(f"loss {r['loss']:.3f} {r['samples_per_s']:.0f}/s "
+                                f"wait {r['data_wait']:.0%}")
+        summary = fit(trainer, eval_loader=evaluation, held_out=held_out, progress=progress)
+    loader.close()
+    evaluation.close()
+    print(f"{summary['steps']} steps in {summary['wall_s']:.1f} s ({summary['device']}, "
+          f"{summary['precision']}): loss {summary['final_loss']:.3f}, eval accuracy "
+          f"{summary.get('accuracy', float('nan')):.3f}, {summary['samples_per_s']:.0f} "
+          f"samples/s; run folder {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except DataError as err:
+        fail(str(err))
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err), 2)

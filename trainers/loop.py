@@ -1,0 +1,180 @@
+"""The training loop: batches from a Loader -> Task -> the AMP step -> metrics, checkpoints.
+
+    for each batch:  wait for data (timed) -> forward under autocast -> backward (scaled for
+    fp16); every `grad_accum` batches: unscale -> clip -> optimizer step -> zero -> lr step
+    -> log every `log_every` steps -> checkpoint every `checkpoint_every` steps or minutes
+
+Running the same command again resumes from the newest valid checkpoint in the run folder:
+model, optimizer, precision (scaler), step, loader position and RNG states, so the steps
+after a resume are the steps an uninterrupted run would have taken.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from trainers import checkpoint
+from trainers.precision import Precision, PrecisionName
+from trainers.schedule import warmup_cosine
+from trainers.task import EvalTotals, Task
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything about the optimization; validated with messages that name the option."""
+
+    run_dir: Path
+    steps: int
+    lr: float = 3e-3
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    weight_decay: float = 0.05
+    momentum: float = 0.9
+    warmup: int = 20
+    grad_accum: int = 1
+    clip: float | None = 1.0
+    precision: PrecisionName = "auto"
+    log_every: int = 10
+    checkpoint_every: int = 100
+    checkpoint_minutes: float = 5.0
+    keep: int = 3
+    seed: int = 0
+    max_nonfinite: int = 20
+    log_keys: bool = False  # write every step's sample keys to keys.jsonl (audits, tests)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "grad_accum", "log_every", "checkpoint_every", "keep",
+                     "max_nonfinite"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be a positive integer")
+        if not (self.lr > 0 and np.isfinite(self.lr)):
+            raise ValueError(f"lr={self.lr}: must be a finite number > 0")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"optimizer={self.optimizer!r}: choose adamw or sgd")
+        if self.clip is not None and not self.clip > 0:
+            raise ValueError(f"clip={self.clip}: must be > 0, or None for no clipping")
+        if self.warmup < 0 or self.checkpoint_minutes <= 0:
+            raise ValueError("warmup must be >= 0 and checkpoint_minutes > 0")
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                               weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every global RNG as tensors and lists (what weights_only loading accepts)."""
+    numpy_state: Any = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
+            "numpy": torch.from_numpy(np.asarray(numpy_state[1]).astype(np.int64))}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate((3, tuple(state["python"]), None))
+    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), 624, 0, 0.0))
+
+
+class Trainer:
+    """The loop's explicit state: task, loader, optimizer, precision, step, counters."""
+
+    def __init__(self, task: Task, loader: Any, cfg: TrainConfig, device: torch.device,
+                 fingerprint: dict[str, Any]) -> None:
+        self.task, self.loader, self.cfg, self.device = task, loader, cfg, device
+        self.optimizer = make_optimizer(task.model, cfg)
+        self.precision = Precision(cfg.precision, device, cfg.max_nonfinite)
+        self.fingerprint = {**fingerprint, **task.describe(), "precision": self.precision.name}
+        self.step, self.micro = 0, 0
+        self.wait_s = self.compute_s = 0.0
+        self.samples = 0
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        self.last_save = time.monotonic()
+
+    # -- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.task.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "precision": self.precision.state_dict(), "loader": self.loader.state_dict(),
+                "rng": rng_state(), "fingerprint": self.fingerprint,
+                "train_config": json.dumps(asdict(self.cfg), default=str)}
+
+    def resume(self) -> bool:
+        state = checkpoint.load_newest(self.cfg.run_dir, self.fingerprint)
+        if state is None:
+            return False
+        self.task.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.precision.load_state_dict(state["precision"])
+        self.loader.load_state_dict(state["loader"])
+        set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        return True
+
+    def save(self) -> None:
+        checkpoint.save(self.cfg.run_dir, self.step, self.state_dict(), self.cfg.keep)
+        self.last_save = time.monotonic()
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def _lr(self) -> float:
+        return self.cfg.lr * warmup_cosine(self.step, warmup=self.cfg.warmup,
+                                           total=self.cfg.steps)
+
+    def micro_step(self, batch: Any) -> float | None:
+        """Forward and backward of one batch; the optimizer steps every `grad_accum`.
+        Returns the loss when the optimizer stepped (for logging), else None."""
+        self.task.model.train()
+        with self.precision.forward_context():
+            out = self.task.forward(batch)
+        self.precision.backward(out.loss / self.cfg.grad_accum)
+        self.micro += 1
+        if self.micro % self.cfg.grad_accum:
+            return None
+        loss = float(out.loss.detach())  # syncs with the device once per optimizer step
+        self.precision.check_loss(loss)
+        self._optimizer_step()
+        return loss
+
+    def _optimizer_step(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._lr()
+        self.precision.unscale(self.optimizer)
+        if self.cfg.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.task.model.parameters(), self.cfg.clip)
+        self.precision.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+
+    def due_for_checkpoint(self) -> bool:
+        return (self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps or
+                time.monotonic() - self.last_save > 60 * self.cfg.checkpoint_minutes)
+
+    # -- evaluation ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, loader: Any) -> dict[str, float]:
+        self.task.model.eval()
+        totals = EvalTotals()
+        for batch in loader:
+            if len(batch):
+                with self.precision.forward_context():
+                    totals.add(self.task.evaluate(batch))
+        return totals.metrics()
+
+
+def log_line(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")

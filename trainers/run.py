@@ -1,0 +1,101 @@
+"""`fit`: drive a Trainer to its step count, logging metrics.jsonl and writing summary.json.
+
+Each logging step appends one JSON object to metrics.jsonl: step, loss, lr, samples_per_s,
+data_wait (the share of wall time spent waiting for the next batch) and skipped (samples the
+loader dropped so far). summary.json holds the run's totals, the resolved device and
+precision, and what was held out for evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from trainers.loop import Trainer, log_line
+
+log = logging.getLogger(__name__)
+Progress = Callable[[dict[str, Any]], None]
+
+
+class _Window:
+    """Counters between two logging steps."""
+
+    def __init__(self) -> None:
+        self.start, self.samples, self.wait = time.perf_counter(), 0, 0.0
+        self.losses: list[float] = []
+
+    def record(self, step: int, lr: float, skipped: int) -> dict[str, Any]:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        return {"step": step, "loss": sum(self.losses) / max(len(self.losses), 1), "lr": lr,
+                "samples_per_s": self.samples / elapsed, "data_wait": self.wait / elapsed,
+                "skipped": skipped}
+
+
+def fit(trainer: Trainer, *, eval_loader: Any = None, held_out: str = "none",
+        progress: Progress | None = None) -> dict[str, Any]:
+    """Train to `cfg.steps` (resuming if the run folder has a checkpoint); evaluate; summarise."""
+    cfg, started = trainer.cfg, time.perf_counter()
+    resumed_at = trainer.step if trainer.resume() else None
+    window, last_loss = _Window(), float("nan")
+    while trainer.step < cfg.steps:
+        waited_from = time.perf_counter()
+        for batch in trainer.loader:
+            waited = time.perf_counter() - waited_from
+            window.wait += waited
+            trainer.wait_s += waited
+            loss = _one(trainer, batch, window)
+            if loss is not None:
+                last_loss = loss
+                window = _after_step(trainer, window, progress)
+                if trainer.step >= cfg.steps:
+                    break
+            waited_from = time.perf_counter()
+    return _finish(trainer, eval_loader, held_out, last_loss, started, resumed_at)
+
+
+def _one(trainer: Trainer, batch: Any, window: _Window) -> float | None:
+    if trainer.cfg.log_keys:
+        log_line(trainer.cfg.run_dir / "keys.jsonl", {
+            "step": trainer.step, "micro": trainer.micro, "epoch": trainer.loader.epoch,
+            "keys": list(batch.keys)})
+    if not len(batch):
+        return None  # every sample of this batch was skipped (on_error="skip")
+    window.samples += len(batch)
+    trainer.samples += len(batch)
+    loss = trainer.micro_step(batch)
+    if loss is not None:
+        window.losses.append(loss)
+    return loss
+
+
+def _after_step(trainer: Trainer, window: _Window, progress: Progress | None) -> _Window:
+    if trainer.due_for_checkpoint():
+        trainer.save()
+    if trainer.step % trainer.cfg.log_every and trainer.step != trainer.cfg.steps:
+        return window
+    record = window.record(trainer.step, trainer.optimizer.param_groups[0]["lr"],
+                           len(trainer.loader.skipped))
+    log_line(trainer.cfg.run_dir / "metrics.jsonl", record)
+    if progress:
+        progress(record)
+    return _Window()
+
+
+def _finish(trainer: Trainer, eval_loader: Any, held_out: str, last_loss: float,
+            started: float, resumed_at: int | None) -> dict[str, Any]:
+    wall = time.perf_counter() - started
+    metrics = trainer.evaluate(eval_loader) if eval_loader is not None else {}
+    summary = {
+        "steps": trainer.step, "final_loss": last_loss, **metrics,
+        "samples_per_s": trainer.samples / max(wall, 1e-9), "wall_s": wall,
+        "data_wait": trainer.wait_s / max(wall, 1e-9),
+        "device": str(trainer.device), "precision": trainer.precision.name,
+        "held_out": held_out, "resumed_at_step": resumed_at,
+        "skipped_samples": len(trainer.loader.skipped),
+        "fp16_skipped_steps": trainer.precision.skipped_steps,
+    }
+    (trainer.cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
