@@ -182,3 +182,24 @@ def test_sigkill_then_rerun_finishes_and_sees_each_sample_once(shards, tmp_path)
         steps[record["step"]] = record
     epoch0 = [k for r in steps.values() if r["epoch"] == 0 for k in r["keys"]]
     assert len(epoch0) == len(set(epoch0)) == 270  # 300 images, one shard of 30 held out
+
+
+def test_torchrun_two_gloo_ranks_see_disjoint_samples_and_agree(shards, tmp_path):
+    out = tmp_path / "ddp"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(ROOT / "tools" / "train.py"), "--task", "image", "--data", str(shards), "--out",
+         str(out), "--steps", "12", "--batch-size", "8", "--size", "24", "--device", "cpu",
+         "--grad-compression", "fp16", "--log-keys", "--quiet"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 12
+    assert len(set(summary["parameter_digests"])) == 1, "ranks hold different parameters"
+    seen: dict[tuple[int, int], set[str]] = {}
+    for line in (out / "keys.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        seen.setdefault((r["epoch"], r["rank"]), set()).update(r["keys"])
+    assert {rank for _, rank in seen} == {0, 1}
+    for epoch in {e for e, _ in seen}:
+        assert not seen[(epoch, 0)] & seen.get((epoch, 1), set()), "ranks shared samples"

@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=positive_int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--on-error", choices=("raise", "skip"), default="raise")
+    p.add_argument("--grad-compression", choices=("none", "fp16", "bf16"), default="none",
+                   help="compress DDP gradients with torch's communication hooks")
     p.add_argument("--log-keys", action="store_true", help="write each step's keys to keys.jsonl")
     p.add_argument("--quiet", action="store_true")
     return p
@@ -73,7 +75,8 @@ def split_eval(source: Source, eval_data: str | None) -> tuple[Source, Source, s
             f"every {HOLD_OUT_EVERY}th shard of --data, never trained on: {names}")
 
 
-def make_loaders(args: argparse.Namespace, train: Source, held: Source) -> tuple[Any, Any, int]:
+def make_loaders(args: argparse.Namespace, train: Source, held: Source, rank: int,
+                 world: int) -> tuple[Any, Any, int]:
     from pipeline.image import ImageConfig, ImageLoader
 
     if not train.classes:
@@ -82,23 +85,29 @@ def make_loaders(args: argparse.Namespace, train: Source, held: Source) -> tuple
     classes = len(train.classes)
     common = {"batch_size": args.batch_size, "seed": args.seed, "device": args.device,
               "on_error": args.on_error, "size": args.size, "num_classes": classes}
-    loader = ImageLoader(train, ImageConfig(train=True, **common), 0, 1)
-    evaluation = ImageLoader(held, ImageConfig(train=False, **common), 0, 1)
+    loader = ImageLoader(train, ImageConfig(train=True, **common), rank, world)
+    # Rank 0 evaluates all of the held-out data (often too few shards to split); the other
+    # ranks add nothing to the sums they share.
+    evaluation = ImageLoader(held, ImageConfig(train=False, **common), 0, 1) if rank == 0 \
+        else None
     return loader, evaluation, classes
 
 
 def main(argv: list[str] | None = None) -> int:
     import torch
 
+    from trainers import distributed
     from trainers.image_task import ImageClassification
     from trainers.loop import TrainConfig, Trainer
     from trainers.run import fit
 
     args = build_parser().parse_args(argv)
-    setup_logging(args.quiet)
-    logging.getLogger("trainers").setLevel(logging.INFO)
+    info = distributed.from_torchrun_env()  # torchrun's RANK/WORLD_SIZE/LOCAL_RANK
+    setup_logging(args.quiet or not info.is_main)
+    logging.getLogger("trainers").setLevel(logging.INFO if info.is_main else logging.WARNING)
+    distributed.init(info, use_cuda=args.device != "cpu" and torch.cuda.is_available())
     train, held, held_out = split_eval(resolve(args.data), args.eval_data)
-    loader, evaluation, classes = make_loaders(args, train, held)
+    loader, evaluation, classes = make_loaders(args, train, held, info.rank, info.world_size)
     device = torch.device("cuda", loader.cuda_index) if loader.device == "gpu" else \
         torch.device("cpu")
     steps = args.steps or args.epochs * len(loader) // args.grad_accum
@@ -109,16 +118,22 @@ def main(argv: list[str] | None = None) -> int:
                       checkpoint_minutes=args.checkpoint_minutes, keep=args.keep,
                       seed=args.seed, log_keys=args.log_keys)
     torch.manual_seed(args.seed)
-    task = ImageClassification(classes, args.model, device)
-    trainer = Trainer(task, loader, cfg, device, {"data": train.fingerprint()})
-    with tqdm(total=steps, disable=args.quiet, unit="step") as bar:
+    task = ImageClassification(classes, args.model, device)  # same seed: same start everywhere
+    task.model = distributed.wrap(task.model, info, device, args.grad_compression)
+    trainer = Trainer(task, loader, cfg, device, {"data": train.fingerprint()}, info)
+    with tqdm(total=steps, disable=args.quiet or not info.is_main, unit="step") as bar:
         def progress(r: dict[str, Any]) -> None:
             bar.update(r["step"] - bar.n)
             bar.set_postfix_str(f"loss {r['loss']:.3f} {r['samples_per_s']:.0f}/s "
                                 f"wait {r['data_wait']:.0%}")
-        summary = fit(trainer, eval_loader=evaluation, held_out=held_out, progress=progress)
+        summary = fit(trainer, eval_loader=evaluation if evaluation is not None else [],
+                      held_out=held_out, progress=progress)
     loader.close()
-    evaluation.close()
+    if evaluation is not None:
+        evaluation.close()
+    distributed.finish(info)
+    if not info.is_main:
+        return 0
     print(f"{summary['steps']} steps in {summary['wall_s']:.1f} s ({summary['device']}, "
           f"{summary['precision']}): loss {summary['final_loss']:.3f}, eval accuracy "
           f"{summary.get('accuracy', float('nan')):.3f}, {summary['samples_per_s']:.0f} "

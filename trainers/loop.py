@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from trainers import checkpoint
+from trainers.distributed import DistInfo, gather, sum_over_ranks, unwrap
 from trainers.precision import Precision, PrecisionName
 from trainers.schedule import warmup_cosine
 from trainers.task import EvalTotals, Task
@@ -92,11 +93,13 @@ class Trainer:
     """The loop's explicit state: task, loader, optimizer, precision, step, counters."""
 
     def __init__(self, task: Task, loader: Any, cfg: TrainConfig, device: torch.device,
-                 fingerprint: dict[str, Any]) -> None:
+                 fingerprint: dict[str, Any], dist: DistInfo | None = None) -> None:
         self.task, self.loader, self.cfg, self.device = task, loader, cfg, device
+        self.dist = dist or DistInfo()
         self.optimizer = make_optimizer(task.model, cfg)
         self.precision = Precision(cfg.precision, device, cfg.max_nonfinite)
-        self.fingerprint = {**fingerprint, **task.describe(), "precision": self.precision.name}
+        self.fingerprint = {**fingerprint, **task.describe(), "precision": self.precision.name,
+                            "world_size": self.dist.world_size}
         self.step, self.micro = 0, 0
         self.wait_s = self.compute_s = 0.0
         self.samples = 0
@@ -106,25 +109,30 @@ class Trainer:
     # -- state -----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.task.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "precision": self.precision.state_dict(), "loader": self.loader.state_dict(),
-                "rng": rng_state(), "fingerprint": self.fingerprint,
+        """Collective under DDP: every rank's loader position and RNGs are gathered."""
+        return {"model": unwrap(self.task.model).state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "precision": self.precision.state_dict(),
+                "loader": gather(self.loader.state_dict(), self.dist),
+                "rng": gather(rng_state(), self.dist), "fingerprint": self.fingerprint,
                 "train_config": json.dumps(asdict(self.cfg), default=str)}
 
     def resume(self) -> bool:
         state = checkpoint.load_newest(self.cfg.run_dir, self.fingerprint)
         if state is None:
             return False
-        self.task.model.load_state_dict(state["model"])
+        unwrap(self.task.model).load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.precision.load_state_dict(state["precision"])
-        self.loader.load_state_dict(state["loader"])
-        set_rng_state(state["rng"])
+        self.loader.load_state_dict(state["loader"][self.dist.rank])
+        set_rng_state(state["rng"][self.dist.rank])
         self.step = int(state["step"])
         return True
 
     def save(self) -> None:
-        checkpoint.save(self.cfg.run_dir, self.step, self.state_dict(), self.cfg.keep)
+        state = self.state_dict()  # on every rank: it gathers
+        if self.dist.is_main:  # one writer; the run folder is shared
+            checkpoint.save(self.cfg.run_dir, self.step, state, self.cfg.keep)
         self.last_save = time.monotonic()
 
     # -- the step ----------------------------------------------------------------------------
@@ -159,20 +167,33 @@ class Trainer:
         self.step += 1
 
     def due_for_checkpoint(self) -> bool:
-        return (self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps or
-                time.monotonic() - self.last_save > 60 * self.cfg.checkpoint_minutes)
+        """Every `checkpoint_every` steps, at the end, or when `checkpoint_minutes` passed on
+        any rank (agreed by all ranks, since saving is collective)."""
+        if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
+            return True
+        late = time.monotonic() - self.last_save > 60 * self.cfg.checkpoint_minutes
+        return sum_over_ranks([float(late)], self.dist)[0] > 0
 
     # -- evaluation ----------------------------------------------------------------------------
 
     @torch.no_grad()
     def evaluate(self, loader: Any) -> dict[str, float]:
+        """Metrics over the held-out loader (each rank its share, summed over ranks)."""
+        wrapped = self.task.model
+        # The bare model: DDP's forward syncs buffers across ranks, and ranks may evaluate
+        # different numbers of batches (rank 0 alone, say).
+        self.task.model = unwrap(wrapped)
         self.task.model.eval()
         totals = EvalTotals()
-        for batch in loader:
-            if len(batch):
-                with self.precision.forward_context():
-                    totals.add(self.task.evaluate(batch))
-        return totals.metrics()
+        try:
+            for batch in loader:
+                if len(batch):
+                    with self.precision.forward_context():
+                        totals.add(self.task.evaluate(batch))
+        finally:
+            self.task.model = wrapped
+        summed = sum_over_ranks([totals.loss_sum, totals.correct, totals.count], self.dist)
+        return EvalTotals(summed[0], int(summed[1]), int(summed[2])).metrics()
 
 
 def log_line(path: Path, record: dict[str, Any]) -> None:

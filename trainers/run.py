@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from trainers.distributed import gather, parameter_digest
 from trainers.loop import Trainer, log_line
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,8 @@ def fit(trainer: Trainer, *, eval_loader: Any = None, held_out: str = "none",
 def _one(trainer: Trainer, batch: Any, window: _Window) -> float | None:
     if trainer.cfg.log_keys:
         log_line(trainer.cfg.run_dir / "keys.jsonl", {
-            "step": trainer.step, "micro": trainer.micro, "epoch": trainer.loader.epoch,
-            "keys": list(batch.keys)})
+            "rank": trainer.dist.rank, "step": trainer.step, "micro": trainer.micro,
+            "epoch": trainer.loader.epoch, "keys": list(batch.keys)})
     if not len(batch):
         return None  # every sample of this batch was skipped (on_error="skip")
     window.samples += len(batch)
@@ -76,6 +77,8 @@ def _after_step(trainer: Trainer, window: _Window, progress: Progress | None) ->
         trainer.save()
     if trainer.step % trainer.cfg.log_every and trainer.step != trainer.cfg.steps:
         return window
+    if not trainer.dist.is_main:  # rank 0 logs
+        return _Window()
     record = window.record(trainer.step, trainer.optimizer.param_groups[0]["lr"],
                            len(trainer.loader.skipped))
     log_line(trainer.cfg.run_dir / "metrics.jsonl", record)
@@ -88,6 +91,7 @@ def _finish(trainer: Trainer, eval_loader: Any, held_out: str, last_loss: float,
             started: float, resumed_at: int | None) -> dict[str, Any]:
     wall = time.perf_counter() - started
     metrics = trainer.evaluate(eval_loader) if eval_loader is not None else {}
+    digests = gather(parameter_digest(trainer.task.model), trainer.dist)
     summary = {
         "steps": trainer.step, "final_loss": last_loss, **metrics,
         "samples_per_s": trainer.samples / max(wall, 1e-9), "wall_s": wall,
@@ -96,6 +100,8 @@ def _finish(trainer: Trainer, eval_loader: Any, held_out: str, last_loss: float,
         "held_out": held_out, "resumed_at_step": resumed_at,
         "skipped_samples": len(trainer.loader.skipped),
         "fp16_skipped_steps": trainer.precision.skipped_steps,
+        "world_size": trainer.dist.world_size, "parameter_digests": digests,
     }
-    (trainer.cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if trainer.dist.is_main:
+        (trainer.cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary

@@ -1,0 +1,109 @@
+"""Distributed training under `torchrun`: one process per device, torch.distributed's DDP.
+
+torchrun sets RANK, WORLD_SIZE and LOCAL_RANK for each process; only the command-line tool
+reads them (`from_torchrun_env`), and passes the result down explicitly. Backend: NCCL on
+GPUs, gloo on the CPU. Gradient compression uses torch's own DDP communication hooks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+Compression = Literal["none", "fp16", "bf16"]
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+
+def from_torchrun_env(env: dict[str, str] | None = None) -> DistInfo:
+    """The process's place in a torchrun job (a single process when not under torchrun)."""
+    env = dict(os.environ) if env is None else env
+    if "WORLD_SIZE" not in env:
+        return DistInfo()
+    return DistInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
+
+
+def init(info: DistInfo, use_cuda: bool) -> None:
+    """Join the process group (NCCL with CUDA, gloo otherwise); no-op for one process."""
+    if not info.active or dist.is_initialized():
+        return
+    if use_cuda:
+        torch.cuda.set_device(info.local_rank)  # before any CUDA work of this process
+    dist.init_process_group("nccl" if use_cuda else "gloo", rank=info.rank,
+                            world_size=info.world_size)
+
+
+def wrap(model: nn.Module, info: DistInfo, device: torch.device,
+         compression: Compression) -> nn.Module:
+    """DDP around `model` (unchanged for one process), with optional gradient compression."""
+    if not info.active:
+        return model
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
+                                  else None)
+    if compression == "bf16" and device.type != "cuda":
+        raise ValueError("--grad-compression bf16 needs CUDA with NCCL (torch's bf16 hook); "
+                         "on the CPU (gloo) use fp16 or none")
+    hooks = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+    if compression in hooks:
+        ddp.register_comm_hook(None, hooks[compression])
+    return ddp
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (what checkpoints hold, so they load anywhere)."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def gather(obj: Any, info: DistInfo) -> list[Any]:
+    """`obj` of every rank, in rank order (a one-element list for one process)."""
+    if not info.active:
+        return [obj]
+    out: list[Any] = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def sum_over_ranks(values: list[float], info: DistInfo) -> list[float]:
+    if not info.active:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def parameter_digest(model: nn.Module) -> str:
+    """A hash of the trainable parameters (not buffers: BatchNorm statistics are per rank
+    between DDP's buffer broadcasts)."""
+    h = hashlib.sha256()
+    for name, p in unwrap(model).named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def finish(info: DistInfo) -> None:
+    if info.active and dist.is_initialized():
+        dist.destroy_process_group()
