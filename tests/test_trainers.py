@@ -203,3 +203,51 @@ def test_torchrun_two_gloo_ranks_see_disjoint_samples_and_agree(shards, tmp_path
     assert {rank for _, rank in seen} == {0, 1}
     for epoch in {e for e, _ in seen}:
         assert not seen[(epoch, 0)] & seen.get((epoch, 1), set()), "ranks shared samples"
+
+
+# -- memory options: offloaded optimizer, activation checkpointing, compile --------------------
+
+def _batches(n: int = 4) -> list:
+    from pipeline.batch import Batch
+
+    g = torch.Generator().manual_seed(0)
+    return [Batch(torch.randint(0, 256, (8, 3, 24, 24), dtype=torch.uint8, generator=g),
+                  torch.randint(0, 10, (8,), generator=g), [f"k{i}"] * 8) for i in range(n)]
+
+
+def _train_steps(tmp_path: Path, name: str, **cfg: object) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    task = ImageClassification(10, device=CPU,
+                               activation_checkpointing=bool(cfg.pop("ckpt", False)))
+    config = TrainConfig(run_dir=tmp_path / name, steps=4, warmup=1, precision="fp32", **cfg)
+    trainer = Trainer(task, loader=None, cfg=config, device=CPU, fingerprint={})
+    for batch in _batches():
+        trainer.micro_step(batch)
+    return {k: v.clone() for k, v in task.model.state_dict().items()}
+
+
+def test_offloaded_optimizer_step_matches_the_on_device_step(tmp_path):
+    plain = _train_steps(tmp_path, "plain")
+    offloaded = _train_steps(tmp_path, "offload", offload_optimizer=True)
+    for name, value in plain.items():
+        assert torch.allclose(value.float(), offloaded[name].float(), atol=1e-6), name
+
+
+def test_activation_checkpointing_gives_the_same_training(tmp_path):
+    plain = _train_steps(tmp_path, "plain")
+    recomputed = _train_steps(tmp_path, "ckpt", ckpt=True)
+    for name, value in plain.items():
+        assert torch.allclose(value.float(), recomputed[name].float(), atol=1e-5), name
+
+
+def test_compiled_model_trains_and_checkpoints_load_into_a_plain_one(shards, tmp_path):
+    from trainers.distributed import unwrap
+    from trainers.models import compile_model
+
+    trainer = _trainer(shards, tmp_path / "c", steps=3, checkpoint_every=3)
+    trainer.task.model = compile_model(trainer.task.model, backend="eager")
+    fit(trainer)
+    state = torch.load(checkpoint.checkpoint_path(tmp_path / "c", 3), weights_only=True)
+    fresh = ImageClassification(10, device=CPU).model
+    fresh.load_state_dict(state["model"])  # no "_orig_mod." prefixes
+    assert unwrap(trainer.task.model) is not trainer.task.model

@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=positive_int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--on-error", choices=("raise", "skip"), default="raise")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="keep master weights and optimizer state in host memory")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute activations in backward instead of storing them")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--grad-compression", choices=("none", "fp16", "bf16"), default="none",
                    help="compress DDP gradients with torch's communication hooks")
     p.add_argument("--log-keys", action="store_true", help="write each step's keys to keys.jsonl")
@@ -99,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainers import distributed
     from trainers.image_task import ImageClassification
     from trainers.loop import TrainConfig, Trainer
+    from trainers.models import compile_model
     from trainers.run import fit
 
     args = build_parser().parse_args(argv)
@@ -116,9 +122,13 @@ def main(argv: list[str] | None = None) -> int:
                       precision=args.precision, log_every=args.log_every,
                       checkpoint_every=args.checkpoint_every,
                       checkpoint_minutes=args.checkpoint_minutes, keep=args.keep,
-                      seed=args.seed, log_keys=args.log_keys)
+                      seed=args.seed, log_keys=args.log_keys,
+                      offload_optimizer=args.offload_optimizer)
     torch.manual_seed(args.seed)
-    task = ImageClassification(classes, args.model, device)  # same seed: same start everywhere
+    # The same seed on every rank: every rank starts from the same weights.
+    task = ImageClassification(classes, args.model, device, args.activation_checkpointing)
+    if args.compile:
+        task.model = compile_model(task.model)
     task.model = distributed.wrap(task.model, info, device, args.grad_compression)
     trainer = Trainer(task, loader, cfg, device, {"data": train.fingerprint()}, info)
     with tqdm(total=steps, disable=args.quiet or not info.is_main, unit="step") as bar:

@@ -72,9 +72,13 @@ def wrap(model: nn.Module, info: DistInfo, device: torch.device,
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside a DDP wrapper (what checkpoints hold, so they load anywhere)."""
-    inner = getattr(model, "module", None)
-    return inner if isinstance(inner, nn.Module) else model
+    """The model inside DDP and torch.compile wrappers (what checkpoints hold, so that they
+    load into any of them)."""
+    for attr in ("module", "_orig_mod", "_orig_mod"):
+        inner = getattr(model, attr, None)
+        if isinstance(inner, nn.Module):
+            model = inner
+    return model
 
 
 def gather(obj: Any, info: DistInfo) -> list[Any]:

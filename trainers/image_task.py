@@ -18,10 +18,11 @@ class ImageClassification:
     """A classifier over `Batch(image, label, keys)`; images arrive uint8 NCHW."""
 
     def __init__(self, num_classes: int, model: str = "small-resnet",
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", activation_checkpointing: bool = False
+                 ) -> None:
         self.num_classes, self.model_name = num_classes, model
         self.device = torch.device(device)
-        self.model = build_model(model, num_classes).to(self.device)
+        self.model = build_model(model, num_classes, activation_checkpointing).to(self.device)
         self.mean = torch.tensor(MEAN, device=self.device).view(1, 3, 1, 1)
         self.std = torch.tensor(STD, device=self.device).view(1, 3, 1, 1)
 

@@ -24,6 +24,7 @@ import torch
 
 from trainers import checkpoint
 from trainers.distributed import DistInfo, gather, sum_over_ranks, unwrap
+from trainers.offload import OffloadedOptimizer
 from trainers.precision import Precision, PrecisionName
 from trainers.schedule import warmup_cosine
 from trainers.task import EvalTotals, Task
@@ -51,6 +52,7 @@ class TrainConfig:
     keep: int = 3
     seed: int = 0
     max_nonfinite: int = 20
+    offload_optimizer: bool = False  # master weights + optimizer state in host memory
     log_keys: bool = False  # write every step's sample keys to keys.jsonl (audits, tests)
 
     def __post_init__(self) -> None:
@@ -69,11 +71,17 @@ class TrainConfig:
             raise ValueError("warmup must be >= 0 and checkpoint_minutes > 0")
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                               weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> Any:
+    """AdamW or SGD over the model's parameters, or over host copies when offloading."""
+    def build(params: Any) -> torch.optim.Optimizer:
+        if cfg.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
+                                   weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    if cfg.offload_optimizer:
+        return OffloadedOptimizer(model, build)
+    return build(model.parameters())
 
 
 def rng_state() -> dict[str, Any]:
@@ -122,6 +130,8 @@ class Trainer:
         if state is None:
             return False
         unwrap(self.task.model).load_state_dict(state["model"])
+        if isinstance(self.optimizer, OffloadedOptimizer):
+            self.optimizer.sync_from_model()
         self.optimizer.load_state_dict(state["optimizer"])
         self.precision.load_state_dict(state["precision"])
         self.loader.load_state_dict(state["loader"][self.dist.rank])
@@ -159,9 +169,12 @@ class Trainer:
     def _optimizer_step(self) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = self._lr()
+        if isinstance(self.optimizer, OffloadedOptimizer):
+            self.optimizer.pull_grads()
         self.precision.unscale(self.optimizer)
-        if self.cfg.clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.task.model.parameters(), self.cfg.clip)
+        if self.cfg.clip is not None:  # the parameters the optimizer steps (host copies too)
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            torch.nn.utils.clip_grad_norm_(params, self.cfg.clip)
         self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1

@@ -3,8 +3,13 @@ by name when torchvision is installed."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class _Block(nn.Module):
@@ -24,8 +29,10 @@ class _Block(nn.Module):
 class SmallResNet(nn.Module):
     """Four residual stages (widths w, 2w, 4w, 8w), global pooling, a linear head."""
 
-    def __init__(self, num_classes: int, width: int = 16) -> None:
+    def __init__(self, num_classes: int, width: int = 16,
+                 activation_checkpointing: bool = False) -> None:
         super().__init__()
+        self.activation_checkpointing = activation_checkpointing
         widths = [width, width * 2, width * 4, width * 8]
         layers: list[nn.Module] = [nn.Conv2d(3, width, 3, 1, 1, bias=False),
                                    nn.BatchNorm2d(width), nn.ReLU(inplace=True)]
@@ -37,16 +44,56 @@ class SmallResNet(nn.Module):
         self.head = nn.Linear(cin, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x).mean((2, 3)))
+        if not (self.activation_checkpointing and self.training):
+            return self.head(self.features(x).mean((2, 3)))
+        for layer in self.features:
+            x = _checkpointed(layer, x) if isinstance(layer, _Block) else layer(x)
+        return self.head(x.mean((2, 3)))
 
 
-def build_model(name: str, num_classes: int) -> nn.Module:
+def _checkpointed(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Keep only the block's input; recompute its insides during backward, with BatchNorm
+    statistics left alone the second time (the first forward updated them already)."""
+    def contexts() -> tuple[Any, Any]:
+        return contextlib.nullcontext(), _frozen_statistics(block)
+
+    out: torch.Tensor = checkpoint(block, x, use_reentrant=False, context_fn=contexts)
+    return out
+
+
+@contextlib.contextmanager
+def _frozen_statistics(module: nn.Module) -> Iterator[None]:
+    """BatchNorm with momentum 0 inside: running statistics do not move during recompute."""
+    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    saved = [(m, m.momentum, None if m.num_batches_tracked is None else
+              m.num_batches_tracked.clone()) for m in norms]
+    for m in norms:
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        for m, momentum, tracked in saved:
+            m.momentum = momentum
+            if tracked is not None and m.num_batches_tracked is not None:
+                m.num_batches_tracked.copy_(tracked)
+
+
+def build_model(name: str, num_classes: int, activation_checkpointing: bool = False
+                ) -> nn.Module:
     """`small-resnet` (no dependency) or any torchvision classification model by name."""
     if name == "small-resnet":
-        return SmallResNet(num_classes)
+        return SmallResNet(num_classes, activation_checkpointing=activation_checkpointing)
+    if activation_checkpointing:
+        raise ValueError(f"activation checkpointing is built into 'small-resnet'; for {name!r} "
+                         "use torchvision's own memory options or drop the flag")
     try:
         import torchvision
     except ImportError:
         raise ImportError(f"model {name!r} needs torchvision (pip install torchvision); "
                           "'small-resnet' needs nothing") from None
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+
+
+def compile_model(model: nn.Module, backend: str = "inductor") -> nn.Module:
+    """torch.compile, kept optional: the first steps are slow while it compiles."""
+    return torch.compile(model, backend=backend)  # type: ignore[return-value]
