@@ -29,6 +29,7 @@ from pipeline.urls import check_scheme, expand_braces, is_remote, redact, scrub
 class ShardSpec:
     url: str
     samples: int | None = None  # None: not known before reading
+    sha256: str | None = None  # from manifest.json, when there is one
 
 
 @dataclass(frozen=True)
@@ -45,11 +46,15 @@ class Source:
         return sum(counts) if len(counts) == len(self.shards) else None
 
     def fingerprint(self) -> str:
-        """A hash of every shard's redacted URL and count: equal for the same dataset."""
+        """A hash of every shard's name, count and checksum (when the manifest gives it) and
+        of the class map: equal for the same dataset, wherever it lies."""
         import hashlib
+        import json
 
         # Names, not full paths: a dataset moved to another folder or bucket is the same one.
-        text = "\n".join(f"{s.url.rsplit('/', 1)[-1]} {s.samples}" for s in self.shards)
+        text = "\n".join(f"{s.url.rsplit('/', 1)[-1]} {s.samples} {s.sha256}"
+                         for s in self.shards)
+        text += json.dumps(self.classes, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def describe(self) -> str:
@@ -84,7 +89,7 @@ def _from_manifest(text: str) -> Source | None:
     if not fs.exists(path):
         return None
     m = load_manifest(manifest_url)
-    shards = tuple(ShardSpec(f"{base}/{s.name}", s.samples) for s in m.shards)
+    shards = tuple(ShardSpec(f"{base}/{s.name}", s.samples, s.sha256) for s in m.shards)
     _preflight([s.url for s in shards], text)
     return Source(shards, m.classes, m.modality)
 

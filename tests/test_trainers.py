@@ -251,3 +251,59 @@ def test_compiled_model_trains_and_checkpoints_load_into_a_plain_one(shards, tmp
     fresh = ImageClassification(10, device=CPU).model
     fresh.load_state_dict(state["model"])  # no "_orig_mod." prefixes
     assert unwrap(trainer.task.model) is not trainer.task.model
+
+
+# -- review follow-ups: non-finite steps, finished runs, empty data, another dataset ---------
+
+def test_a_nonfinite_step_is_skipped_not_applied(tmp_path):
+    from trainers.task import StepOutput
+
+    torch.manual_seed(0)
+    task = ImageClassification(10, device=CPU)
+    trainer = Trainer(task, loader=None, cfg=TrainConfig(run_dir=tmp_path, steps=3,
+                                                          precision="fp32"),
+                      device=CPU, fingerprint={})
+    real_forward = task.forward
+    task.forward = lambda batch: StepOutput(real_forward(batch).loss * float("nan"))
+    trainer.micro_step(_batches(1)[0])
+    assert trainer.bad_steps == 1 and trainer.step == 1
+    assert all(torch.isfinite(p).all() for p in task.model.parameters())
+    trainer.save()  # refused while the last loss was not finite
+    assert not list(tmp_path.glob("ckpt-*.pt"))
+
+
+def test_rerunning_a_finished_run_keeps_its_summary(shards, tmp_path):
+    fit(_trainer(shards, tmp_path / "r", steps=3, checkpoint_every=3))
+    before = (tmp_path / "r" / "summary.json").read_text()
+    again = fit(_trainer(shards, tmp_path / "r", steps=3, checkpoint_every=3))
+    assert (tmp_path / "r" / "summary.json").read_text() == before
+    assert "wall_s" not in again
+
+
+def test_a_pass_with_no_usable_sample_stops_with_an_error(tmp_path):
+    from pipeline.batch import Batch
+    from pipeline.errors import DataError
+
+    class Empty:
+        epoch, skipped = 0, []
+
+        def __iter__(self):
+            yield Batch(torch.zeros(0, 3, 8, 8, dtype=torch.uint8),
+                        torch.zeros(0, dtype=torch.int64), [])
+
+        def state_dict(self):
+            return {}
+
+    trainer = Trainer(ImageClassification(10, device=CPU), Empty(),
+                      TrainConfig(run_dir=tmp_path, steps=2, precision="fp32"), CPU, {})
+    with pytest.raises(DataError, match="no usable sample"):
+        fit(trainer)
+
+
+def test_checkpoint_of_another_dataset_is_refused(shards, tmp_path):
+    other_src = make_image_folder(tmp_path / "src", per_class=30, size=40, seed=7)
+    run_tool("make_shards", "imagefolder", other_src, tmp_path / "other", "--max-count", 30,
+             "--shuffle-seed", 0, check=True)
+    fit(_trainer(shards, tmp_path / "r", steps=2, checkpoint_every=2))
+    with pytest.raises(ValueError, match="data: "):
+        _trainer(tmp_path / "other", tmp_path / "r", steps=4).resume()

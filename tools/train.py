@@ -44,9 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", type=positive_int, default=224, help="image side after cropping")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--grad-accum", type=positive_int, default=1)
-    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient norm limit; 0: no clipping")
     p.add_argument("--checkpoint-every", type=positive_int, default=100)
     p.add_argument("--checkpoint-minutes", type=float, default=5.0)
     p.add_argument("--keep", type=positive_int, default=3)
@@ -98,6 +100,19 @@ def make_loaders(args: argparse.Namespace, train: Source, held: Source, rank: in
     return loader, evaluation, classes
 
 
+def run(trainer: Any, evaluation: Any, held_out: str, steps: int, quiet: bool
+        ) -> dict[str, Any]:
+    from trainers.run import fit
+
+    with tqdm(total=steps, disable=quiet, unit="step") as bar:
+        def progress(r: dict[str, Any]) -> None:
+            bar.update(r["step"] - bar.n)
+            bar.set_postfix_str(f"loss {r['loss']:.3f} {r['samples_per_s']:.0f}/s "
+                                f"wait {r['data_wait']:.0%}")
+        return fit(trainer, eval_loader=evaluation if evaluation is not None else [],
+                   held_out=held_out, progress=progress)
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -105,7 +120,6 @@ def main(argv: list[str] | None = None) -> int:
     from trainers.image_task import ImageClassification
     from trainers.loop import TrainConfig, Trainer
     from trainers.models import compile_model
-    from trainers.run import fit
 
     args = build_parser().parse_args(argv)
     info = distributed.from_torchrun_env()  # torchrun's RANK/WORLD_SIZE/LOCAL_RANK
@@ -117,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", loader.cuda_index) if loader.device == "gpu" else \
         torch.device("cpu")
     steps = args.steps or args.epochs * len(loader) // args.grad_accum
+    if args.grad_compression != "none" and not info.active:
+        raise ValueError("--grad-compression applies to DDP runs: start the run with torchrun")
     cfg = TrainConfig(run_dir=args.out, steps=steps, lr=args.lr, optimizer=args.optimizer,
+                      weight_decay=args.weight_decay, momentum=args.momentum,
                       warmup=args.warmup, grad_accum=args.grad_accum, clip=args.clip or None,
                       precision=args.precision, log_every=args.log_every,
                       checkpoint_every=args.checkpoint_every,
@@ -131,18 +148,17 @@ def main(argv: list[str] | None = None) -> int:
         task.model = compile_model(task.model)
     task.model = distributed.wrap(task.model, info, device, args.grad_compression)
     trainer = Trainer(task, loader, cfg, device, {"data": train.fingerprint()}, info)
-    with tqdm(total=steps, disable=args.quiet or not info.is_main, unit="step") as bar:
-        def progress(r: dict[str, Any]) -> None:
-            bar.update(r["step"] - bar.n)
-            bar.set_postfix_str(f"loss {r['loss']:.3f} {r['samples_per_s']:.0f}/s "
-                                f"wait {r['data_wait']:.0%}")
-        summary = fit(trainer, eval_loader=evaluation if evaluation is not None else [],
-                      held_out=held_out, progress=progress)
-    loader.close()
-    if evaluation is not None:
-        evaluation.close()
-    distributed.finish(info)
+    try:
+        summary = run(trainer, evaluation, held_out, steps, args.quiet or not info.is_main)
+    finally:
+        loader.close()
+        if evaluation is not None:
+            evaluation.close()
+        distributed.finish(info)
     if not info.is_main:
+        return 0
+    if not summary.get("wall_s"):
+        print(f"{args.out}: this run already finished; see its summary.json")
         return 0
     print(f"{summary['steps']} steps in {summary['wall_s']:.1f} s ({summary['device']}, "
           f"{summary['precision']}): loss {summary['final_loss']:.3f}, eval accuracy "

@@ -46,6 +46,12 @@ def save(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
     return path
 
 
+def remove_partial(run_dir: Path) -> None:
+    """Delete temporary files of saves that never finished (never under a final name)."""
+    for tmp in run_dir.glob(f".{PREFIX}*.pt.tmp"):
+        tmp.unlink(missing_ok=True)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

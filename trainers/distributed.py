@@ -91,11 +91,14 @@ def gather(obj: Any, info: DistInfo) -> list[Any]:
 
 
 def sum_over_ranks(values: list[float], info: DistInfo) -> list[float]:
+    """Element-wise sums over ranks (NCCL reduces only GPU tensors: the tensor goes there)."""
     if not info.active:
         return values
-    t = torch.tensor(values, dtype=torch.float64)
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
-    return t.tolist()
+    return t.cpu().tolist()
 
 
 def parameter_digest(model: nn.Module) -> str:

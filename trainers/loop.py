@@ -67,8 +67,14 @@ class TrainConfig:
             raise ValueError(f"optimizer={self.optimizer!r}: choose adamw or sgd")
         if self.clip is not None and not self.clip > 0:
             raise ValueError(f"clip={self.clip}: must be > 0, or None for no clipping")
-        if self.warmup < 0 or self.checkpoint_minutes <= 0:
-            raise ValueError("warmup must be >= 0 and checkpoint_minutes > 0")
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup={self.warmup!r}: must be an integer >= 0")
+        if not (np.isfinite(self.checkpoint_minutes) and self.checkpoint_minutes > 0):
+            raise ValueError(f"checkpoint_minutes={self.checkpoint_minutes}: must be a finite "
+                             "number > 0")
+        for name in ("weight_decay", "momentum"):
+            if not (np.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name}={getattr(self, name)}: must be a finite number >= 0")
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> Any:
@@ -85,16 +91,24 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> Any:
 
 
 def rng_state() -> dict[str, Any]:
-    """Every global RNG as tensors and lists (what weights_only loading accepts)."""
-    numpy_state: Any = np.random.get_state()
-    return {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
-            "numpy": torch.from_numpy(np.asarray(numpy_state[1]).astype(np.int64))}
+    """Every global RNG, whole, as tensors, lists and numbers (what weights_only accepts)."""
+    version, internal, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "python": [version, list(internal), gauss],
+            "numpy": [torch.from_numpy(np.asarray(keys).astype(np.int64)), int(pos),
+                      int(has_gauss), float(cached)]}
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate((3, tuple(state["python"]), None))
-    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), 624, 0, 0.0))
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
 class Trainer:
@@ -106,12 +120,21 @@ class Trainer:
         self.dist = dist or DistInfo()
         self.optimizer = make_optimizer(task.model, cfg)
         self.precision = Precision(cfg.precision, device, cfg.max_nonfinite)
+        # What a checkpoint must match to continue this run (checked before anything loads).
         self.fingerprint = {**fingerprint, **task.describe(), "precision": self.precision.name,
-                            "world_size": self.dist.world_size}
+                            "world_size": self.dist.world_size, "optimizer": cfg.optimizer,
+                            "weight_decay": cfg.weight_decay, "momentum": cfg.momentum,
+                            "grad_accum": cfg.grad_accum, "seed": cfg.seed,
+                            "offload_optimizer": cfg.offload_optimizer}
         self.step, self.micro = 0, 0
+        self.bad_steps = 0  # optimizer steps skipped for non-finite gradients (bf16/fp32)
+        self.summary_so_far: dict[str, Any] = {}
+        self.micro_losses: list[float] = []
         self.wait_s = self.compute_s = 0.0
         self.samples = 0
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.dist.is_main:
+            checkpoint.remove_partial(cfg.run_dir)  # left by a kill during a save
         self.last_save = time.monotonic()
 
     # -- state -----------------------------------------------------------------------------
@@ -127,20 +150,31 @@ class Trainer:
 
     def resume(self) -> bool:
         state = checkpoint.load_newest(self.cfg.run_dir, self.fingerprint)
+        steps = gather(None if state is None else int(state["step"]), self.dist)
+        if len(set(steps)) > 1:
+            raise RuntimeError(f"ranks found different checkpoints to resume from (steps "
+                               f"{steps}); the run folder must be one shared folder")
         if state is None:
             return False
+        if int(state["step"]) > self.cfg.steps:
+            raise ValueError(f"the run folder's checkpoint is at step {state['step']}, past "
+                             f"--steps {self.cfg.steps}; use a new --out or more steps")
+        self.loader.load_state_dict(state["loader"][self.dist.rank])  # checks, loads nothing else
         unwrap(self.task.model).load_state_dict(state["model"])
         if isinstance(self.optimizer, OffloadedOptimizer):
             self.optimizer.sync_from_model()
         self.optimizer.load_state_dict(state["optimizer"])
         self.precision.load_state_dict(state["precision"])
-        self.loader.load_state_dict(state["loader"][self.dist.rank])
         set_rng_state(state["rng"][self.dist.rank])
         self.step = int(state["step"])
+        self.summary_so_far = state.get("summary", {})
         return True
 
-    def save(self) -> None:
+    def save(self, summary: dict[str, Any] | None = None) -> None:
+        if self.precision.nonfinite_in_a_row:
+            return  # never replace good checkpoints by ones taken while losses are not finite
         state = self.state_dict()  # on every rank: it gathers
+        state["summary"] = summary or {}
         if self.dist.is_main:  # one writer; the run folder is shared
             checkpoint.save(self.cfg.run_dir, self.step, state, self.cfg.keep)
         self.last_save = time.monotonic()
@@ -159,9 +193,11 @@ class Trainer:
             out = self.task.forward(batch)
         self.precision.backward(out.loss / self.cfg.grad_accum)
         self.micro += 1
+        self.micro_losses.append(float(out.loss.detach()))  # syncs with the device
         if self.micro % self.cfg.grad_accum:
             return None
-        loss = float(out.loss.detach())  # syncs with the device once per optimizer step
+        loss = sum(self.micro_losses) / len(self.micro_losses)
+        self.micro_losses = []
         self.precision.check_loss(loss)
         self._optimizer_step()
         return loss
@@ -172,10 +208,14 @@ class Trainer:
         if isinstance(self.optimizer, OffloadedOptimizer):
             self.optimizer.pull_grads()
         self.precision.unscale(self.optimizer)
-        if self.cfg.clip is not None:  # the parameters the optimizer steps (host copies too)
-            params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            torch.nn.utils.clip_grad_norm_(params, self.cfg.clip)
-        self.precision.step(self.optimizer)
+        # The parameters the optimizer steps (host copies when offloading); the norm is the
+        # same on every rank after DDP's all-reduce, so every rank decides alike below.
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.clip or float("inf"))
+        if self.precision.scaler is not None or bool(torch.isfinite(norm)):
+            self.precision.step(self.optimizer)  # fp16: the scaler skips non-finite steps
+        else:
+            self.bad_steps += 1  # bf16/fp32: a NaN step would ruin every weight
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
 

@@ -1,8 +1,10 @@
 """`fit`: drive a Trainer to its step count, logging metrics.jsonl and writing summary.json.
 
-Each logging step appends one JSON object to metrics.jsonl: step, loss, lr, samples_per_s,
-data_wait (the share of wall time spent waiting for the next batch) and skipped (samples the
-loader dropped so far). summary.json holds the run's totals, the resolved device and
+Each logging step appends one JSON object to metrics.jsonl: step, loss (the mean over the
+window's steps), lr, samples_per_s (all ranks together), data_wait (rank 0's share of wall
+time spent waiting for the next batch) and skipped (samples all loaders dropped so far).
+After a resume, the steps between the checkpoint and the kill are logged again: the last
+line of a step is the one that counts. summary.json holds the run's totals, the resolved device and
 precision, and what was held out for evaluation.
 """
 
@@ -14,7 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from trainers.distributed import gather, parameter_digest
+from pipeline.errors import DataError
+from trainers.distributed import gather, parameter_digest, sum_over_ranks
 from trainers.loop import Trainer, log_line
 
 log = logging.getLogger(__name__)
@@ -40,13 +43,18 @@ def fit(trainer: Trainer, *, eval_loader: Any = None, held_out: str = "none",
     """Train to `cfg.steps` (resuming if the run folder has a checkpoint); evaluate; summarise."""
     cfg, started = trainer.cfg, time.perf_counter()
     resumed_at = trainer.step if trainer.resume() else None
+    if resumed_at is not None and resumed_at >= cfg.steps:
+        log.info("the run in %s already finished (step %d); nothing to do", cfg.run_dir,
+                 resumed_at)
+        return trainer.summary_so_far
     window, last_loss = _Window(), float("nan")
     while trainer.step < cfg.steps:
-        waited_from = time.perf_counter()
+        waited_from, useful = time.perf_counter(), 0
         for batch in trainer.loader:
             waited = time.perf_counter() - waited_from
             window.wait += waited
             trainer.wait_s += waited
+            useful += bool(len(batch))
             loss = _one(trainer, batch, window)
             if loss is not None:
                 last_loss = loss
@@ -54,6 +62,9 @@ def fit(trainer: Trainer, *, eval_loader: Any = None, held_out: str = "none",
                 if trainer.step >= cfg.steps:
                     break
             waited_from = time.perf_counter()
+        if not useful:
+            raise DataError("no-data", "a whole pass over the training data gave no usable "
+                            "sample (all skipped?); see the loader's skip report")
     return _finish(trainer, eval_loader, held_out, last_loss, started, resumed_at)
 
 
@@ -74,13 +85,15 @@ def _one(trainer: Trainer, batch: Any, window: _Window) -> float | None:
 
 def _after_step(trainer: Trainer, window: _Window, progress: Progress | None) -> _Window:
     if trainer.due_for_checkpoint():
-        trainer.save()
+        trainer.save({"final_loss": window.losses[-1] if window.losses else None})
     if trainer.step % trainer.cfg.log_every and trainer.step != trainer.cfg.steps:
         return window
-    if not trainer.dist.is_main:  # rank 0 logs
+    # Every rank reaches this step: sum samples and skips over ranks, rank 0 writes.
+    window.samples, skipped = (int(v) for v in sum_over_ranks(
+        [window.samples, len(trainer.loader.skipped)], trainer.dist))
+    if not trainer.dist.is_main:
         return _Window()
-    record = window.record(trainer.step, trainer.optimizer.param_groups[0]["lr"],
-                           len(trainer.loader.skipped))
+    record = window.record(trainer.step, trainer.optimizer.param_groups[0]["lr"], skipped)
     log_line(trainer.cfg.run_dir / "metrics.jsonl", record)
     if progress:
         progress(record)
@@ -92,13 +105,15 @@ def _finish(trainer: Trainer, eval_loader: Any, held_out: str, last_loss: float,
     wall = time.perf_counter() - started
     metrics = trainer.evaluate(eval_loader) if eval_loader is not None else {}
     digests = gather(parameter_digest(trainer.task.model), trainer.dist)
+    samples, skipped = sum_over_ranks([trainer.samples, len(trainer.loader.skipped)],
+                                      trainer.dist)
     summary = {
         "steps": trainer.step, "final_loss": last_loss, **metrics,
-        "samples_per_s": trainer.samples / max(wall, 1e-9), "wall_s": wall,
+        "samples_per_s": samples / max(wall, 1e-9), "wall_s": wall,
         "data_wait": trainer.wait_s / max(wall, 1e-9),
         "device": str(trainer.device), "precision": trainer.precision.name,
         "held_out": held_out, "resumed_at_step": resumed_at,
-        "skipped_samples": len(trainer.loader.skipped),
+        "skipped_samples": int(skipped), "nonfinite_skipped_steps": trainer.bad_steps,
         "fp16_skipped_steps": trainer.precision.skipped_steps,
         "world_size": trainer.dist.world_size, "parameter_digests": digests,
     }
