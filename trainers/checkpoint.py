@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from pipeline.shardwriter import fsync_dir
+
 log = logging.getLogger(__name__)
 VERSION = 1
 PREFIX = "ckpt-"
@@ -40,7 +42,7 @@ def save(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(run_dir)
+    fsync_dir(run_dir)
     for old in sorted(run_dir.glob(f"{PREFIX}*.pt"))[:-keep]:
         old.unlink()
     return path
@@ -50,14 +52,6 @@ def remove_partial(run_dir: Path) -> None:
     """Delete temporary files of saves that never finished (never under a final name)."""
     for tmp in run_dir.glob(f".{PREFIX}*.pt.tmp"):
         tmp.unlink(missing_ok=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def load_newest(run_dir: Path, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
