@@ -34,6 +34,8 @@ CHUNK = 4 * 1024 * 1024
 READ_AHEAD_CHUNKS = 16  # at most 64 MiB of shard bytes waiting to be parsed
 IMAGE_EXTS = ("jpg", "png", "jpeg")
 POLL_S = 0.1
+RETRIES = 3  # further tries of a shard whose download breaks
+BACKOFF_S = 0.5  # before the first retry; doubled for each next one
 _END = object()
 
 
@@ -94,17 +96,45 @@ class _Fetcher:
             self._fetch(shard)
 
     def _fetch(self, shard: _Shard) -> None:
+        """Stream the shard; after a failure, reopen it where it broke off (a range request
+        for remote files), up to RETRIES times with exponential back-off."""
+        delivered, failures = 0, 0
+        while True:
+            try:
+                self._stream(shard, delivered)
+                break
+            except _Stopped:
+                return
+            except _Broken as broken:
+                delivered = broken.delivered
+                failures += 1
+                if failures > RETRIES or not self._back_off(shard, failures, broken.cause):
+                    self._put(shard.chunks, _fetch_error(shard, broken.cause, failures), shard)
+                    break
+        self._put(shard.chunks, _END, shard)
+
+    def _stream(self, shard: _Shard, start: int) -> None:
+        delivered = start
         try:
             with fsspec.open(shard.spec.url, "rb") as f:
+                if start:
+                    f.seek(start)
                 while chunk := f.read(CHUNK):
                     if not self._put(shard.chunks, chunk, shard):
-                        return
-        except Exception as exc:  # noqa: BLE001 - handed to the parser, which raises it
-            # The message may hold the URL, query string included: scrub it.
-            self._put(shard.chunks, DataError(
-                "fetch-failed", f"reading the shard failed: {type(exc).__name__}: "
-                f"{scrub(str(exc))}", source=redact(shard.spec.url)), shard)
-        self._put(shard.chunks, _END, shard)
+                        raise _Stopped
+                    delivered += len(chunk)
+        except _Stopped:
+            raise
+        except Exception as exc:  # noqa: BLE001 - retried, then handed to the parser
+            raise _Broken(delivered, exc) from None
+
+    def _back_off(self, shard: _Shard, failures: int, cause: Exception) -> bool:
+        """Wait before the next try; False when the fetcher or the shard was stopped."""
+        log.warning("reading %s failed (%s); try %d of %d in %.1f s", redact(shard.spec.url),
+                    type(cause).__name__, failures + 1, RETRIES + 1,
+                    BACKOFF_S * 2 ** (failures - 1))
+        self.stop.wait(BACKOFF_S * 2 ** (failures - 1))
+        return not (self.stop.is_set() or shard.cancelled.is_set())
 
     def _put(self, q: queue.Queue[Any], item: Any, shard: _Shard | None) -> bool:
         while not self.stop.is_set() and not (shard and shard.cancelled.is_set()):
@@ -122,6 +152,21 @@ class _Fetcher:
     def close(self) -> None:
         self.stop.set()
         self.thread.join(timeout=30)
+
+
+class _Stopped(Exception):
+    """The consumer stopped this shard or the whole fetcher."""
+
+
+class _Broken(Exception):
+    def __init__(self, delivered: int, cause: Exception) -> None:
+        self.delivered, self.cause = delivered, cause
+
+
+def _fetch_error(shard: _Shard, exc: Exception, tries: int) -> DataError:
+    # The message may hold the URL, query string included: scrub it.
+    return DataError("fetch-failed", f"reading the shard failed {tries} times, last with "
+                     f"{type(exc).__name__}: {scrub(str(exc))}", source=redact(shard.spec.url))
 
 
 def samples(plan: EpochPlan, on_error: OnError, skips: SkipLog,

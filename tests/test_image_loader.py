@@ -371,7 +371,10 @@ def test_streaming_resume_counts_each_skip_once(tmp_path):
     json.dumps(state)  # the state is plain JSON (a checkpoint file can hold it)
 
 
-def test_fetch_failures_never_show_url_secrets(tmp_path):
+def test_fetch_failures_never_show_url_secrets(tmp_path, monkeypatch):
+    from pipeline import reader_stream
+
+    monkeypatch.setattr(reader_stream, "BACKOFF_S", 0.01)
     handler = functools.partial(_BrokenHandler, directory=str(tmp_path))
     (tmp_path / "a.tar").write_bytes(b"x" * 2048)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -390,6 +393,7 @@ def test_fetch_failures_never_show_url_secrets(tmp_path):
         thread.join()
     text = str(info.value) + json.dumps(loader.skipped) + json.dumps(loader.state_dict())
     assert "fetch-failed" in text and "SECRET" not in text
+    assert "failed 4 times" in str(info.value)  # the first try and three retries
 
 
 class _BrokenHandler(_QuietHandler):
@@ -401,3 +405,51 @@ class _BrokenHandler(_QuietHandler):
         self.end_headers()
         self.wfile.write(b"\0" * 1000)
         self.close_connection = True
+
+
+class _FlakyRangeHandler(_QuietHandler):
+    """Serves byte ranges, but drops the first download of every file part way through."""
+
+    dropped: set[str] = set()
+
+    def do_GET(self) -> None:
+        path = self.translate_path(self.path)
+        data = Path(path).read_bytes()
+        start = int(self.headers.get("Range", "bytes=0-").split("=")[1].split("-")[0] or 0)
+        end_text = self.headers.get("Range", "bytes=0-").split("-")[1]
+        end = int(end_text) + 1 if end_text else len(data)
+        self.send_response(206 if "Range" in self.headers else 200)
+        self.send_header("Content-Length", str(end - start))
+        self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+        self.send_header("Accept-Ranges", "bytes")
+        self.end_headers()
+        if path not in self.dropped and end - start > 4096:
+            self.dropped.add(path)
+            self.wfile.write(data[start: start + 4096])
+            self.close_connection = True
+            return
+        self.wfile.write(data[start:end])
+
+
+def test_a_dropped_download_is_resumed_and_nothing_is_lost(shards, monkeypatch):
+    from pipeline import reader_stream
+
+    monkeypatch.setattr(reader_stream, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(reader_stream, "CHUNK", 16384)
+    _FlakyRangeHandler.dropped = set()
+    handler = functools.partial(_FlakyRangeHandler, directory=str(shards))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True, name="test-flaky")
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        loader = image_loader(base, batch_size=16, train=False, device="cpu", **OPTS)
+        keys = epoch(loader)[0]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert len(_FlakyRangeHandler.dropped) >= 8  # every shard broke once
+    assert sorted(keys) == sorted(epoch(image_loader(shards, batch_size=16, train=False,
+                                                     device="cpu", **OPTS))[0])
+    assert not loader.skipped
