@@ -88,6 +88,7 @@ def test_train_tool_learns_and_writes_metrics_and_summary(shards, tmp_path):
                     "--batch-size", 32, "--size", 32, "--quiet", check=True)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 120 and summary["precision"] in ("bf16", "fp32")
+    assert {"data_wait_share", "input_bound", "advice"} <= set(summary["bottleneck"])
     assert summary["accuracy"] > 0.35, summary  # 10 classes: chance is 0.1
     assert "train-000009.tar" in summary["held_out"]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -307,3 +308,21 @@ def test_checkpoint_of_another_dataset_is_refused(shards, tmp_path):
     fit(_trainer(shards, tmp_path / "r", steps=2, checkpoint_every=2))
     with pytest.raises(ValueError, match="data: "):
         _trainer(tmp_path / "other", tmp_path / "r", steps=4).resume()
+
+
+def test_bottleneck_report_names_the_limit_and_the_fix():
+    from types import SimpleNamespace
+
+    from trainers.bottleneck import report
+
+    loader = SimpleNamespace(device="cpu", cfg=SimpleNamespace(normalize=False, prefetch=2,
+                                                               threads=2))
+    compute_bound = report(wait_s=1.0, compute_s=99.0, loader=loader)
+    assert not compute_bound["input_bound"] and "compute-bound" in compute_bound["advice"]
+    starved = report(wait_s=40.0, compute_s=60.0, loader=loader)
+    assert starved["input_bound"] and starved["data_wait_share"] == 0.4
+    assert "40%" in starved["advice"] and ("prefetch" in starved["advice"]
+                                          or "GPU" in starved["advice"])
+    loader.cfg.normalize = True
+    if not torch.cuda.is_available():
+        assert "uint8" in report(40.0, 60.0, loader)["advice"]

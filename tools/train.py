@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{summary['precision']}): loss {summary['final_loss']:.3f}, eval accuracy "
           f"{summary.get('accuracy', float('nan')):.3f}, {summary['samples_per_s']:.0f} "
           f"samples/s; run folder {args.out}")
+    print(summary["bottleneck"]["advice"])
     return 0
 
 

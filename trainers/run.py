@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pipeline.errors import DataError
+from trainers import bottleneck
 from trainers.distributed import gather, parameter_digest, sum_over_ranks
 from trainers.loop import Trainer, log_line
 
@@ -69,6 +70,14 @@ def fit(trainer: Trainer, *, eval_loader: Any = None, held_out: str = "none",
 
 
 def _one(trainer: Trainer, batch: Any, window: _Window) -> float | None:
+    started = time.perf_counter()
+    try:
+        return _train_on(trainer, batch, window)
+    finally:
+        trainer.compute_s += time.perf_counter() - started
+
+
+def _train_on(trainer: Trainer, batch: Any, window: _Window) -> float | None:
     if trainer.cfg.log_keys:
         log_line(trainer.cfg.run_dir / "keys.jsonl", {
             "rank": trainer.dist.rank, "step": trainer.step, "micro": trainer.micro,
@@ -116,6 +125,7 @@ def _finish(trainer: Trainer, eval_loader: Any, held_out: str, last_loss: float,
         "skipped_samples": int(skipped), "nonfinite_skipped_steps": trainer.bad_steps,
         "fp16_skipped_steps": trainer.precision.skipped_steps,
         "world_size": trainer.dist.world_size, "parameter_digests": digests,
+        "bottleneck": bottleneck.report(trainer.wait_s, trainer.compute_s, trainer.loader),
     }
     if trainer.dist.is_main:
         (trainer.cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
