@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test lint demo bench gpu-check clean
 
 install: $(STAMP)
 
@@ -32,6 +32,10 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) tools/bench_convert.py --out bench-out
 	$(PY) tools/bench_loader.py --json bench-out/loader.json
+
+# On a CUDA machine: the gpu-marked tests and the GPU figures; elsewhere it says so, exits 0.
+gpu-check: $(STAMP)
+	$(PY) tools/gpu_check.py --json gpu-report.json
 
 clean:
 	rm -rf demo-out bench-out .pytest_cache

@@ -45,3 +45,13 @@ def test_timings_medians_and_ratios():
     alternate({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, repeats=2,
               warmup=1)
     assert order == ["a", "b", "a", "b", "a", "b"]  # warm-ups, then A B A B
+
+
+def test_gpu_check_says_there_is_no_gpu_and_exits_0():
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: tools/gpu_check.py would run the real checks")
+    proc = run_tool("gpu_check")
+    assert proc.returncode == 0 and "no CUDA device here" in proc.stdout
