@@ -70,6 +70,7 @@ class ImageConfig:
     fast_idct: bool = False
     hw_decoder_load: float = 0.65
     allow_pipe: bool = False
+    timeout_s: float | None = 600.0  # no batch for this long: the loader is hung, raise
 
     def __post_init__(self) -> None:
         _positive(self, "batch_size", "size", "threads", "prefetch", "max_pixels")
@@ -86,6 +87,8 @@ class ImageConfig:
             raise ValueError(f"crop_fraction={self.crop_fraction}: a share in (0, 1]")
         if not 0 <= self.hw_decoder_load <= 1:
             raise ValueError(f"hw_decoder_load={self.hw_decoder_load}: a share in [0, 1]")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s}: seconds > 0, or None to wait forever")
         if self.num_classes is not None and self.num_classes < 1:
             raise ValueError(f"num_classes={self.num_classes}: must be positive (or None)")
 
@@ -165,7 +168,7 @@ class ImageLoader(Loader):
         super().__init__(source, batch_size=cfg.batch_size, seed=cfg.seed, rank=rank,
                          world_size=world_size, shuffle=cfg.train,
                          shuffle_buffer=cfg.shuffle_buffer, on_error=cfg.on_error,
-                         prefetch=cfg.prefetch, reader=reader)
+                         prefetch=cfg.prefetch, reader=reader, timeout_s=cfg.timeout_s)
         self.skips.extend(early.entries)
         self.num_classes = cfg.num_classes or (len(source.classes) if source.classes else None)
         self._decoder = DecodeStage(cfg, self.device, self.cuda_index, self.batch_size)

@@ -36,11 +36,11 @@ class Loader(ABC):
 
     def __init__(self, source: Source, *, batch_size: int, seed: int, rank: int,
                  world_size: int, shuffle: bool, shuffle_buffer: int, on_error: OnError,
-                 prefetch: int, reader: str) -> None:
+                 prefetch: int, reader: str, timeout_s: float | None = None) -> None:
         self.source, self.batch_size, self.seed = source, batch_size, seed
         self.rank, self.world_size, self.shuffle = rank, world_size, shuffle
         self.shuffle_buffer, self.on_error, self.prefetch = shuffle_buffer, on_error, prefetch
-        self.reader = reader
+        self.reader, self.timeout_s = reader, timeout_s
         self.epoch, self._batches_done = 0, 0
         self._reader_state: dict[str, Any] | None = None
         self.skips = SkipLog()
@@ -80,7 +80,8 @@ class Loader(ABC):
         plan, state = self.plan(), self._reader_state
         self._report(plan)
         stage: Stage[Produced] = Stage(lambda stop: self._produce(plan, state, stop),
-                                       depth=self.prefetch, name=f"shardflow-{self.kind}")
+                                       depth=self.prefetch, name=f"shardflow-{self.kind}",
+                                       timeout_s=self.timeout_s)
         self._stage = stage
         try:
             for batch, reader_state, ready, skipped in stage:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -38,11 +39,13 @@ class Stage(Generic[T]):
     """
 
     def __init__(self, produce: Callable[[threading.Event], Iterator[T]], *, depth: int,
-                 name: str, parent_stop: threading.Event | None = None) -> None:
+                 name: str, parent_stop: threading.Event | None = None,
+                 timeout_s: float | None = None) -> None:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._parent_stop = parent_stop
         self.completed = False  # True once the producer's last item was consumed
+        self.timeout_s = timeout_s  # a producer silent this long is declared hung
         self._thread = threading.Thread(target=self._run, args=(produce,), name=name,
                                         daemon=True)
         self._thread.start()
@@ -78,6 +81,7 @@ class Stage(Generic[T]):
             yield item
 
     def _get(self) -> Any:
+        waited_since = time.monotonic()
         while True:
             if self._stop.is_set() or (self._parent_stop and self._parent_stop.is_set()):
                 return _STOPPED  # closed: end quietly, there is no one to report to
@@ -86,9 +90,15 @@ class Stage(Generic[T]):
             except queue.Empty:
                 if not self._thread.is_alive() and self._queue.empty():
                     return _Raised(RuntimeError(f"{self._thread.name} stopped without a word"))
+                if self.timeout_s and time.monotonic() - waited_since > self.timeout_s:
+                    return _Raised(TimeoutError(
+                        f"{self._thread.name} produced nothing for {self.timeout_s:.0f} s: it "
+                        "is hung (a stalled read or decode); raise the loader's timeout_s if "
+                        "its batches are legitimately that slow"))
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Stop the producer and wait for its thread; warn (not hang) if it does not stop."""
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the producer and wait for its thread; warn (not hang) if it does not stop: a
+        thread stuck in a read cannot be interrupted, and it is a daemon."""
         self._stop.set()
         self._thread.join(timeout)
         if self._thread.is_alive():

@@ -453,3 +453,25 @@ def test_a_dropped_download_is_resumed_and_nothing_is_lost(shards, monkeypatch):
     assert sorted(keys) == sorted(epoch(image_loader(shards, batch_size=16, train=False,
                                                      device="cpu", **OPTS))[0])
     assert not loader.skipped
+
+
+def test_a_hung_reader_is_reported_within_the_timeout(shards, monkeypatch):
+    from pipeline import reader_dali
+
+    stop_hanging = threading.Event()
+    real = reader_dali.batches
+
+    def hangs_after_one(plan, state):
+        it = real(plan, state)
+        yield next(it)
+        stop_hanging.wait(30)  # a stalled read: nothing more comes
+        yield from it
+
+    monkeypatch.setattr(reader_dali, "batches", hangs_after_one)
+    loader = image_loader(shards, batch_size=8, device="cpu", timeout_s=1.5, **OPTS)
+    try:
+        with pytest.raises(TimeoutError, match="shardflow-image produced nothing for 2 s"):
+            epoch(loader)
+    finally:
+        stop_hanging.set()  # let the stuck thread finish so no thread is left behind
+        loader.close()
