@@ -326,3 +326,34 @@ def test_bottleneck_report_names_the_limit_and_the_fix():
     loader.cfg.normalize = True
     if not torch.cuda.is_available():
         assert "uint8" in report(40.0, 60.0, loader)["advice"]
+
+
+def test_full_disk_while_saving_leaves_the_previous_checkpoint_and_rerun_finishes(shards,
+                                                                                  tmp_path):
+    import os
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    size = checkpoint_size(shards, tmp_path)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size * 1.5)}", "tmpfs",
+                            str(disk)], capture_output=True)
+    if mount.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.decode().strip()}")
+    try:
+        run = disk / "run"
+        with pytest.raises(OSError, match="previous checkpoints are intact"):
+            fit(_trainer(shards, run, steps=4, checkpoint_every=2, keep=3))
+        assert [p.name for p in run.glob("*.pt*")] == ["ckpt-00000002.pt"]  # no partial file
+        subprocess.run(["mount", "-o", "remount,size=200m", str(disk)], check=True)
+        summary = fit(_trainer(shards, run, steps=4, checkpoint_every=2, keep=3))
+        assert summary["resumed_at_step"] == 2 and summary["steps"] == 4
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def checkpoint_size(shards: Path, tmp_path: Path) -> int:
+    run = tmp_path / "probe"
+    fit(_trainer(shards, run, steps=1, checkpoint_every=1))
+    return checkpoint.checkpoint_path(run, 1).stat().st_size

@@ -175,3 +175,5 @@ if __name__ == "__main__":
         fail(str(err))
     except (ValueError, FileNotFoundError) as err:
         fail(str(err), 2)
+    except OSError as err:  # a full disk while saving, say: the message says what to do
+        fail(str(err), 3)

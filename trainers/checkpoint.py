@@ -39,6 +39,11 @@ def save(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, f"saving checkpoint step {step} to {run_dir} failed "
+                      f"({exc.strerror}); no partial file was left and the previous checkpoints"
+                      " are intact: free space and run the same command again to resume") from exc
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
