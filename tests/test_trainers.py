@@ -357,3 +357,36 @@ def checkpoint_size(shards: Path, tmp_path: Path) -> int:
     run = tmp_path / "probe"
     fit(_trainer(shards, run, steps=1, checkpoint_every=1))
     return checkpoint.checkpoint_path(run, 1).stat().st_size
+
+
+def test_credentials_in_the_data_url_appear_nowhere_in_the_run(shards, tmp_path):
+    """Shards behind http://user:SECRET@host: the run folder (checkpoints, metrics, summary,
+    keys) and everything printed are free of the secret."""
+    import functools
+    import http.server
+    import threading
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    handler = functools.partial(Quiet, directory=str(shards))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True, name="test-http")
+    thread.start()
+    try:
+        url = f"http://alice:SECRET@127.0.0.1:{server.server_address[1]}"
+        proc = run_tool("train", "--task", "image", "--data", url, "--out", tmp_path / "run",
+                        "--steps", 4, "--batch-size", 8, "--size", 24, "--checkpoint-every", 2,
+                        "--log-keys")
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    files = [p for p in (tmp_path / "run").iterdir() if p.is_file()]
+    assert any(p.name.startswith("ckpt-") for p in files)
+    for path in files:
+        assert b"SECRET" not in path.read_bytes(), path.name
+    assert "SECRET" not in proc.stdout + proc.stderr
+    assert "train-000009.tar" in (tmp_path / "run" / "summary.json").read_text()

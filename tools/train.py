@@ -23,6 +23,7 @@ from tqdm import tqdm  # noqa: E402
 
 from pipeline.errors import DataError  # noqa: E402
 from pipeline.shardlist import Source, resolve  # noqa: E402
+from pipeline.urls import redact  # noqa: E402
 
 HOLD_OUT_EVERY = 10
 
@@ -69,14 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def split_eval(source: Source, eval_data: str | None) -> tuple[Source, Source, str]:
     if eval_data:
-        return source, resolve(eval_data), f"--eval-data {eval_data}"
+        return source, resolve(eval_data), f"--eval-data {redact(eval_data)}"
     shards = sorted(source.shards, key=lambda s: s.url)
     if len(shards) < 2:
         raise ValueError("--data has one shard: nothing to hold out; pass --eval-data or "
                          "re-shard with a smaller --max-count")
     held = shards[HOLD_OUT_EVERY - 1:: HOLD_OUT_EVERY] or shards[-1:]
     train = tuple(s for s in shards if s not in held)
-    names = ", ".join(s.url.rsplit("/", 1)[-1] for s in held)
+    names = ", ".join(redact(s.url).rsplit("/", 1)[-1] for s in held)
     return (Source(train, source.classes, source.modality),
             Source(tuple(held), source.classes, source.modality),
             f"every {HOLD_OUT_EVERY}th shard of --data, never trained on: {names}")
