@@ -31,7 +31,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) tools/bench_convert.py --out bench-out
-	$(PY) tools/bench_loader.py --json bench-out/loader.json
+	$(PY) tools/bench_loader.py --json bench-out/loader.json --plot bench-out/loader.png
 
 # On a CUDA machine: the gpu-marked tests and the GPU figures; elsewhere it says so, exits 0.
 gpu-check: $(STAMP)

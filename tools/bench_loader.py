@@ -111,6 +111,36 @@ def print_table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot(r: dict[str, Any], path: Path) -> None:
+    """Images/s per loader (ours highlighted, ratios written on the bars) and RSS per epoch."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("--plot needs matplotlib (pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, rates = list(r["images_per_s"]), list(r["images_per_s"].values())
+    ours = r["images_per_s"]["shardflow"]
+    fig, (bars, memory) = plt.subplots(1, 2, figsize=(12, 4.5),
+                                       gridspec_kw={"width_ratios": [2, 1]})
+    colours = ["tab:orange" if n.startswith("shardflow") else "tab:blue" for n in names]
+    bars.barh(names, rates, color=colours)
+    for i, rate in enumerate(rates):
+        bars.text(rate, i, f" {rate:.0f}  (ours {ours / rate:.2f}x)", va="center", fontsize=8)
+    bars.invert_yaxis()
+    bars.set_xlabel("images/s (median)")
+    bars.set_xlim(0, max(rates) * 1.35)
+    memory.plot(range(1, len(r["rss_mb_after_each_epoch"]) + 1), r["rss_mb_after_each_epoch"],
+                marker="o")
+    memory.set_xlabel("epoch of shardflow's loader")
+    memory.set_ylabel("resident memory of the process (MB)")
+    fig.suptitle(f"{r['images']} photo-like JPEGs, batch {r['batch_size']}, "
+                 f"{r['threads']} threads; time to first batch {r['time_to_first_batch_s']} s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -121,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=positive_int, default=4, help="for the memory figure")
     p.add_argument("--work", type=Path, default=Path("bench-out/loader-work"))
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG chart here")
     args = p.parse_args(argv)
     setup_logging(quiet=True)
     shutil.rmtree(args.work, ignore_errors=True)
@@ -135,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
         args.json.with_suffix(".md").write_text(table + "\n")
+    if args.plot:
+        plot(result, args.plot)
     shutil.rmtree(args.work, ignore_errors=True)
     return 0
 
