@@ -63,11 +63,14 @@ def rss_mb() -> float:
 # -- ours ----------------------------------------------------------------------------------------
 
 class Ours:
+    """Our loader with the benchmark's thread count (not a tuning file's), unless `options`
+    say otherwise (--tune tries other configurations)."""
+
     def __init__(self, c: Corpus, **options: Any) -> None:
         from pipeline.image import image_loader
 
-        self.loader = image_loader(c.shards, batch_size=c.batch_size, device="cpu",
-                                   threads=c.threads, size=c.size, **options)
+        options = {"device": "cpu", "threads": c.threads, "use_tuning": False, **options}
+        self.loader = image_loader(c.shards, batch_size=c.batch_size, size=c.size, **options)
 
     def epoch(self) -> int:
         return sum(len(b) for b in self.loader)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pipeline import augment, image_graph, reader_dali, reader_stream
+from pipeline import augment, image_graph, reader_dali, reader_stream, tuning
 from pipeline.batch import EncodedBatch
 from pipeline.checks import check_label
 from pipeline.errors import DataError, OnError, SkipLog, check_on_error, handle
@@ -114,12 +114,18 @@ def _range(cfg: object, name: str, low: float, high: float) -> None:
 def image_loader(source: str | Path | Sequence[str], *, batch_size: int, train: bool = True,
                  seed: int = 0, device: Device = "auto", on_error: OnError = "raise",
                  rank: int | None = None, world_size: int | None = None,
+                 tuning_file: Path | None = None, use_tuning: bool = True,
                  **options: Any) -> ImageLoader:
     """A resumable loader of image batches from shards (see `ImageConfig` for `options`).
 
     `source`: a folder with manifest.json, a glob, a brace pattern, a list of URLs, or any
     fsspec URL. `rank`/`world_size` default to torch.distributed's when it is initialised.
+    Choices left automatic (device, reader, threads, prefetch) come from the tuning file of
+    `tools/bench_loader.py --tune` when one was measured on this machine (see tuning.py).
     """
+    if use_tuning:
+        options = tuning.apply({"device": device, **options}, tuning_file)
+        device = options.pop("device")
     cfg = ImageConfig(batch_size=batch_size, train=train, seed=seed, device=device,
                       on_error=on_error, **options)
     rank, world_size = _distributed(rank, world_size)

@@ -34,6 +34,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def isolated_home(tmp_path_factory: pytest.TempPathFactory):
+    """A fresh HOME for the whole session (and the tools it runs): a tuning file measured on
+    this machine (~/.cache/shardflow/tuning.json) must not change what the tests build."""
+    import os
+
+    old = os.environ.get("HOME")
+    os.environ["HOME"] = str(tmp_path_factory.mktemp("home"))
+    yield
+    if old is None:
+        os.environ.pop("HOME", None)
+    else:
+        os.environ["HOME"] = old
+
+
 # fsspec runs one event-loop thread per process for http(s) and other async filesystems.
 LONG_LIVED_THREADS = {"fsspecIO"}
 

@@ -55,3 +55,43 @@ def test_gpu_check_says_there_is_no_gpu_and_exits_0():
         pytest.skip("a GPU is here: tools/gpu_check.py would run the real checks")
     proc = run_tool("gpu_check")
     assert proc.returncode == 0 and "no CUDA device here" in proc.stdout
+
+
+def test_tuning_file_round_trip_and_what_auto_takes_from_it(tmp_path, caplog):
+    import logging
+
+    from pipeline.tuning import Tuning, apply, load
+
+    path = tmp_path / "tuning.json"
+    assert load(path) is None  # no file: nothing changes
+    Tuning("cpu", "stream", 1, 3, 1234.5, [{"reader": "stream"}]).save(path)
+    assert load(path) == Tuning("cpu", "stream", 1, 3, 1234.5, [{"reader": "stream"}],
+                                load(path).machine, load(path).measured)
+    with caplog.at_level(logging.INFO):
+        tuned = apply({"device": "auto", "prefetch": 2}, path)
+    assert tuned == {"device": "cpu", "reader": "stream", "threads": 1, "prefetch": 2}
+    assert "from the tuning file" in caplog.text  # the choice and its source are logged
+    explicit = apply({"device": "cpu", "reader": "dali", "threads": 2, "prefetch": 2}, path)
+    assert explicit == {"device": "cpu", "reader": "dali", "threads": 2, "prefetch": 2}
+
+
+def test_a_tuning_file_from_another_machine_is_ignored(tmp_path):
+    from pipeline.tuning import Tuning, load
+
+    path = tmp_path / "tuning.json"
+    Tuning("gpu", "dali", 64, 4, 9000.0, machine={"cpus": 64, "gpu": "H200"}).save(path)
+    assert load(path) is None
+
+
+def test_image_loader_uses_the_tuning_file_unless_told_not_to(tmp_path):
+    from pipeline import image_loader
+    from pipeline.tuning import Tuning
+
+    src = make_image_folder(tmp_path / "src", classes=2, per_class=3)
+    run_tool("make_shards", "imagefolder", src, tmp_path / "o", "--max-count", 3, check=True)
+    path = tmp_path / "tuning.json"
+    Tuning("cpu", "stream", 1, 3, 100.0).save(path)
+    tuned = image_loader(tmp_path / "o", batch_size=2, tuning_file=path)
+    assert tuned.reader == "stream" and tuned.cfg.threads == 1 and tuned.cfg.prefetch == 3
+    plain = image_loader(tmp_path / "o", batch_size=2, tuning_file=path, use_tuning=False)
+    assert plain.reader == "dali"

@@ -111,6 +111,28 @@ def print_table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def tune(c: bi.Corpus, args: argparse.Namespace) -> None:
+    """Every configuration that matters here, alternated; the fastest goes to the file."""
+    import torch
+
+    from pipeline.tuning import Tuning, default_path
+
+    devices = ["cpu", "gpu"] if torch.cuda.is_available() else ["cpu"]
+    configs = [{"device": d, "reader": r, "threads": t, "prefetch": p} for d in devices
+               for r in ("dali", "stream") for t in (c.threads, c.threads + 1) for p in (2, 4)]
+    runs = {json.dumps(cfg): bi.Ours(c, **cfg) for cfg in configs}
+    timings = alternate({key: ours.epoch for key, ours in runs.items()}, repeats=args.repeats)
+    table = sorted(({**json.loads(key), "images_per_s": round(timings.rate(key, c.images), 1)}
+                    for key in runs), key=lambda row: -row["images_per_s"])
+    for row in table:
+        print(row)
+    best = table[0]
+    path = args.tuning_file or default_path()
+    Tuning(best["device"], best["reader"], best["threads"], best["prefetch"],
+           best["images_per_s"], table).save(path)
+    print(f"fastest: {best}; written to {path}")
+
+
 def plot(r: dict[str, Any], path: Path) -> None:
     """Images/s per loader (ours highlighted, ratios written on the bars) and RSS per epoch."""
     try:
@@ -152,10 +174,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=Path("bench-out/loader-work"))
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG chart here")
+    p.add_argument("--tune", action="store_true",
+                   help="measure loader configurations on this machine and write the fastest "
+                   "to the tuning file that image_loader's automatic choices use")
+    p.add_argument("--tuning-file", type=Path, default=None,
+                   help="where --tune writes (default ~/.cache/shardflow/tuning.json)")
     args = p.parse_args(argv)
     setup_logging(quiet=True)
     shutil.rmtree(args.work, ignore_errors=True)
     corpus = build_corpus(args.work, args.images, args.batch_size, args.threads)
+    if args.tune:
+        tune(corpus, args)
+        shutil.rmtree(args.work, ignore_errors=True)
+        return 0
     runs = contenders(corpus)
     timings = alternate({k: v.epoch for k, v in runs.items()}, repeats=args.repeats,
                         cpu_clock=bi.cpu_seconds)
