@@ -23,6 +23,7 @@ from pipeline.checks import CheckLimits, check_sample
 from pipeline.errors import DataError, OnError, SkipLog, check_on_error, handle
 from pipeline.manifest import MANIFEST, Manifest, part_manifest_name
 from pipeline.outdir import JOURNAL, Journal
+from pipeline.shardlist import preflight
 from pipeline.shardwriter import ShardInfo, ShardWriter
 from pipeline.sources import (
     SOURCE_KINDS,
@@ -127,24 +128,13 @@ def order_tasks(tasks: list[Task], cfg: ConvertConfig) -> list[Task]:
 def shard_tasks(cfg: ConvertConfig, skips: SkipLog) -> Iterator[dict[str, object] | DataError]:
     """Samples of existing shards (this part's slice of them), keys made safe and unique."""
     urls = list_shards(cfg.src)
-    _preflight(urls)
+    preflight(urls, cfg.src)
     index, count = cfg.part
     urls = urls[index * len(urls) // count: (index + 1) * len(urls) // count]
     stream = _unique_keys(_read_shards(urls, cfg, skips))
     if cfg.shuffle_seed is not None:
         stream = _buffer_shuffle(stream, random.Random(cfg.shuffle_seed))
     return stream
-
-
-def _preflight(urls: list[str]) -> None:
-    import fsspec
-
-    if not urls:
-        raise FileNotFoundError("no shards matched the source")
-    missing = [u for u in urls if not fsspec.core.url_to_fs(u)[0].exists(u)]
-    if missing:
-        raise FileNotFoundError(f"{len(missing)} of {len(urls)} shards are missing: "
-                                + ", ".join(redact(u) for u in missing))
 
 
 def _read_shards(urls: list[str], cfg: ConvertConfig, skips: SkipLog

@@ -38,9 +38,6 @@ class GraphSpec:
     hw_decoder_load: float = 0.65
 
 
-INPUTS = ("encoded", "anchor", "shape", "flip")  # flip only when the graph resizes
-
-
 def build(spec: GraphSpec, *, batch_size: int, num_threads: int, device_id: int | None,
           seed: int, prefetch_depth: int = 2) -> Any:
     """A built DALI pipeline whose inputs are fed with `feed_input(name, ...)` per batch and

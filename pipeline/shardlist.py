@@ -75,7 +75,7 @@ def resolve(source: str | Path | Sequence[str], *, allow_pipe: bool = False) -> 
         urls = [u for item in source for u in expand_braces(str(item))]
     for url in urls:
         check_scheme(url, allow_pipe=allow_pipe)
-    _preflight(urls, str(source))
+    preflight(urls, str(source))
     return Source(tuple(ShardSpec(u, _count_from_index(u)) for u in urls))
 
 
@@ -90,11 +90,12 @@ def _from_manifest(text: str) -> Source | None:
         return None
     m = load_manifest(manifest_url)
     shards = tuple(ShardSpec(f"{base}/{s.name}", s.samples, s.sha256) for s in m.shards)
-    _preflight([s.url for s in shards], text)
+    preflight([s.url for s in shards], text)
     return Source(shards, m.classes, m.modality)
 
 
-def _preflight(urls: list[str], source: str) -> None:
+def preflight(urls: list[str], source: str) -> None:
+    """One error listing every missing shard (and one for a source that matches none)."""
     if not urls:
         raise FileNotFoundError(f"{scrub(source)}: no shards found")
     missing = [u for u in urls if not u.startswith("pipe:") and not _exists(u)]

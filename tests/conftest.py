@@ -3,11 +3,15 @@ and shards read back with webdataset and with DALI's own reader in CPU mode."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import http.server
 import io
 import json
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +69,28 @@ def no_thread_left_behind():
         thread.join(timeout=5)  # a stage that is stopping gets a moment to finish
     stray = [t.name for t in stray if t.is_alive()]
     assert not stray, f"threads left running: {stray}"
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    """Serves a folder; no request log on stderr."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def http_server(directory: Path, handler: type = QuietHandler) -> Iterator[str]:
+    """`directory` served on 127.0.0.1 (a free port) for the block; yields the base URL."""
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(handler, directory=str(directory)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True, name="test-http")
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
 
 
 def jpeg_bytes(seed: int, size: tuple[int, int] = (48, 40), mode: str = "RGB",

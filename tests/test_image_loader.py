@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import http.server
 import json
 import tarfile
 import threading
@@ -12,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import jpeg_bytes, make_image_folder, run_tool
+from conftest import QuietHandler, http_server, jpeg_bytes, make_image_folder, run_tool
 
 from pipeline import image_loader
 from pipeline.builtin import make_image_folder as builtin_images
@@ -42,19 +41,8 @@ def epoch(loader) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
 @pytest.fixture(scope="module")
 def http_url(shards: Path):
     """The shard folder served on 127.0.0.1 by a server the test starts and stops."""
-    handler = functools.partial(_QuietHandler, directory=str(shards))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True, name="test-http")
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-    thread.join()
-
-
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args: object) -> None:
-        pass
+    with http_server(shards) as url:
+        yield url
 
 
 def test_batches_hold_decoded_images_labels_and_keys(shards):
@@ -375,28 +363,19 @@ def test_fetch_failures_never_show_url_secrets(tmp_path, monkeypatch):
     from pipeline import reader_stream
 
     monkeypatch.setattr(reader_stream, "BACKOFF_S", 0.01)
-    handler = functools.partial(_BrokenHandler, directory=str(tmp_path))
     (tmp_path / "a.tar").write_bytes(b"x" * 2048)
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = (f"http://127.0.0.1:{server.server_address[1]}/a.tar"
-               "?X-Amz-Signature=SECRETSIG&token=SECRETTOK")
+    with http_server(tmp_path, _BrokenHandler) as base:
+        url = f"{base}/a.tar?X-Amz-Signature=SECRETSIG&token=SECRETTOK"
         with pytest.raises(DataError) as info:
             epoch(image_loader([url], batch_size=2, device="cpu", **OPTS))
         loader = image_loader([url], batch_size=2, device="cpu", on_error="skip", **OPTS)
         epoch(loader)
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
     text = str(info.value) + json.dumps(loader.skipped) + json.dumps(loader.state_dict())
     assert "fetch-failed" in text and "SECRET" not in text
     assert "failed 4 times" in str(info.value)  # the first try and three retries
 
 
-class _BrokenHandler(_QuietHandler):
+class _BrokenHandler(QuietHandler):
     """The shard is there, but every download drops the connection part way through."""
 
     def do_GET(self) -> None:
@@ -407,7 +386,7 @@ class _BrokenHandler(_QuietHandler):
         self.close_connection = True
 
 
-class _FlakyRangeHandler(_QuietHandler):
+class _FlakyRangeHandler(QuietHandler):
     """Serves byte ranges, but drops the first download of every file part way through."""
 
     dropped: set[str] = set()
@@ -437,18 +416,9 @@ def test_a_dropped_download_is_resumed_and_nothing_is_lost(shards, monkeypatch):
     monkeypatch.setattr(reader_stream, "BACKOFF_S", 0.01)
     monkeypatch.setattr(reader_stream, "CHUNK", 16384)
     _FlakyRangeHandler.dropped = set()
-    handler = functools.partial(_FlakyRangeHandler, directory=str(shards))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True, name="test-flaky")
-    thread.start()
-    try:
-        base = f"http://127.0.0.1:{server.server_address[1]}"
+    with http_server(shards, _FlakyRangeHandler) as base:
         loader = image_loader(base, batch_size=16, train=False, device="cpu", **OPTS)
         keys = epoch(loader)[0]
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
     assert len(_FlakyRangeHandler.dropped) >= 8  # every shard broke once
     assert sorted(keys) == sorted(epoch(image_loader(shards, batch_size=16, train=False,
                                                      device="cpu", **OPTS))[0])

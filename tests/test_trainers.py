@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_tool
+from conftest import ROOT, http_server, run_tool
 
 from pipeline.builtin import make_image_folder
 from pipeline.image import ImageConfig, ImageLoader
@@ -362,27 +362,11 @@ def checkpoint_size(shards: Path, tmp_path: Path) -> int:
 def test_credentials_in_the_data_url_appear_nowhere_in_the_run(shards, tmp_path):
     """Shards behind http://user:SECRET@host: the run folder (checkpoints, metrics, summary,
     keys) and everything printed are free of the secret."""
-    import functools
-    import http.server
-    import threading
-
-    class Quiet(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
-    handler = functools.partial(Quiet, directory=str(shards))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True, name="test-http")
-    thread.start()
-    try:
-        url = f"http://alice:SECRET@127.0.0.1:{server.server_address[1]}"
+    with http_server(shards) as base:
+        url = base.replace("http://", "http://alice:SECRET@")
         proc = run_tool("train", "--task", "image", "--data", url, "--out", tmp_path / "run",
                         "--steps", 4, "--batch-size", 8, "--size", 24, "--checkpoint-every", 2,
                         "--log-keys")
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
     assert proc.returncode == 0, proc.stderr[-2000:]
     files = [p for p in (tmp_path / "run").iterdir() if p.is_file()]
     assert any(p.name.startswith("ckpt-") for p in files)

@@ -129,7 +129,7 @@ class Trainer:
         self.step, self.micro = 0, 0
         self.bad_steps = 0  # optimizer steps skipped for non-finite gradients (bf16/fp32)
         self.summary_so_far: dict[str, Any] = {}
-        self.micro_losses: list[float] = []
+        self.micro_losses: list[torch.Tensor] = []
         self.wait_s = self.compute_s = 0.0
         self.samples = 0
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
@@ -193,10 +193,11 @@ class Trainer:
             out = self.task.forward(batch)
         self.precision.backward(out.loss / self.cfg.grad_accum)
         self.micro += 1
-        self.micro_losses.append(float(out.loss.detach()))  # syncs with the device
+        self.micro_losses.append(out.loss.detach())
         if self.micro % self.cfg.grad_accum:
             return None
-        loss = sum(self.micro_losses) / len(self.micro_losses)
+        # One host-device sync per optimizer step, for the mean over the micro-batches.
+        loss = float(torch.stack(self.micro_losses).float().mean())
         self.micro_losses = []
         self.precision.check_loss(loss)
         self._optimizer_step()
