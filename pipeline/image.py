@@ -15,31 +15,26 @@ key) when training, the centre crop when evaluating, so memory is bounded by the
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pipeline import augment, image_graph, reader_dali, reader_stream, tuning
+from pipeline import augment, image_graph, readers, tuning
 from pipeline.batch import EncodedBatch
 from pipeline.checks import check_label
-from pipeline.errors import DataError, OnError, SkipLog, check_on_error, handle
+from pipeline.errors import DataError, OnError, SkipLog, handle
 from pipeline.image_decode import DecodeStage
 from pipeline.loader import Loader, Produced
 from pipeline.prefetch import Stage
 from pipeline.readplan import EpochPlan
-from pipeline.shardlist import ShardSpec, Source, resolve
-from pipeline.urls import is_remote
+from pipeline.shardlist import Source, resolve
 
 log = logging.getLogger(__name__)
 Device = Literal["auto", "cpu", "gpu"]
-ReaderKind = Literal["auto", "dali", "stream"]
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+ReaderKind = readers.ReaderKind
+IMAGE_EXTS = ("jpg", "png", "jpeg")
 
 
 @dataclass(frozen=True)
@@ -60,7 +55,7 @@ class ImageConfig:
     mean: tuple[float, float, float] = image_graph.IMAGENET_MEAN
     std: tuple[float, float, float] = image_graph.IMAGENET_STD
     num_classes: int | None = None  # labels must be below it (default: the manifest's classes)
-    threads: int = field(default_factory=_cores)
+    threads: int = field(default_factory=readers.cores)
     prefetch: int = 2
     shuffle_buffer: int = 1024
     reader: ReaderKind = "auto"
@@ -73,42 +68,18 @@ class ImageConfig:
     timeout_s: float | None = 600.0  # no batch for this long: the loader is hung, raise
 
     def __post_init__(self) -> None:
-        _positive(self, "batch_size", "size", "threads", "prefetch", "max_pixels")
-        check_on_error(self.on_error)
-        _choice(self, "device", ("auto", "cpu", "gpu"))
-        _choice(self, "reader", ("auto", "dali", "stream"))
-        _choice(self, "layout", ("NCHW", "NHWC"))
-        _choice(self, "interp", ("linear", "triangular", "cubic"))
-        if self.shuffle_buffer < 0:
-            raise ValueError(f"shuffle_buffer={self.shuffle_buffer}: use 0 for no shuffling")
-        _range(self, "crop_scale", 0, 1)
-        _range(self, "crop_ratio", 0, float("inf"))
+        readers.common_checks(self)
+        readers.positive(self, "size", "threads", "max_pixels")
+        readers.choice(self, "layout", ("NCHW", "NHWC"))
+        readers.choice(self, "interp", ("linear", "triangular", "cubic"))
+        readers.interval(self, "crop_scale", 0, 1)
+        readers.interval(self, "crop_ratio", 0, float("inf"))
         if not 0 < self.crop_fraction <= 1:
             raise ValueError(f"crop_fraction={self.crop_fraction}: a share in (0, 1]")
         if not 0 <= self.hw_decoder_load <= 1:
             raise ValueError(f"hw_decoder_load={self.hw_decoder_load}: a share in [0, 1]")
-        if self.timeout_s is not None and not self.timeout_s > 0:
-            raise ValueError(f"timeout_s={self.timeout_s}: seconds > 0, or None to wait forever")
         if self.num_classes is not None and self.num_classes < 1:
             raise ValueError(f"num_classes={self.num_classes}: must be positive (or None)")
-
-
-def _positive(cfg: object, *names: str) -> None:
-    for name in names:
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r}: must be a positive integer")
-
-
-def _choice(cfg: object, name: str, choices: tuple[str, ...]) -> None:
-    if getattr(cfg, name) not in choices:
-        raise ValueError(f"{name}={getattr(cfg, name)!r}: choose one of {', '.join(choices)}")
-
-
-def _range(cfg: object, name: str, low: float, high: float) -> None:
-    lo, hi = getattr(cfg, name)
-    if not low < lo <= hi <= high:
-        raise ValueError(f"{name}={getattr(cfg, name)}: need {low} < low <= high <= {high}")
 
 
 def image_loader(source: str | Path | Sequence[str], *, batch_size: int, train: bool = True,
@@ -128,21 +99,8 @@ def image_loader(source: str | Path | Sequence[str], *, batch_size: int, train: 
         device = options.pop("device")
     cfg = ImageConfig(batch_size=batch_size, train=train, seed=seed, device=device,
                       on_error=on_error, **options)
-    rank, world_size = _distributed(rank, world_size)
+    rank, world_size = readers.distributed(rank, world_size)
     return ImageLoader(resolve(source, allow_pipe=cfg.allow_pipe), cfg, rank, world_size)
-
-
-def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    if rank is None and world_size is None:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-        return 0, 1
-    if rank is None or world_size is None or not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank}, world_size={world_size}: pass both, with "
-                         "0 <= rank < world_size")
-    return rank, world_size
 
 
 def resolve_device(device: Device) -> tuple[Literal["cpu", "gpu"], int | None]:
@@ -167,10 +125,10 @@ class ImageLoader(Loader):
     def __init__(self, source: Source, cfg: ImageConfig, rank: int, world_size: int) -> None:
         self.cfg = cfg
         self.device, self.cuda_index = resolve_device(cfg.device)
-        reader = _pick_reader(source, cfg.reader)
+        reader = readers.pick_reader(source, cfg.reader, "image")
         early = SkipLog()
         if reader == "dali":  # before planning: a dropped shard changes the plan
-            source = _check_local_shards(source, cfg.on_error, early)
+            source = readers.check_local_shards(source, cfg.on_error, early)
         super().__init__(source, batch_size=cfg.batch_size, seed=cfg.seed, rank=rank,
                          world_size=world_size, shuffle=cfg.train,
                          shuffle_buffer=cfg.shuffle_buffer, on_error=cfg.on_error,
@@ -183,9 +141,7 @@ class ImageLoader(Loader):
 
     def _encoded(self, plan: EpochPlan, state: dict[str, Any] | None
                  ) -> Iterator[EncodedBatch]:
-        if self.reader == "dali":
-            return reader_dali.batches(plan, state)
-        return reader_stream.batches(plan, state, self.on_error)
+        return readers.encoded(self.reader, plan, state, self.on_error, IMAGE_EXTS)
 
     def _prepared(self, plan: EpochPlan, state: dict[str, Any] | None,
                   stop: threading.Event) -> Iterator[tuple[EncodedBatch, list[Any]]]:
@@ -238,32 +194,3 @@ class ImageLoader(Loader):
     def close(self) -> None:
         super().close()
         self._decoder.close()
-
-
-def _check_local_shards(source: Source, on_error: OnError, skips: SkipLog) -> Source:
-    good = []
-    for shard in source.shards:
-        try:
-            reader_dali.check_local_shard(shard.url)
-            good.append(shard)
-        except DataError as err:
-            lost = f"; its {shard.samples} samples are lost" if shard.samples else ""
-            handle(DataError(err.reason, err.detail + lost, source=err.source), on_error,
-                   skips)
-    return Source(tuple(good), source.classes, source.modality)
-
-
-def _pick_reader(source: Source, reader: ReaderKind) -> str:
-    """DALI's reader for local shards that all have .idx files, else the streaming reader."""
-    local = all(not is_remote(s.url) and s.url.endswith(".tar") and _has_index(s)
-                for s in source.shards)
-    if reader == "dali" and not local:
-        raise ValueError("reader='dali' needs local .tar shards with .idx files beside them; "
-                         "use reader='stream' (or 'auto') for remote or unindexed shards")
-    chosen = reader if reader != "auto" else ("dali" if local else "stream")
-    log.info("image loader: %s reader for %s", chosen, source.describe())
-    return chosen
-
-
-def _has_index(shard: ShardSpec) -> bool:
-    return os.path.exists(shard.url[: -len(".tar")] + ".idx")

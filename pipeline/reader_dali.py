@@ -21,8 +21,6 @@ from pipeline.errors import DataError
 from pipeline.readplan import EpochPlan
 from pipeline.tarread import split_name
 
-IMAGE_EXTS = "jpg;png;jpeg"
-
 
 def check_local_shard(url: str) -> int:
     """Samples in a local shard per its index, after checking that the tar holds every byte
@@ -48,7 +46,7 @@ def _seed(plan: EpochPlan) -> int:
     return (plan.seed * 1_000_003 + plan.epoch * 7919 + plan.rank) % (2**31 - 1)
 
 
-def _build(plan: EpochPlan, checkpoint: str | None) -> Any:
+def _build(plan: EpochPlan, checkpoint: bytes | None, exts: tuple[str, ...]) -> Any:
     from nvidia.dali import fn, pipeline_def
 
     paths = [s.url for s in plan.shards]
@@ -59,7 +57,7 @@ def _build(plan: EpochPlan, checkpoint: str | None) -> Any:
     def reader() -> Any:
         data, label = fn.readers.webdataset(
             paths=paths, index_paths=[p[: -len(".tar")] + ".idx" for p in paths],
-            ext=[IMAGE_EXTS, "cls"], missing_component_behavior="empty",
+            ext=[";".join(exts), "cls"], missing_component_behavior="empty",
             random_shuffle=shuffle, initial_fill=max(plan.shuffle_buffer, 1),
             pad_last_batch=True, name="reader")
         return data, label, fn.get_property(data, key="source_info")
@@ -69,12 +67,14 @@ def _build(plan: EpochPlan, checkpoint: str | None) -> Any:
     return pipe
 
 
-def batches(plan: EpochPlan, state: dict[str, Any] | None) -> Iterator[EncodedBatch]:
-    """This rank's encoded batches for the epoch, from `state` on (None: from the start)."""
+def batches(plan: EpochPlan, state: dict[str, Any] | None,
+            exts: tuple[str, ...] = ("jpg", "png", "jpeg")) -> Iterator[EncodedBatch]:
+    """This rank's encoded batches for the epoch, from `state` on (None: from the start):
+    each sample's first member among `exts` (empty when it has none) and its `.cls`."""
     if plan.length is None:
         raise ValueError("DALI's reader needs sample counts (manifest.json or .idx files)")
     length, emitted = plan.length, int(state["emitted"]) if state else 0
-    pipe = _build(plan, _unpack(state["checkpoint"]) if state else None)
+    pipe = _build(plan, _unpack(state["checkpoint"]) if state else None, exts)
     try:
         while emitted < length:
             data, labels, info = pipe.run()

@@ -32,7 +32,6 @@ from pipeline.urls import redact, scrub
 log = logging.getLogger(__name__)
 CHUNK = 4 * 1024 * 1024
 READ_AHEAD_CHUNKS = 16  # at most 64 MiB of shard bytes waiting to be parsed
-IMAGE_EXTS = ("jpg", "png", "jpeg")
 POLL_S = 0.1
 RETRIES = 3  # further tries of a shard whose download breaks
 BACKOFF_S = 0.5  # before the first retry; doubled for each next one
@@ -223,7 +222,8 @@ def _shuffled(stream: Iterator[dict[str, object]], plan: EpochPlan
 
 
 def batches(plan: EpochPlan, state: dict[str, Any] | None, on_error: OnError,
-            limits: TarLimits | None = None) -> Iterator[EncodedBatch]:
+            limits: TarLimits | None = None, exts: tuple[str, ...] = ("jpg", "png", "jpeg")
+            ) -> Iterator[EncodedBatch]:
     """Encoded batches for the epoch; `state` ({"emitted": n, "batches": b}) resumes after n
     samples and b batches. Skips met while reading a batch travel with that batch."""
     skip_first = int(state["emitted"]) if state else 0
@@ -238,7 +238,7 @@ def batches(plan: EpochPlan, state: dict[str, Any] | None, on_error: OnError,
         if emitted <= skip_first:
             pending.entries.clear()  # met while replaying: reported by the earlier run
             continue
-        _append(current, sample)
+        _append(current, sample, exts)
         if len(current) == plan.batch_size:
             done += 1
             yield _finish(current, pending, emitted, done)
@@ -259,10 +259,10 @@ def _finish(batch: EncodedBatch, pending: SkipLog, emitted: int, done: int) -> E
     return batch
 
 
-def _append(batch: EncodedBatch, sample: dict[str, object]) -> None:
-    image = next((sample[e] for e in IMAGE_EXTS if e in sample), b"")
+def _append(batch: EncodedBatch, sample: dict[str, object], exts: tuple[str, ...]) -> None:
+    data = next((sample[e] for e in exts if e in sample), b"")
     batch.keys.append(str(sample["__key__"]))
     batch.urls.append(str(sample["__url__"]))
-    batch.data.append(np.frombuffer(image, dtype=np.uint8))  # type: ignore[call-overload]
+    batch.data.append(np.frombuffer(data, dtype=np.uint8))  # type: ignore[call-overload]
     label = sample.get("cls")
     batch.labels.append(label if isinstance(label, bytes) else None)

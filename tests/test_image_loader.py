@@ -431,8 +431,8 @@ def test_a_hung_reader_is_reported_within_the_timeout(shards, monkeypatch):
     stop_hanging = threading.Event()
     real = reader_dali.batches
 
-    def hangs_after_one(plan, state):
-        it = real(plan, state)
+    def hangs_after_one(plan, state, **options):
+        it = real(plan, state, **options)
         yield next(it)
         stop_hanging.wait(30)  # a stalled read: nothing more comes
         yield from it

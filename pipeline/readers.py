@@ -1,0 +1,140 @@
+"""What every modality's loader shares before decoding: which reader reads the shards, the
+local shards' up-front check, the rank defaults, and the validation of loader options.
+
+A modality names the members it reads by extension (`exts`, alternatives in preference
+order); both readers return `EncodedBatch`es of those bytes and the `.cls` member.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+from pipeline import reader_dali, reader_stream
+from pipeline.batch import EncodedBatch
+from pipeline.errors import DataError, OnError, SkipLog, handle
+from pipeline.readplan import EpochPlan
+from pipeline.shardlist import ShardSpec, Source
+from pipeline.urls import is_remote
+
+log = logging.getLogger(__name__)
+ReaderKind = Literal["auto", "dali", "stream"]
+
+
+def encoded(reader: str, plan: EpochPlan, state: dict[str, Any] | None, on_error: OnError,
+            exts: tuple[str, ...]) -> Iterator[EncodedBatch]:
+    """The epoch's encoded batches from `state` on, through the chosen reader."""
+    if reader == "dali":
+        return reader_dali.batches(plan, state, exts=exts)
+    return reader_stream.batches(plan, state, on_error, exts=exts)
+
+
+def pick_reader(source: Source, reader: ReaderKind, kind: str) -> str:
+    """DALI's reader for local shards that all have .idx files, else the streaming reader."""
+    if reader not in ("auto", "dali", "stream"):
+        raise ValueError(f"reader={reader!r}: choose one of auto, dali, stream")
+    local = all(not is_remote(s.url) and s.url.endswith(".tar") and _has_index(s)
+                for s in source.shards)
+    if reader == "dali" and not local:
+        raise ValueError("reader='dali' needs local .tar shards with .idx files beside them; "
+                         "use reader='stream' (or 'auto') for remote or unindexed shards")
+    chosen = reader if reader != "auto" else ("dali" if local else "stream")
+    log.info("%s loader: %s reader for %s", kind, chosen, source.describe())
+    return chosen
+
+
+def _has_index(shard: ShardSpec) -> bool:
+    return os.path.exists(shard.url[: -len(".tar")] + ".idx")
+
+
+def check_local_shards(source: Source, on_error: OnError, skips: SkipLog) -> Source:
+    """The shards DALI can read; a truncated or unindexed one is raised or dropped (its
+    samples counted as lost) before the epoch is planned, since dropping it changes the plan."""
+    good = []
+    for shard in source.shards:
+        try:
+            reader_dali.check_local_shard(shard.url)
+            good.append(shard)
+        except DataError as err:
+            lost = f"; its {shard.samples} samples are lost" if shard.samples else ""
+            handle(DataError(err.reason, err.detail + lost, source=err.source), on_error,
+                   skips)
+    return Source(tuple(good), source.classes, source.modality)
+
+
+def distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world_size): as given, or torch.distributed's when it is initialised."""
+    if rank is None and world_size is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+    if rank is None or world_size is None or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank}, world_size={world_size}: pass both, with "
+                         "0 <= rank < world_size")
+    return rank, world_size
+
+
+def rank_agreement(world_size: int) -> Callable[[bool], bool] | None:
+    """For loaders whose ranks may hold different numbers of batches: a function that tells
+    every rank whether all ranks have another batch (a MIN all-reduce over a gloo group, on
+    the CPU, so it never waits on the accelerator). None when there is one rank. Collective:
+    every rank must build its loader, in the same order."""
+    if world_size == 1:
+        return None
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        log.warning("world_size=%d without torch.distributed: the ranks cannot agree where a "
+                    "packed epoch ends, and may run different numbers of batches", world_size)
+        return None
+    group = dist.new_group(backend="gloo")
+
+    def all_have(have: bool) -> bool:
+        flag = torch.tensor([int(have)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        return bool(flag.item())
+
+    return all_have
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# -- option checks (messages name the option) ----------------------------------------------
+
+def positive(cfg: object, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r}: must be a positive integer")
+
+
+def choice(cfg: object, name: str, choices: tuple[str, ...]) -> None:
+    if getattr(cfg, name) not in choices:
+        raise ValueError(f"{name}={getattr(cfg, name)!r}: choose one of {', '.join(choices)}")
+
+
+def interval(cfg: object, name: str, low: float, high: float) -> None:
+    lo, hi = getattr(cfg, name)
+    if not low < lo <= hi <= high:
+        raise ValueError(f"{name}={getattr(cfg, name)}: need {low} < low <= high <= {high}")
+
+
+def common_checks(cfg: Any) -> None:
+    """The options every loader config has."""
+    from pipeline.errors import check_on_error
+
+    positive(cfg, "batch_size", "prefetch")
+    check_on_error(cfg.on_error)
+    choice(cfg, "device", ("auto", "cpu", "gpu"))
+    choice(cfg, "reader", ("auto", "dali", "stream"))
+    if cfg.shuffle_buffer < 0:
+        raise ValueError(f"shuffle_buffer={cfg.shuffle_buffer}: use 0 for no shuffling")
+    if cfg.timeout_s is not None and not cfg.timeout_s > 0:
+        raise ValueError(f"timeout_s={cfg.timeout_s}: seconds > 0, or None to wait forever")
