@@ -51,3 +51,36 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.keys)
+
+
+@dataclass
+class TextBatch:
+    """Rows of `seq_len` tokens on the target device, all int64 (rows, seq_len).
+
+    `labels` is -100 where no loss is taken: for "mlm" every position not chosen for masking,
+    for "clm" only padding (labels are the tokens; the model shifts them). Padding appears only
+    in the epoch's last batch (or with packing=False) and has `attention_mask` 0. `keys` are
+    the documents that contributed tokens to the batch.
+    """
+
+    input_ids: Any  # torch.Tensor
+    labels: Any
+    attention_mask: Any
+    keys: list[str]
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class PointBatch:
+    """Clouds on the target device: `points` float32 (N, num_points, C), `label` int64 (N,),
+    `voxels` float32 (N, ...) when the loader was asked for a grid, else None."""
+
+    points: Any  # torch.Tensor
+    label: Any
+    keys: list[str]
+    voxels: Any = None
+
+    def __len__(self) -> int:
+        return len(self.keys)

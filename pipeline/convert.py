@@ -71,6 +71,7 @@ class ConvertConfig:
     overwrite: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "out", Path(self.out))  # a str from Python callers too
         if self.kind not in SOURCE_KINDS:
             raise ValueError(f"kind={self.kind!r}: choose one of {', '.join(SOURCE_KINDS)}")
         check_on_error(self.on_error)

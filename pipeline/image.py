@@ -103,20 +103,6 @@ def image_loader(source: str | Path | Sequence[str], *, batch_size: int, train: 
     return ImageLoader(resolve(source, allow_pipe=cfg.allow_pipe), cfg, rank, world_size)
 
 
-def resolve_device(device: Device) -> tuple[Literal["cpu", "gpu"], int | None]:
-    """The decode device and, on a GPU, the CUDA index, read in the calling thread (the
-    current device is per thread: under torchrun each rank has set its own)."""
-    import torch
-
-    if device == "gpu" and not torch.cuda.is_available():
-        raise ValueError("device='gpu' but CUDA is not available here; use device='cpu' or "
-                         "'auto'")
-    gpu = device == "gpu" or (device == "auto" and torch.cuda.is_available())
-    log.info("image loader: decode and augment on %s (device=%r)", "gpu" if gpu else "cpu",
-             device)
-    return ("gpu", torch.cuda.current_device()) if gpu else ("cpu", None)
-
-
 class ImageLoader(Loader):
     """Batches of images on the target device. Build with `image_loader(...)`."""
 
@@ -124,17 +110,10 @@ class ImageLoader(Loader):
 
     def __init__(self, source: Source, cfg: ImageConfig, rank: int, world_size: int) -> None:
         self.cfg = cfg
-        self.device, self.cuda_index = resolve_device(cfg.device)
-        reader = readers.pick_reader(source, cfg.reader, "image")
-        early = SkipLog()
-        if reader == "dali":  # before planning: a dropped shard changes the plan
-            source = readers.check_local_shards(source, cfg.on_error, early)
-        super().__init__(source, batch_size=cfg.batch_size, seed=cfg.seed, rank=rank,
-                         world_size=world_size, shuffle=cfg.train,
-                         shuffle_buffer=cfg.shuffle_buffer, on_error=cfg.on_error,
-                         prefetch=cfg.prefetch, reader=reader, timeout_s=cfg.timeout_s)
-        self.skips.extend(early.entries)
-        self.num_classes = cfg.num_classes or (len(source.classes) if source.classes else None)
+        self.device, self.cuda_index = readers.resolve_device(cfg.device, self.kind)
+        self._init_from_config(source, cfg, rank, world_size)
+        classes = self.source.classes
+        self.num_classes = cfg.num_classes or (len(classes) if classes else None)
         self._decoder = DecodeStage(cfg, self.device, self.cuda_index, self.batch_size)
 
     # -- the reader stage ------------------------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pipeline.errors import OnError, SkipLog
@@ -46,7 +46,27 @@ class Loader(ABC):
         self.skips = SkipLog()
         self._stage: Stage[Produced] | None = None
         self._closed = False
+        # Set by modalities whose ranks may hold different numbers of batches in an epoch
+        # (packed text): called with "I have a batch" before each one, False at the end;
+        # returns whether every rank has one (see readers.rank_agreement).
+        self.agree_to_stop: Callable[[bool], bool] | None = None
         plan_epoch(**self._plan_args(0))  # fail at build time, not mid-run, on a bad split
+
+    def _init_from_config(self, source: Source, cfg: Any, rank: int, world_size: int) -> None:
+        """The construction every modality shares, from its config (batch_size, seed, train,
+        shuffle_buffer, on_error, prefetch, reader, timeout_s): pick the reader, and for DALI's
+        check the local shards first (a dropped shard changes the plan)."""
+        from pipeline import readers
+
+        reader = readers.pick_reader(source, cfg.reader, self.kind)
+        early = SkipLog()
+        if reader == "dali":
+            source = readers.check_local_shards(source, cfg.on_error, early)
+        Loader.__init__(self, source, batch_size=cfg.batch_size, seed=cfg.seed, rank=rank,
+                        world_size=world_size, shuffle=cfg.train,
+                        shuffle_buffer=cfg.shuffle_buffer, on_error=cfg.on_error,
+                        prefetch=cfg.prefetch, reader=reader, timeout_s=cfg.timeout_s)
+        self.skips.extend(early.entries)
 
     # -- epochs ----------------------------------------------------------------------------
 
@@ -84,13 +104,23 @@ class Loader(ABC):
                                        timeout_s=self.timeout_s)
         self._stage = stage
         try:
+            cut_short = False
             for batch, reader_state, ready, skipped in stage:
+                if self.agree_to_stop is not None and not self.agree_to_stop(True):
+                    cut_short = True  # another rank has run out: stop in step with it
+                    break
                 if ready is not None:
                     _wait(ready, batch)
                 self._reader_state, self._batches_done = reader_state, self._batches_done + 1
                 self.skips.extend(skipped)
                 yield batch
-            if stage.completed:  # not when close() ended the pass early
+            if stage.completed and self.agree_to_stop is not None:
+                self.agree_to_stop(False)  # the other ranks' next call learns it
+            if cut_short:
+                log.warning("epoch %d: rank %d stops after %d batches, where the shortest rank "
+                            "ran out; the rest of its data is left out this epoch", self.epoch,
+                            self.rank, self._batches_done)
+            if stage.completed or cut_short:  # not when close() ended the pass early
                 self.epoch, self._batches_done, self._reader_state = self.epoch + 1, 0, None
         finally:
             stage.close()
@@ -170,7 +200,8 @@ def _wait(ready: Any, batch: Any) -> None:
 
     stream = torch.cuda.current_stream()
     stream.wait_event(ready)  # the copy and normalization on the side stream are done
-    for tensor in (batch.image, batch.label):
-        # Made on the side stream, used on this one: tell the caching allocator, so it does
-        # not hand the memory to the next batch while this stream still reads it.
-        tensor.record_stream(stream)
+    for value in vars(batch).values():
+        if isinstance(value, torch.Tensor) and value.is_cuda:
+            # Made on the side stream, used on this one: tell the caching allocator, so it
+            # does not hand the memory to the next batch while this stream still reads it.
+            value.record_stream(stream)

@@ -145,6 +145,19 @@ class DeviceCopier:
             ready.record(self.stream)
         return image, label, ready
 
+    def move(self, *tensors: Any) -> tuple[tuple[Any, ...], Any]:
+        """Host tensors to the device on the side stream: (tensors there, ready event or None)."""
+        import torch
+
+        if not self.cuda:
+            return tensors, None
+        assert self.stream is not None
+        with torch.cuda.stream(self.stream):
+            moved = tuple(self.pinned(t).to(self.device, non_blocking=True) for t in tensors)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        return moved, ready
+
     def _normalize(self, image: Any) -> Any:
         if self.mean is None or self.std is None:
             return image

@@ -60,7 +60,9 @@ def _build(plan: EpochPlan, checkpoint: bytes | None, exts: tuple[str, ...]) -> 
             ext=[";".join(exts), "cls"], missing_component_behavior="empty",
             random_shuffle=shuffle, initial_fill=max(plan.shuffle_buffer, 1),
             pad_last_batch=True, name="reader")
-        return data, label, fn.get_property(data, key="source_info")
+        # A sample without the data member has no source there: take the label's.
+        return (data, label, fn.get_property(data, key="source_info"),
+                fn.get_property(label, key="source_info"))
 
     pipe = reader(checkpoint=checkpoint) if checkpoint else reader()
     pipe.build()
@@ -77,11 +79,11 @@ def batches(plan: EpochPlan, state: dict[str, Any] | None,
     pipe = _build(plan, _unpack(state["checkpoint"]) if state else None, exts)
     try:
         while emitted < length:
-            data, labels, info = pipe.run()
+            data, labels, info, label_info = pipe.run()
             take = min(plan.batch_size, length - emitted)  # the rest is padding
             emitted += take
-            yield _encoded(data, labels, info, take, {"emitted": emitted,
-                                                      "checkpoint": _pack(pipe.checkpoint())})
+            state = {"emitted": emitted, "checkpoint": _pack(pipe.checkpoint())}
+            yield _encoded(data, labels, (info, label_info), take, state)
     finally:
         del pipe  # DALI frees the pipeline's threads and buffers with the object
 
@@ -99,8 +101,10 @@ def _encoded(data: Any, labels: Any, info: Any, take: int, state: dict[str, Any]
              ) -> EncodedBatch:
     batch = EncodedBatch([], [], [], [], state)
     for i in range(take):
-        source = np.array(info[i]).tobytes().decode()
-        url, _offset, member = source.rsplit(":", 2)
+        source = np.array(info[0][i]).tobytes().decode() or \
+            np.array(info[1][i]).tobytes().decode()
+        url, _offset, member = source.rsplit(":", 2) if source.count(":") >= 2 else \
+            ("(unknown shard)", "", "(unknown key)")
         label = np.array(labels[i]).tobytes()
         batch.keys.append(split_name(member)[0])
         batch.urls.append(url)

@@ -102,6 +102,19 @@ def rank_agreement(world_size: int) -> Callable[[bool], bool] | None:
     return all_have
 
 
+def resolve_device(device: str, kind: str) -> tuple[Literal["cpu", "gpu"], int | None]:
+    """Where a loader works and puts its batches, and on a GPU the CUDA index, read in the
+    calling thread (the current device is per thread: under torchrun each rank set its own)."""
+    import torch
+
+    if device == "gpu" and not torch.cuda.is_available():
+        raise ValueError("device='gpu' but CUDA is not available here; use device='cpu' or "
+                         "'auto'")
+    gpu = device == "gpu" or (device == "auto" and torch.cuda.is_available())
+    log.info("%s loader: on the %s (device=%r)", kind, "gpu" if gpu else "cpu", device)
+    return ("gpu", torch.cuda.current_device()) if gpu else ("cpu", None)
+
+
 def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
