@@ -9,4 +9,12 @@ def __getattr__(name: str) -> object:
         from pipeline.image import image_loader
 
         return image_loader
+    if name == "text_loader":
+        from pipeline.text import text_loader
+
+        return text_loader
+    if name == "pointcloud_loader":
+        from pipeline.pointcloud import pointcloud_loader
+
+        return pointcloud_loader
     raise AttributeError(f"module 'pipeline' has no attribute {name!r}")

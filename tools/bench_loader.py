@@ -1,8 +1,12 @@
 #!/usr/bin/env python3
-"""Image loader throughput: shardflow beside the baselines of shared/BENCHMARKS.md.
+"""Loader throughput: shardflow beside the baselines of shared/BENCHMARKS.md.
 
     python tools/bench_loader.py [--images 800] [--batch-size 64] [--repeats 3] [--json PATH]
+    python tools/bench_loader.py --modality text [--docs 2000]       # tokens/s
+    python tools/bench_loader.py --modality pointcloud [--clouds 600] # points/s, voxelization
+    python tools/bench_loader.py --source my_images/                  # your data, not ours
 
+Images:
 Same JPEG bytes for everyone (a photo-like corpus as an image folder and as shards), same work
 (random-resized-crop 224, flip, uint8 out), same batch size and thread count; contenders run
 alternately after a warm-up, and every figure is a median of the repeats. Ratios are against
@@ -19,6 +23,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +43,10 @@ BASELINES = {"torchvision-style uint8": "tv", "webdataset + PIL": "wds",
              "torchvision-style float": "canonical float"}
 
 
-def build_corpus(work: Path, images: int, batch: int, threads: int) -> bi.Corpus:
-    folder = make_photo_corpus(work / "photos", count=images)
+def build_corpus(work: Path, images: int, batch: int, threads: int,
+                 source: Path | None = None) -> bi.Corpus:
+    folder = source or make_photo_corpus(work / "photos", count=images)
+    images = len([p for p in folder.rglob("*") if p.is_file()]) if source else images
     convert(ConvertConfig(kind="imagefolder", src=str(folder), out=work / "shards",
                           max_count=max(images // 8, 1), workers=threads))
     return bi.Corpus(folder, work / "shards", images, batch, threads)
@@ -163,6 +170,76 @@ def plot(r: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=90)
 
 
+def other_modality(args: argparse.Namespace) -> int:
+    """Text or point clouds: their own contenders and figures (pipeline/bench_text.py,
+    pipeline/bench_pointcloud.py); the same table, --json and --plot outputs."""
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.modality == "text":
+        from pipeline import bench_text
+        from pipeline.builtin import make_text_corpus
+
+        shards = args.source
+        if shards is None:
+            docs = make_text_corpus(args.work / "docs", docs=args.docs)
+            shards = args.work / "shards"
+            convert(ConvertConfig(kind="text", src=str(docs), out=shards, max_count=200,
+                                  workers=args.threads))
+        result, table = bench_text.run(shards, args.work, args.batch_size, args.repeats)
+    else:
+        from pipeline import bench_pointcloud
+
+        result, table = bench_pointcloud.run(args)
+    return write_outputs(args, result, table,
+                         lambda path: plot_rates(result, path, args.modality))
+
+
+def write_outputs(args: argparse.Namespace, result: dict[str, Any], table: str,
+                  chart: Callable[[Path], None]) -> int:
+    """The table on the terminal, --json (and the table as .md beside it), --plot; then the
+    work folder goes."""
+    print(table)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        args.json.with_suffix(".md").write_text(table + "\n")
+    if args.plot:
+        chart(args.plot)
+    shutil.rmtree(args.work, ignore_errors=True)
+    return 0
+
+
+def plot_rates(result: dict[str, Any], path: Path, modality: str) -> None:
+    """One bar chart of every `*_per_s` figure in the result, grouped by its section."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib); no chart written")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = list(_rates(result))
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(bars) + 1.5))
+    ax.barh([name for name, _ in bars], [value for _, value in bars],
+            color=["tab:orange" if "shardflow" in name else "tab:gray" for name, _ in bars])
+    for i, (_, value) in enumerate(bars):
+        ax.text(value, i, f" {value:,.0f}", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_title(f"{modality} loader throughput (per second; ours in orange)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+
+
+def _rates(tree: Any, prefix: str = "") -> Any:
+    for key, value in tree.items() if isinstance(tree, dict) else ():
+        if key.endswith("_per_s") and isinstance(value, dict):
+            for name, rate in value.items():
+                yield f"{prefix}{name} ({key})", float(rate)
+        elif isinstance(value, dict):
+            yield from _rates(value, f"{prefix}{key}: ")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -179,10 +256,20 @@ def main(argv: list[str] | None = None) -> int:
                    "to the tuning file that image_loader's automatic choices use")
     p.add_argument("--tuning-file", type=Path, default=None,
                    help="where --tune writes (default ~/.cache/shardflow/tuning.json)")
+    p.add_argument("--modality", choices=("image", "text", "pointcloud"), default="image")
+    p.add_argument("--source", type=Path, default=None,
+                   help="benchmark this data instead of the built-in corpus: an image folder "
+                   "(class subfolders) for images, shards with manifest.json for text and "
+                   "point clouds")
+    p.add_argument("--docs", type=positive_int, default=2000, help="text: built-in documents")
+    p.add_argument("--clouds", type=positive_int, default=600,
+                   help="pointcloud: built-in clouds")
     args = p.parse_args(argv)
     setup_logging(quiet=True)
     shutil.rmtree(args.work, ignore_errors=True)
-    corpus = build_corpus(args.work, args.images, args.batch_size, args.threads)
+    if args.modality != "image":
+        return other_modality(args)
+    corpus = build_corpus(args.work, args.images, args.batch_size, args.threads, args.source)
     if args.tune:
         tune(corpus, args)
         shutil.rmtree(args.work, ignore_errors=True)
@@ -191,16 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     timings = alternate({k: v.epoch for k, v in runs.items()}, repeats=args.repeats,
                         cpu_clock=bi.cpu_seconds)
     result = report(corpus, timings, runs, args)
-    table = print_table(result)
-    print(table)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-        args.json.with_suffix(".md").write_text(table + "\n")
-    if args.plot:
-        plot(result, args.plot)
-    shutil.rmtree(args.work, ignore_errors=True)
-    return 0
+    return write_outputs(args, result, print_table(result), lambda path: plot(result, path))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 
     python tools/train.py --task image --data shards/train --out runs/r1 --steps 300
     python tools/train.py --task image --data shards/train --eval-data shards/val --epochs 2
+    python tools/train.py --task text --objective clm --data shards/text --out runs/t1 --steps 300
+    python tools/train.py --task pointcloud --model voxnet --data shards/pc --out runs/p1 --epochs 5
 
 Without --eval-data, every 10th shard of --data (sorted by name, at least one) is held out for
 evaluation and never trained on; summary.json says which.
@@ -31,18 +33,29 @@ HOLD_OUT_EVERY = 10
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", choices=("image",), required=True)
+    p.add_argument("--task", choices=("image", "text", "pointcloud"), required=True)
     p.add_argument("--data", required=True, help="training shards (folder with manifest.json)")
     p.add_argument("--eval-data", default=None, help="held-out shards (default: a slice of --data)")
     p.add_argument("--out", type=Path, required=True, help="the run folder")
     length = p.add_mutually_exclusive_group(required=True)
     length.add_argument("--steps", type=positive_int)
     length.add_argument("--epochs", type=positive_int)
-    p.add_argument("--model", default="small-resnet", help="small-resnet or a torchvision name")
+    p.add_argument("--model", default=None,
+                   help="image: small-resnet (default) or a torchvision name; text: set by "
+                   "--objective; pointcloud: pointnet (default) or voxnet")
     p.add_argument("--precision", choices=("auto", "bf16", "fp16", "fp32"), default="auto")
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
     p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--size", type=positive_int, default=224, help="image side after cropping")
+    p.add_argument("--objective", choices=("mlm", "clm"), default="clm",
+                   help="text: masked (BERT-style encoder) or causal (GPT-style decoder)")
+    p.add_argument("--seq-len", type=positive_int, default=128, help="text: tokens per row")
+    p.add_argument("--tokenizer", default="bytes",
+                   help="text: 'bytes' (built in) or a tokenizer.json (HF tokenizers)")
+    p.add_argument("--num-points", type=positive_int, default=1024,
+                   help="pointcloud: points per cloud (sampled or padded)")
+    p.add_argument("--grid", type=positive_int, default=24,
+                   help="pointcloud: voxel grid resolution (voxnet)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--weight-decay", type=float, default=0.05)
@@ -83,22 +96,81 @@ def split_eval(source: Source, eval_data: str | None) -> tuple[Source, Source, s
             f"every {HOLD_OUT_EVERY}th shard of --data, never trained on: {names}")
 
 
-def make_loaders(args: argparse.Namespace, train: Source, held: Source, rank: int,
-                 world: int) -> tuple[Any, Any, int]:
-    from pipeline.image import ImageConfig, ImageLoader
+def build_task(args: argparse.Namespace, train: Source, held: Source, rank: int, world: int
+               ) -> tuple[Any, Any, Any]:
+    """(training loader, evaluation loader or None, task) for --task. Rank 0 evaluates all
+    of the held-out data (often too few shards to split); the other ranks add nothing to the
+    sums they share."""
+    builders = {"image": _image, "text": _text, "pointcloud": _pointcloud}
+    return builders[args.task](args, train, held, rank, world)
 
+
+def _classes(args: argparse.Namespace, train: Source) -> int:
     if not train.classes:
-        raise ValueError(f"{args.data}: its manifest has no classes; image training needs "
-                         "labelled shards")
-    classes = len(train.classes)
+        raise ValueError(f"{redact(args.data)}: its manifest has no classes; {args.task} "
+                         "training needs labelled shards")
+    return len(train.classes)
+
+
+def _device(loader: Any) -> Any:
+    import torch
+
+    return torch.device("cuda", loader.cuda_index) if loader.device == "gpu" else \
+        torch.device("cpu")
+
+
+def _image(args: argparse.Namespace, train: Source, held: Source, rank: int, world: int
+           ) -> tuple[Any, Any, Any]:
+    from pipeline.image import ImageConfig, ImageLoader
+    from trainers.image_task import ImageClassification
+
+    classes = _classes(args, train)
     common = {"batch_size": args.batch_size, "seed": args.seed, "device": args.device,
               "on_error": args.on_error, "size": args.size, "num_classes": classes}
     loader = ImageLoader(train, ImageConfig(train=True, **common), rank, world)
-    # Rank 0 evaluates all of the held-out data (often too few shards to split); the other
-    # ranks add nothing to the sums they share.
     evaluation = ImageLoader(held, ImageConfig(train=False, **common), 0, 1) if rank == 0 \
         else None
-    return loader, evaluation, classes
+    task = ImageClassification(classes, args.model or "small-resnet", _device(loader),
+                               args.activation_checkpointing)
+    return loader, evaluation, task
+
+
+def _text(args: argparse.Namespace, train: Source, held: Source, rank: int, world: int
+          ) -> tuple[Any, Any, Any]:
+    from pipeline.text import TextConfig, TextLoader
+    from pipeline.tokenizer import load_tokenizer
+    from trainers.text_task import LanguageModelling
+
+    if args.model:
+        raise ValueError("--model is for image and pointcloud tasks; text models follow "
+                         "--objective (mlm: encoder, clm: decoder)")
+    tokenizer = load_tokenizer(args.tokenizer)
+    common = {"batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed,
+              "objective": args.objective, "device": args.device, "on_error": args.on_error}
+    loader = TextLoader(train, TextConfig(train=True, **common), tokenizer, rank, world)
+    evaluation = TextLoader(held, TextConfig(train=False, **common), tokenizer, 0, 1) \
+        if rank == 0 else None
+    task = LanguageModelling(args.objective, tokenizer.vocab_size, args.seq_len,
+                             _device(loader))
+    return loader, evaluation, task
+
+
+def _pointcloud(args: argparse.Namespace, train: Source, held: Source, rank: int, world: int
+                ) -> tuple[Any, Any, Any]:
+    from pipeline.pointcloud import PointCloudConfig, PointCloudLoader
+    from trainers.pointcloud_task import MODELS, PointCloudClassification
+
+    classes, model = _classes(args, train), args.model or "pointnet"
+    if model not in MODELS:  # before any loader is built
+        raise ValueError(f"--model {model}: choose one of {', '.join(MODELS)} for point clouds")
+    common = {"batch_size": args.batch_size, "seed": args.seed, "device": args.device,
+              "on_error": args.on_error, "num_points": args.num_points, "grid": args.grid,
+              "num_classes": classes, "voxels": "occupancy" if model == "voxnet" else None}
+    loader = PointCloudLoader(train, PointCloudConfig(train=True, **common), rank, world)
+    evaluation = PointCloudLoader(held, PointCloudConfig(train=False, **common), 0, 1) \
+        if rank == 0 else None
+    task = PointCloudClassification(classes, model, _device(loader), grid=args.grid)
+    return loader, evaluation, task
 
 
 def run(trainer: Any, evaluation: Any, held_out: str, steps: int, quiet: bool
@@ -118,7 +190,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from trainers import distributed
-    from trainers.image_task import ImageClassification
     from trainers.loop import TrainConfig, Trainer
     from trainers.models import compile_model
 
@@ -128,9 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("trainers").setLevel(logging.INFO if info.is_main else logging.WARNING)
     distributed.init(info, use_cuda=args.device != "cpu" and torch.cuda.is_available())
     train, held, held_out = split_eval(resolve(args.data), args.eval_data)
-    loader, evaluation, classes = make_loaders(args, train, held, info.rank, info.world_size)
-    device = torch.device("cuda", loader.cuda_index) if loader.device == "gpu" else \
-        torch.device("cpu")
+    torch.manual_seed(args.seed)
+    # The same seed on every rank: every rank starts from the same weights.
+    loader, evaluation, task = build_task(args, train, held, info.rank, info.world_size)
+    device = _device(loader)
+    if args.epochs and args.task == "text":
+        raise ValueError("--epochs needs the loader's length, which for packed text depends "
+                         "on the token count; pass --steps")
     steps = args.steps or args.epochs * len(loader) // args.grad_accum
     if args.grad_compression != "none" and not info.active:
         raise ValueError("--grad-compression applies to DDP runs: start the run with torchrun")
@@ -142,9 +217,6 @@ def main(argv: list[str] | None = None) -> int:
                       checkpoint_minutes=args.checkpoint_minutes, keep=args.keep,
                       seed=args.seed, log_keys=args.log_keys,
                       offload_optimizer=args.offload_optimizer)
-    torch.manual_seed(args.seed)
-    # The same seed on every rank: every rank starts from the same weights.
-    task = ImageClassification(classes, args.model, device, args.activation_checkpointing)
     if args.compile:
         task.model = compile_model(task.model)
     task.model = distributed.wrap(task.model, info, device, args.grad_compression)
@@ -162,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.out}: this run already finished; see its summary.json")
         return 0
     print(f"{summary['steps']} steps in {summary['wall_s']:.1f} s ({summary['device']}, "
-          f"{summary['precision']}): loss {summary['final_loss']:.3f}, eval accuracy "
+          f"{summary['precision']}): loss {summary['final_loss']:.3f}, eval loss "
+          f"{summary.get('eval_loss', float('nan')):.3f}, eval accuracy "
           f"{summary.get('accuracy', float('nan')):.3f}, {summary['samples_per_s']:.0f} "
           f"samples/s; run folder {args.out}")
     print(summary["bottleneck"]["advice"])
