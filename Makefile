@@ -32,6 +32,9 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) tools/bench_convert.py --out bench-out
 	$(PY) tools/bench_loader.py --json bench-out/loader.json --plot bench-out/loader.png
+	$(PY) tools/bench_loader.py --modality text --json bench-out/text.json --plot bench-out/text.png
+	$(PY) tools/bench_loader.py --modality pointcloud --json bench-out/pointcloud.json \
+		--plot bench-out/pointcloud.png
 
 # On a CUDA machine: the gpu-marked tests and the GPU figures; elsewhere it says so, exits 0.
 gpu-check: $(STAMP)

@@ -6,10 +6,12 @@ baseline measured in the same run, on the same bytes, does.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -49,3 +51,41 @@ def alternate(contenders: dict[str, Callable[[], object]], *, repeats: int = 3,
             timings.seconds[name].append(time.perf_counter() - start)
             timings.cpu[name].append((cpu_clock() if cpu_clock else 0.0) - cpu)
     return timings
+
+
+def loader_figures(make: Callable[[], Any], epochs: int) -> dict[str, Any]:
+    """The figures of BENCHMARKS.md that need one loader alone, for any modality:
+    - time to first batch of a new loader;
+    - overlap: an epoch with a stand-in accelerator step (a sleep, no CPU) as long as the
+      loader's mean batch time, over max(total step time, loader epoch time); 1.0 is perfect;
+    - resident memory after each of `epochs` epochs (garbage collected first), and its growth.
+    """
+    from pipeline.bench_image import rss_mb
+
+    loader = make()
+    try:
+        start = time.perf_counter()
+        batches = iter(loader)
+        next(batches)
+        first = time.perf_counter() - start
+        for _ in batches:  # finish the epoch
+            pass
+        start = time.perf_counter()
+        count = sum(1 for _ in loader)
+        epoch_s = time.perf_counter() - start
+        step = epoch_s / max(count, 1)
+        start = time.perf_counter()
+        for _ in loader:
+            time.sleep(step)
+        overlap = (time.perf_counter() - start) / max(step * count, epoch_s)
+        rss = []
+        for _ in range(epochs):
+            for _ in loader:
+                pass
+            gc.collect()  # count what is kept, not garbage not yet collected
+            rss.append(round(rss_mb(), 1))
+    finally:
+        loader.close()
+    return {"time_to_first_batch_s": round(first, 3), "overlap": round(overlap, 3),
+            "rss_mb_after_each_epoch": rss,
+            "rss_growth_mb_per_epoch": round((rss[-1] - rss[0]) / max(len(rss) - 1, 1), 2)}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import glob
 import os
 import resource
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,16 +73,6 @@ class Ours:
 
     def epoch(self) -> int:
         return sum(len(b) for b in self.loader)
-
-
-def time_to_first_batch(c: Corpus) -> float:
-    from pipeline.image import image_loader
-
-    start = time.perf_counter()
-    with image_loader(c.shards, batch_size=c.batch_size, device="cpu", threads=c.threads,
-                      size=c.size) as loader:
-        next(iter(loader))
-        return time.perf_counter() - start
 
 
 # -- DALI by hand, and decode only -------------------------------------------------------------

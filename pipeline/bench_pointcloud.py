@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from pipeline import voxelize
-from pipeline.bench import alternate
+from pipeline.bench import alternate, loader_figures
 from pipeline.bench_image import cpu_seconds
 from pipeline.pointcloud import PointCloudConfig, SampleParams, pointcloud_loader, sample_params
 from pipeline.shardlist import resolve
@@ -166,12 +166,14 @@ def run(args: Any) -> tuple[dict[str, Any], str]:
         timings = alternate({name: r.epoch for name, r in runs.items()}, repeats=args.repeats,
                             cpu_clock=cpu_seconds)
         sample = next(iter(runs["shardflow"].loader)).points
+        figures = loader_figures(lambda: Ours(c).loader, getattr(args, "epochs", 4))
     finally:
         for r in runs.values():
             r.close()
         shutil.rmtree(work, ignore_errors=True)
     result = report(c, timings, args.repeats)
     result["voxelize"] = voxel_rate(c, sample)
+    result["shardflow"] = figures
     return result, table(result)
 
 
@@ -212,5 +214,8 @@ def table(r: dict[str, Any]) -> str:
               f"voxelization alone ({v['mode']}, grid {v['grid']}, batch {v['batch'][0]} x "
               f"{v['batch'][1]} points): {v['points_per_s_per_core']:,} points/s per core, "
               f"{v['ratio_to_reference']}x the reference "
-              f"({v['reference_points_per_s_per_core']:,.0f} points/s per core)"]
+              f"({v['reference_points_per_s_per_core']:,.0f} points/s per core)", "",
+              f"shardflow: time to first batch {r['shardflow']['time_to_first_batch_s']} s; "
+              f"overlap {r['shardflow']['overlap']} (1.0 = perfect); RSS after each epoch "
+              f"(MB) {r['shardflow']['rss_mb_after_each_epoch']}"]
     return "\n".join(lines)

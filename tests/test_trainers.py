@@ -315,8 +315,8 @@ def test_bottleneck_report_names_the_limit_and_the_fix():
 
     from trainers.bottleneck import report
 
-    loader = SimpleNamespace(device="cpu", cfg=SimpleNamespace(normalize=False, prefetch=2,
-                                                               threads=2))
+    loader = SimpleNamespace(kind="image", device="cpu",
+                             cfg=SimpleNamespace(normalize=False, prefetch=2, threads=2))
     compute_bound = report(wait_s=1.0, compute_s=99.0, loader=loader)
     assert not compute_bound["input_bound"] and "compute-bound" in compute_bound["advice"]
     starved = report(wait_s=40.0, compute_s=60.0, loader=loader)
@@ -326,6 +326,11 @@ def test_bottleneck_report_names_the_limit_and_the_fix():
     loader.cfg.normalize = True
     if not torch.cuda.is_available():
         assert "uint8" in report(40.0, 60.0, loader)["advice"]
+        # the advice fits the modality: a point cloud's `normalize` is not about bytes
+        loader.kind, loader.cfg.prefetch = "pointcloud", 4
+        assert "num_points" in report(40.0, 60.0, loader)["advice"]
+        loader.kind = "text"
+        assert "tokeniz" in report(40.0, 60.0, loader)["advice"]
 
 
 def test_full_disk_while_saving_leaves_the_previous_checkpoint_and_rerun_finishes(shards,

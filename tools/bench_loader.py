@@ -16,13 +16,11 @@ baselines measured in this same run.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cliutil import positive_int, setup_logging  # noqa: E402
 
 from pipeline import bench_image as bi  # noqa: E402
-from pipeline.bench import alternate  # noqa: E402
+from pipeline.bench import alternate, loader_figures  # noqa: E402
 from pipeline.builtin import make_photo_corpus  # noqa: E402
 from pipeline.convert import ConvertConfig, convert  # noqa: E402
 
@@ -60,30 +58,6 @@ def contenders(c: bi.Corpus) -> dict[str, Any]:
             "torchvision-style float": bi.TorchvisionStyle(c, normalize=True)}
 
 
-def overlap(c: bi.Corpus, loader_epoch_s: float) -> float:
-    """Epoch time with a stand-in accelerator step (a sleep: no CPU) equal to the loader's
-    batch time, over max(total step time, loader epoch time); 1.0 is perfect overlap. The
-    epoch's first batch (filling the shuffle buffer) counts, as it does in training."""
-    ours = bi.Ours(c)
-    ours.epoch()  # warm
-    step = loader_epoch_s / len(ours.loader)
-    start = time.perf_counter()
-    for _ in ours.loader:
-        time.sleep(step)
-    elapsed = time.perf_counter() - start
-    return elapsed / max(step * len(ours.loader), loader_epoch_s)
-
-
-def memory_growth(c: bi.Corpus, epochs: int) -> list[float]:
-    ours = bi.Ours(c)
-    readings = []
-    for _ in range(epochs):
-        ours.epoch()
-        gc.collect()  # count what is kept, not garbage not yet collected
-        readings.append(round(bi.rss_mb(), 1))
-    return readings
-
-
 def report(c: bi.Corpus, timings: Any, runs: dict[str, Any], args: argparse.Namespace
            ) -> dict[str, Any]:
     rate = {name: timings.rate(name, c.images) for name in runs}
@@ -97,10 +71,8 @@ def report(c: bi.Corpus, timings: Any, runs: dict[str, Any], args: argparse.Name
         "images_per_s": {k: round(v, 1) for k, v in rate.items()}, "ratios": ratios,
         "cpu_s_per_image": {k: round(statistics.median(timings.cpu[k]) / c.images, 5)
                             for k in runs},
-        "time_to_first_batch_s": round(statistics.median(
-            bi.time_to_first_batch(c) for _ in range(3)), 3),
-        "overlap": round(overlap(c, timings.median("shardflow")), 3),
-        "rss_mb_after_each_epoch": memory_growth(c, args.epochs),
+        # time to first batch, overlap, memory per epoch (see pipeline/bench.py)
+        **loader_figures(lambda: bi.Ours(c).loader, args.epochs),
         "peak_rss_mb": round(bi.resource.getrusage(bi.resource.RUSAGE_SELF).ru_maxrss / 1e3, 1),
     }
 

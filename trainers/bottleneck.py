@@ -26,16 +26,24 @@ def report(wait_s: float, compute_s: float, loader: Any) -> dict[str, Any]:
 
 
 def _advice(wait: float, loader: Any) -> str:
-    cfg = getattr(loader, "cfg", None)
+    cfg, kind = getattr(loader, "cfg", None), getattr(loader, "kind", "")
     head = f"input-bound: the step waited for data {wait:.0%} of the time; "
     if cfg is None:
         return head + "make the loader faster (more workers or threads)"
-    if getattr(loader, "device", "cpu") == "cpu" and _cuda():
-        return head + "decode on the GPU (device='gpu'): the CPU decodes, the GPU idles"
-    if getattr(cfg, "normalize", False):
+    if kind in ("image", "pointcloud") and getattr(loader, "device", "cpu") == "cpu" \
+            and _cuda():
+        work = "decode" if kind == "image" else "augment and voxelize"
+        return head + f"{work} on the GPU (device='gpu'): the CPU works, the GPU idles"
+    if kind == "image" and cfg.normalize:
         return head + "send uint8 (normalize=False) and normalize on the device: 4x fewer bytes"
     if cfg.prefetch < 4:
         return head + f"prefetch deeper (prefetch={cfg.prefetch} now; try 4) to absorb jitter"
+    if kind == "text":
+        return head + ("tokenizing is the cost: use the built-in bytes or an HF tokenizer.json "
+                       "(batched, in Rust), or longer rows (seq_len) per step")
+    if kind == "pointcloud":
+        return head + (f"the {cfg.threads} threads are saturated: fewer num_points, a smaller "
+                       "grid, or a GPU loader (device='gpu') voxelizing there")
     return head + (f"the loader's {cfg.threads} decode threads are saturated: add cores, "
                    "shrink the input images, or use fast_idct=True / antialias=False")
 
