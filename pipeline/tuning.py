@@ -1,7 +1,8 @@
 """The tuning file: the loader configuration measured fastest on this machine.
 
 `tools/bench_loader.py --tune` measures the choices that matter (decode device, reader, DALI
-threads, prefetch depth) and writes the winner here; `image_loader` then uses it for every
+threads, prefetch depth, and on a GPU the hardware JPEG decoder's share) and writes the winner
+here; `image_loader` then uses it for every
 choice left automatic (device="auto", reader="auto", threads and prefetch not given) and logs
 that it did and where the figures come from. A file measured on another machine (other CPU
 count or GPU) is ignored, with a log line saying so.
@@ -45,6 +46,7 @@ class Tuning:
     table: list[dict[str, Any]] = field(default_factory=list)
     machine: dict[str, Any] = field(default_factory=this_machine)
     measured: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M"))
+    hw_decoder_load: float | None = None  # measured on GPU machines only
 
     def save(self, path: Path) -> None:
         from pipeline.shardwriter import write_atomic
@@ -54,8 +56,11 @@ class Tuning:
                      .encode())
 
     def choices(self) -> dict[str, Any]:
-        return {"device": self.device, "reader": self.reader, "threads": self.threads,
-                "prefetch": self.prefetch}
+        chosen = {"device": self.device, "reader": self.reader, "threads": self.threads,
+                  "prefetch": self.prefetch}
+        if self.device == "gpu" and self.hw_decoder_load is not None:
+            chosen["hw_decoder_load"] = self.hw_decoder_load
+        return chosen
 
 
 def load(path: Path | None = None) -> Tuning | None:

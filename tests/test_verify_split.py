@@ -73,6 +73,10 @@ def test_tuning_file_round_trip_and_what_auto_takes_from_it(tmp_path, caplog):
     assert "from the tuning file" in caplog.text  # the choice and its source are logged
     explicit = apply({"device": "cpu", "reader": "dali", "threads": 2, "prefetch": 2}, path)
     assert explicit == {"device": "cpu", "reader": "dali", "threads": 2, "prefetch": 2}
+    # the hardware decoder's share is a GPU choice: kept in the file, applied to GPU loaders
+    gpu = Tuning("gpu", "dali", 2, 4, 5000.0, [], hw_decoder_load=0.9)
+    assert gpu.choices()["hw_decoder_load"] == 0.9
+    assert "hw_decoder_load" not in Tuning("cpu", "dali", 2, 4, 1.0).choices()
 
 
 def test_a_tuning_file_from_another_machine_is_ignored(tmp_path):
