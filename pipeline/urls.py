@@ -7,6 +7,7 @@ signed query parameters) are redacted before a URL reaches a log, an error or a 
 
 from __future__ import annotations
 
+import logging
 import re
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -60,6 +61,15 @@ def scrub(text: str) -> str:
     return _URL_IN_TEXT.sub(lambda m: redact(m.group(0)), text)
 
 
+def beside(url: str, suffix: str, replace: str = ".tar") -> str:
+    """The URL of the file next to `url` whose name ends in `suffix` instead of `replace`
+    (a shard's .idx), keeping a query string (a signed URL's) where it is."""
+    parts = urlsplit(url) if "://" in url else None
+    path = parts.path if parts else url
+    path = path[: -len(replace)] + suffix if path.endswith(replace) else path + suffix
+    return urlunsplit(parts._replace(path=path)) if parts else path
+
+
 def is_remote(url: str) -> bool:
     scheme = urlsplit(url).scheme
     return len(scheme) > 1 and scheme != "file"  # one letter: a Windows drive
@@ -81,3 +91,33 @@ def redact(url: str) -> str:
     query = urlencode([(k, "***" if _SECRET_PARAMS.search(k) else v)
                        for k, v in parse_qsl(parts.query, keep_blank_values=True)], safe="*")
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+class _ScrubSecrets(logging.Filter):
+    """Rewrites a record's message with every URL in it redacted."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a malformed record is the library's to report
+            return True
+        if "://" in message:
+            record.msg, record.args = scrub(message), None
+        return True
+
+
+# The file-system libraries log full URLs (signed query strings included) at DEBUG. A logger's
+# filters do not apply to its children's records, so each logger that logs URLs gets one.
+LIBRARY_LOGGERS = ("fsspec", "fsspec.http", "fsspec.asyn", "fsspec.spec", "fsspec.caching",
+                   "fsspec.implementations.http", "s3fs", "gcsfs", "adlfs", "aiohttp.client")
+
+
+def guard_library_logs() -> None:
+    """Make the libraries we read URLs through redact them in their own log records (idempotent)."""
+    for name in LIBRARY_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ScrubSecrets) for f in logger.filters):
+            logger.addFilter(_ScrubSecrets())
+
+
+guard_library_logs()  # at import: every module that handles URLs imports this one

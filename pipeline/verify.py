@@ -21,7 +21,7 @@ from pipeline.manifest import MANIFEST, Manifest, load_manifest
 from pipeline.shardwriter import ShardInfo
 from pipeline.sources import list_shards
 from pipeline.tarread import TarLimits, iter_samples
-from pipeline.urls import redact
+from pipeline.urls import beside, redact
 
 REQUIRED = {"image": (("jpg", "png", "jpeg"),), "text": (("txt",),), "pointcloud": (("npy",),)}
 
@@ -141,7 +141,7 @@ def _compare(report: ShardReport, expected: ShardInfo | None, skips: SkipLog) ->
 
 def _check_index(url: str, members: dict[str, tuple[int, int]], skips: SkipLog) -> None:
     """The .idx beside the shard must point at exactly the bytes we read for each member."""
-    idx_url = url[: -len(".tar")] + ".idx" if url.endswith(".tar") else url + ".idx"
+    idx_url = beside(url, ".idx")
     fs, path = fsspec.core.url_to_fs(idx_url)
     if not fs.exists(path):
         skips.add(DataError("missing-index", "no DALI index (.idx) beside the shard; DALI would "

@@ -78,6 +78,25 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+class RangeHandler(QuietHandler):
+    """Also answers `Range: bytes=a-b` requests (206), as object stores and web servers do."""
+
+    def do_GET(self) -> None:
+        wanted = self.headers.get("Range", "")
+        path = Path(self.translate_path(self.path))
+        if not wanted.startswith("bytes=") or not path.is_file():
+            return super().do_GET()
+        data = path.read_bytes()
+        first, _, last = wanted[len("bytes="):].partition("-")
+        start, end = int(first or 0), min(int(last) + 1 if last else len(data), len(data))
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+        self.send_header("Content-Length", str(end - start))
+        self.end_headers()
+        self.wfile.write(data[start:end])
+        return None
+
+
 @contextlib.contextmanager
 def http_server(directory: Path, handler: type = QuietHandler) -> Iterator[str]:
     """`directory` served on 127.0.0.1 (a free port) for the block; yields the base URL."""

@@ -35,3 +35,11 @@ def test_credentials_are_redacted():
 def test_local_paths_are_not_remote():
     assert not is_remote("/data/a.tar") and not is_remote("C:/data/a.tar")
     assert is_remote("s3://bucket/a.tar") and is_remote("memory://x/a.tar")
+
+
+def test_the_index_beside_a_shard_keeps_the_query_string():
+    from pipeline.urls import beside
+
+    assert beside("shards/a-000001.tar", ".idx") == "shards/a-000001.idx"
+    assert beside("https://h/x/a.tar?token=t&v=1", ".idx") == "https://h/x/a.idx?token=t&v=1"
+    assert beside("s3://b/a.tar.gz", ".idx") == "s3://b/a.tar.gz.idx"
