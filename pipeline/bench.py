@@ -37,19 +37,30 @@ def alternate(contenders: dict[str, Callable[[], object]], *, repeats: int = 3,
               warmup: int = 1, cpu_clock: Callable[[], float] | None = None) -> Timings:
     """Run every contender `warmup` times untimed, then `repeats` rounds of A B C, A B C...
     With `cpu_clock`, also record the CPU-seconds each run used."""
+    from tqdm import tqdm
+
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats={repeats}, warmup={warmup}: need repeats >= 1, warmup >= 0")
-    for fn in contenders.values():
-        for _ in range(warmup):
-            fn()
-    timings = Timings({name: [] for name in contenders}, {name: [] for name in contenders})
-    for _ in range(repeats):
+    # On stderr: what is running now (the figures go to stdout).
+    bar = tqdm(total=len(contenders) * (warmup + repeats), unit="run", leave=False)
+    try:
         for name, fn in contenders.items():
-            cpu = cpu_clock() if cpu_clock else 0.0
-            start = time.perf_counter()
-            fn()
-            timings.seconds[name].append(time.perf_counter() - start)
-            timings.cpu[name].append((cpu_clock() if cpu_clock else 0.0) - cpu)
+            for _ in range(warmup):
+                bar.set_description(f"warm-up {name}")
+                fn()
+                bar.update()
+        timings = Timings({name: [] for name in contenders}, {name: [] for name in contenders})
+        for _ in range(repeats):
+            for name, fn in contenders.items():
+                bar.set_description(name)
+                cpu = cpu_clock() if cpu_clock else 0.0
+                start = time.perf_counter()
+                fn()
+                timings.seconds[name].append(time.perf_counter() - start)
+                timings.cpu[name].append((cpu_clock() if cpu_clock else 0.0) - cpu)
+                bar.update()
+    finally:
+        bar.close()
     return timings
 
 
@@ -86,6 +97,9 @@ def loader_figures(make: Callable[[], Any], epochs: int) -> dict[str, Any]:
             rss.append(round(rss_mb(), 1))
     finally:
         loader.close()
+    import resource
+
     return {"time_to_first_batch_s": round(first, 3), "overlap": round(overlap, 3),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3, 1),
             "rss_mb_after_each_epoch": rss,
             "rss_growth_mb_per_epoch": round((rss[-1] - rss[0]) / max(len(rss) - 1, 1), 2)}

@@ -217,5 +217,6 @@ def table(r: dict[str, Any]) -> str:
               f"({v['reference_points_per_s_per_core']:,.0f} points/s per core)", "",
               f"shardflow: time to first batch {r['shardflow']['time_to_first_batch_s']} s; "
               f"overlap {r['shardflow']['overlap']} (1.0 = perfect); RSS after each epoch "
-              f"(MB) {r['shardflow']['rss_mb_after_each_epoch']}"]
+              f"(MB) {r['shardflow']['rss_mb_after_each_epoch']}, peak "
+              f"{r['shardflow']['peak_rss_mb']} MB"]
     return "\n".join(lines)

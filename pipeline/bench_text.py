@@ -159,5 +159,6 @@ def table(r: dict[str, Any]) -> str:
         lines += [f"| {name} | {k} | {v} |" for k, v in t["ratios"].items()]
         lines += [f"| {name} | time to first batch (s) | {t['time_to_first_batch_s']} |",
                   f"| {name} | overlap (1.0 = perfect) | {t['overlap']} |",
-                  f"| {name} | RSS after each epoch (MB) | {t['rss_mb_after_each_epoch']} |"]
+                  f"| {name} | RSS after each epoch (MB) | {t['rss_mb_after_each_epoch']} |",
+                  f"| {name} | peak RSS (MB) | {t['peak_rss_mb']} |"]
     return "\n".join(lines)

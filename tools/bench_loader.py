@@ -73,7 +73,6 @@ def report(c: bi.Corpus, timings: Any, runs: dict[str, Any], args: argparse.Name
                             for k in runs},
         # time to first batch, overlap, memory per epoch (see pipeline/bench.py)
         **loader_figures(lambda: bi.Ours(c).loader, args.epochs),
-        "peak_rss_mb": round(bi.resource.getrusage(bi.resource.RUSAGE_SELF).ru_maxrss / 1e3, 1),
     }
 
 
