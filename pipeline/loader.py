@@ -97,7 +97,12 @@ class Loader(ABC):
         if self._stage is not None:
             raise RuntimeError("the loader is already being iterated; finish or close that "
                                "iteration first")
-        plan, state = self.plan(), self._reader_state
+        plan = self.plan()
+        if plan.batches is not None and self._batches_done >= plan.batches:
+            # Saved after the epoch's last batch, before the next pass began: start that pass.
+            self.epoch, self._batches_done, self._reader_state = self.epoch + 1, 0, None
+            plan = self.plan()
+        state = self._reader_state
         self._report(plan)
         stage: Stage[Produced] = Stage(lambda stop: self._produce(plan, state, stop),
                                        depth=self.prefetch, name=f"shardflow-{self.kind}",

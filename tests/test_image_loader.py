@@ -445,3 +445,20 @@ def test_a_hung_reader_is_reported_within_the_timeout(shards, monkeypatch):
     finally:
         stop_hanging.set()  # let the stuck thread finish so no thread is left behind
         loader.close()
+
+
+@pytest.mark.parametrize("reader", ["dali", "stream"])
+def test_a_state_saved_after_the_epochs_last_batch_resumes_with_the_next_epoch(shards, reader):
+    make = functools.partial(image_loader, shards, batch_size=8, device="cpu", reader=reader,
+                             **OPTS)
+    with make() as reference:
+        epoch(reference)
+        want = epoch(reference)[0]  # epoch 1
+    with make() as first:
+        for n, _ in enumerate(first, 1):
+            if n == len(first):
+                break  # a checkpoint taken after the last batch, before the pass ended
+        state = first.state_dict()
+    with make() as resumed:
+        resumed.load_state_dict(state)
+        assert epoch(resumed)[0] == want and resumed.epoch == 2

@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=positive_int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--on-error", choices=("raise", "skip"), default="raise")
+    p.add_argument("--reader", choices=("auto", "dali", "stream"), default="auto",
+                   help="DALI's reader (local indexed shards) or the streaming one")
     p.add_argument("--offload-optimizer", action="store_true",
                    help="keep master weights and optimizer state in host memory")
     p.add_argument("--activation-checkpointing", action="store_true",
@@ -126,7 +128,8 @@ def _image(args: argparse.Namespace, train: Source, held: Source, rank: int, wor
 
     classes = _classes(args, train)
     common = {"batch_size": args.batch_size, "seed": args.seed, "device": args.device,
-              "on_error": args.on_error, "size": args.size, "num_classes": classes}
+              "on_error": args.on_error, "size": args.size, "num_classes": classes,
+              "reader": args.reader}
     loader = ImageLoader(train, ImageConfig(train=True, **common), rank, world)
     evaluation = ImageLoader(held, ImageConfig(train=False, **common), 0, 1) if rank == 0 \
         else None
@@ -146,7 +149,8 @@ def _text(args: argparse.Namespace, train: Source, held: Source, rank: int, worl
                          "--objective (mlm: encoder, clm: decoder)")
     tokenizer = load_tokenizer(args.tokenizer)
     common = {"batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed,
-              "objective": args.objective, "device": args.device, "on_error": args.on_error}
+              "objective": args.objective, "device": args.device, "on_error": args.on_error,
+              "reader": args.reader}
     loader = TextLoader(train, TextConfig(train=True, **common), tokenizer, rank, world)
     evaluation = TextLoader(held, TextConfig(train=False, **common), tokenizer, 0, 1) \
         if rank == 0 else None
@@ -165,7 +169,8 @@ def _pointcloud(args: argparse.Namespace, train: Source, held: Source, rank: int
         raise ValueError(f"--model {model}: choose one of {', '.join(MODELS)} for point clouds")
     common = {"batch_size": args.batch_size, "seed": args.seed, "device": args.device,
               "on_error": args.on_error, "num_points": args.num_points, "grid": args.grid,
-              "num_classes": classes, "voxels": "occupancy" if model == "voxnet" else None}
+              "num_classes": classes, "voxels": "occupancy" if model == "voxnet" else None,
+              "reader": args.reader}
     loader = PointCloudLoader(train, PointCloudConfig(train=True, **common), rank, world)
     evaluation = PointCloudLoader(held, PointCloudConfig(train=False, **common), 0, 1) \
         if rank == 0 else None

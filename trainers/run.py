@@ -50,8 +50,9 @@ def fit(trainer: Trainer, *, eval_loader: Any = None, held_out: str = "none",
         return trainer.summary_so_far
     window, last_loss = _Window(), float("nan")
     while trainer.step < cfg.steps:
-        waited_from, useful = time.perf_counter(), 0
+        waited_from, useful, batches = time.perf_counter(), 0, 0
         for batch in trainer.loader:
+            batches += 1
             waited = time.perf_counter() - waited_from
             window.wait += waited
             trainer.wait_s += waited
@@ -63,7 +64,9 @@ def fit(trainer: Trainer, *, eval_loader: Any = None, held_out: str = "none",
                 if trainer.step >= cfg.steps:
                     break
             waited_from = time.perf_counter()
-        if not useful:
+        # A pass with no batch at all is a resume at the very end of an epoch (the next pass
+        # starts the next epoch); batches that all came out empty mean the data is unusable.
+        if batches and not useful:
             raise DataError("no-data", "a whole pass over the training data gave no usable "
                             "sample (all skipped?); see the loader's skip report")
     return _finish(trainer, eval_loader, held_out, last_loss, started, resumed_at)
