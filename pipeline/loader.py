@@ -85,7 +85,7 @@ class Loader(ABC):
             self.epoch, self._batches_done, self._reader_state = epoch, 0, None
 
     def __len__(self) -> int:
-        batches = self.plan().batches
+        batches = self._batches_per_epoch(self.plan())
         if batches is None:
             raise TypeError("this loader's length is unknown: its shards have no sample counts "
                             "(read a folder with manifest.json)")
@@ -98,7 +98,8 @@ class Loader(ABC):
             raise RuntimeError("the loader is already being iterated; finish or close that "
                                "iteration first")
         plan = self.plan()
-        if plan.batches is not None and self._batches_done >= plan.batches:
+        batches = self._batches_per_epoch(plan)
+        if batches is not None and self._batches_done >= batches:
             # Saved after the epoch's last batch, before the next pass began: start that pass.
             self.epoch, self._batches_done, self._reader_state = self.epoch + 1, 0, None
             plan = self.plan()
@@ -136,6 +137,10 @@ class Loader(ABC):
             log.warning("epoch %d: each of %d ranks reads %s samples; %d samples are left out "
                         "this epoch so that every rank runs the same number of batches",
                         plan.epoch, plan.world_size, plan.length, plan.dropped)
+
+    def _batches_per_epoch(self, plan: EpochPlan) -> int | None:
+        """How many batches an epoch yields, when that is known before reading it."""
+        return plan.batches
 
     @abstractmethod
     def _produce(self, plan: EpochPlan, reader_state: dict[str, Any] | None,

@@ -109,6 +109,11 @@ class TextLoader(Loader):
         if cfg.packing:
             self.agree_to_stop = readers.rank_agreement(world_size)
 
+    def _batches_per_epoch(self, plan: EpochPlan) -> int | None:
+        # Packed: as many as the epoch's tokens fill, unknown until read. The plan's count
+        # is of reads (batch_size documents each), not of batches.
+        return None if self.cfg.packing else plan.batches
+
     def __len__(self) -> int:
         if self.cfg.packing:
             raise TypeError("a packed text loader's length depends on how many tokens the "
