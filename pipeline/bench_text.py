@@ -74,7 +74,7 @@ class PlainLoop:
         assert self.tok.mask_id is not None
         masking.mlm(ids, attention, masking.batch_rng(0, 0, 0, index), mask_id=self.tok.mask_id,
                     normal_ids=self.tok.normal_ids,
-                    special_ids=(self.tok.pad_id, self.tok.sep_id, self.tok.mask_id))
+                    special_ids=self.tok.special_ids)
         return int(attention.sum())
 
 

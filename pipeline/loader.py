@@ -10,10 +10,11 @@ counts epochs and batches, and saves and restores the position.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 from pipeline.errors import OnError, SkipLog
@@ -97,30 +98,44 @@ class Loader(ABC):
         if self._stage is not None:
             raise RuntimeError("the loader is already being iterated; finish or close that "
                                "iteration first")
-        plan = self.plan()
-        batches = self._batches_per_epoch(plan)
+        batches = self._batches_per_epoch(self.plan())
         if batches is not None and self._batches_done >= batches:
             # Saved after the epoch's last batch, before the next pass began: start that pass.
             self.epoch, self._batches_done, self._reader_state = self.epoch + 1, 0, None
-            plan = self.plan()
-        state = self._reader_state
+        resumed = self._reader_state is not None
+        yielded = yield from self._pass()
+        if resumed and not yielded and self._reader_state is None and self._batches_done == 0:
+            # Resumed at the very end of an epoch whose length was unknown (packed text): that
+            # pass had nothing left, so this one is the next epoch, as it would have been.
+            yield from self._pass()
+
+    def _pass(self) -> Generator[Any, None, int]:
+        """One pass over the current epoch from the saved position; returns batches yielded."""
+        plan, state = self.plan(), self._reader_state
         self._report(plan)
         stage: Stage[Produced] = Stage(lambda stop: self._produce(plan, state, stop),
                                        depth=self.prefetch, name=f"shardflow-{self.kind}",
                                        timeout_s=self.timeout_s)
-        self._stage = stage
+        self._stage, yielded, voted = stage, 0, False
         try:
             cut_short = False
             for batch, reader_state, ready, skipped in stage:
-                if self.agree_to_stop is not None and not self.agree_to_stop(True):
-                    cut_short = True  # another rank has run out: stop in step with it
+                if batch is not None and self.agree_to_stop is not None \
+                        and not self.agree_to_stop(True):
+                    cut_short = voted = True  # another rank has run out: stop with it
                     break
+                # Skips are committed when their batch is handed out (or, for skips met after
+                # the last batch, with an item that carries no batch and takes no vote).
+                self._reader_state = reader_state
+                self.skips.extend(skipped)
+                if batch is None:
+                    continue
                 if ready is not None:
                     _wait(ready, batch)
-                self._reader_state, self._batches_done = reader_state, self._batches_done + 1
-                self.skips.extend(skipped)
+                self._batches_done, yielded = self._batches_done + 1, yielded + 1
                 yield batch
             if stage.completed and self.agree_to_stop is not None:
+                voted = True
                 self.agree_to_stop(False)  # the other ranks' next call learns it
             if cut_short:
                 log.warning("epoch %d: rank %d stops after %d batches, where the shortest rank "
@@ -128,9 +143,17 @@ class Loader(ABC):
                             self.rank, self._batches_done)
             if stage.completed or cut_short:  # not when close() ended the pass early
                 self.epoch, self._batches_done, self._reader_state = self.epoch + 1, 0, None
+        except Exception:
+            if self.agree_to_stop is not None and not voted:
+                # This rank is failing: tell the others its data ended, rather than leave them
+                # waiting in the all-reduce until the group's timeout.
+                with contextlib.suppress(Exception):
+                    self.agree_to_stop(False)
+            raise
         finally:
             stage.close()
             self._stage = None
+        return yielded
 
     def _report(self, plan: EpochPlan) -> None:
         if plan.dropped and self._batches_done == 0:

@@ -58,7 +58,9 @@ class TextConfig:
     on_error: OnError = "raise"
     packing: bool = True  # False: one document per row, truncated to seq_len, padded
     mask_prob: float = 0.15
-    max_doc_bytes: int = 4 * 1024 * 1024  # longer documents are truncated (memory bound)
+    # Longer documents are truncated. Memory: a read holds up to batch_size documents of at
+    # most this many tokens (int32), and about prefetch + 2 reads are in flight.
+    max_doc_bytes: int = 1024 * 1024
     prefetch: int = 2
     shuffle_buffer: int = 1024
     reader: readers.ReaderKind = "auto"
@@ -105,7 +107,9 @@ class TextLoader(Loader):
         self._init_from_config(source, cfg, rank, world_size)
         self.copier = DeviceCopier(("cuda", self.cuda_index) if self.device == "gpu" else "cpu",
                                    None, None, True)
-        self.truncated_docs = 0  # documents cut to max_doc_bytes so far (each one logged)
+        # Documents cut to max_doc_bytes so far, each logged; counted as read (read-ahead and a
+        # resume's re-read included), so a figure to watch, not an exact count.
+        self.truncated_docs = 0
         if cfg.packing:
             self.agree_to_stop = readers.rank_agreement(world_size)
 
@@ -210,7 +214,10 @@ class TextLoader(Loader):
                 yield self._emit(packer.take(), packer.position(), plan.epoch, index)
                 index += 1
         while packer.available or packer.pending_skips():  # the epoch's last, short batch
-            yield self._emit(packer.take(), packer.position(), plan.epoch, index)
+            cut = packer.take()
+            ids, attention = packing.rows(cut.tokens, self.cfg.seq_len, self.tokenizer.pad_id)
+            yield self._batch_or_skips(ids, attention, cut.keys, cut.skips, packer.position(),
+                                       plan.epoch, index)
             index += 1
 
     def _truncated(self, plan: EpochPlan, reads: Stage[Any], index: int,
@@ -222,13 +229,25 @@ class TextLoader(Loader):
             ids, attention, _cut = packing.truncated_rows(docs, c.seq_len,
                                                           self.tokenizer.pad_id,
                                                           self.tokenizer.sep_id)
-            yield self._batch(ids, attention, keys, skips, (after, 0), plan.epoch, index)
-            index += 1
+            item = self._batch_or_skips(ids, attention, keys, skips, (after, 0), plan.epoch,
+                                        index)
+            index += item[0] is not None
+            yield item
 
     def _emit(self, cut: packing.Cut, position: tuple[dict[str, Any] | None, int],
               epoch: int, index: int) -> Produced:
         ids, attention = packing.rows(cut.tokens, self.cfg.seq_len, self.tokenizer.pad_id)
         return self._batch(ids, attention, cut.keys, cut.skips, position, epoch, index)
+
+    def _batch_or_skips(self, ids: np.ndarray, attention: np.ndarray, keys: list[str],
+                        skips: list[dict[str, str]], position: tuple[dict[str, Any] | None, int],
+                        epoch: int, index: int) -> Produced:
+        """A batch, or with no rows (every document of it skipped) an item that only carries
+        the skips: a batch of 0 rows would be a step one rank skips and the others take."""
+        if not len(ids):
+            state = {"reader": position[0], "offset": position[1], "batches": index}
+            return None, state, None, skips
+        return self._batch(ids, attention, keys, skips, position, epoch, index)
 
     def _batch(self, ids: np.ndarray, attention: np.ndarray, keys: list[str],
                skips: list[dict[str, str]], position: tuple[dict[str, Any] | None, int],
@@ -250,5 +269,5 @@ class TextLoader(Loader):
         rng = masking.batch_rng(self.seed, epoch if self.cfg.train else 0, self.rank, index)
         assert tok.mask_id is not None
         return masking.mlm(ids, attention, rng, mask_id=tok.mask_id, normal_ids=tok.normal_ids,
-                           special_ids=(tok.pad_id, tok.sep_id, tok.mask_id),
+                           special_ids=tok.special_ids,
                            prob=self.cfg.mask_prob)

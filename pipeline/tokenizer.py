@@ -30,6 +30,7 @@ class Tokenizer(Protocol):
     sep_id: int  # ends every document in a packed row
     mask_id: int | None  # None: this tokenizer cannot do masked language modelling
     normal_ids: np.ndarray  # ids that are not special: what a random replacement draws from
+    special_ids: tuple[int, ...]  # never chosen for masking
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
 
@@ -48,6 +49,7 @@ class ByteTokenizer:
 
     def __init__(self) -> None:
         self.normal_ids = np.arange(256, dtype=np.int32)
+        self.special_ids: tuple[int, ...] = (self.pad_id, self.sep_id, 258)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int32)
@@ -91,6 +93,10 @@ class HFTokenizer:
                                                  else set())
         self.normal_ids = np.array([i for i in range(self.vocab_size) if i not in special],
                                    dtype=np.int32)
+        self.special_ids: tuple[int, ...] = tuple(sorted(special))
+        # "[SEP]" written in a document is text, not a separator: the data never makes
+        # special tokens (no injected document boundaries or mask tokens).
+        self._tok.encode_special_tokens = True
 
     def _special(self, path: Path, names: tuple[str, ...], what: str) -> int:
         for name in names:
@@ -115,7 +121,8 @@ def load_tokenizer(spec: str | Path | Tokenizer) -> Tokenizer:
     """'bytes', a path to a tokenizer.json, or a tokenizer object (returned as is)."""
     if isinstance(spec, (str, Path)):
         return ByteTokenizer() if str(spec) == "bytes" else HFTokenizer(spec)
-    for name in ("encode_batch", "pad_id", "sep_id", "vocab_size", "normal_ids", "describe"):
+    for name in ("encode_batch", "pad_id", "sep_id", "vocab_size", "normal_ids", "special_ids",
+                 "describe"):
         if not hasattr(spec, name):
             raise TypeError(f"tokenizer {spec!r} has no {name!r}: pass 'bytes', a "
                             "tokenizer.json path, or an object like ByteTokenizer")

@@ -156,7 +156,7 @@ def test_resume_continues_with_exactly_the_next_batches(corpus, reader, packing)
     with text_loader(shards, **make) as loader:
         whole = passes(loader, 2)
     per_epoch = len(whole) // 2
-    for stop in (1, 7, per_epoch - 1, per_epoch + 3):
+    for stop in (1, 7, per_epoch - 1, per_epoch, per_epoch + 3):
         with text_loader(shards, **make) as first:
             taken = 0
             while taken < stop:
@@ -169,6 +169,8 @@ def test_resume_continues_with_exactly_the_next_batches(corpus, reader, packing)
             second.load_state_dict(state)
             rest = passes(second)
         want = whole[stop: (per_epoch if stop < per_epoch else 2 * per_epoch)]
+        if stop == per_epoch:  # saved after the epoch's last batch: the next pass is epoch 1
+            want = whole[per_epoch:]
         assert len(rest) == len(want), (stop, len(rest), len(want))
         assert all(_same(a, b) for a, b in zip(rest, want, strict=True)), f"after {stop}"
 
@@ -257,6 +259,27 @@ def test_bad_documents_are_skipped_counted_and_named(tmp_path, reader):
     assert all(e["source"].endswith("bad-000000.tar") for e in skipped.values())
 
 
+@pytest.mark.parametrize("packing", [True, False])
+def test_skips_are_reported_once_across_a_resume_and_no_batch_is_empty(tmp_path, packing):
+    urls = bad_shard(tmp_path)
+    make = {"batch_size": 2, "seq_len": 8, "on_error": "skip", "packing": packing,
+            "reader": "stream", **OPTS, "shuffle_buffer": 0}
+    with text_loader(urls, **make) as whole:
+        batches = passes(whole)
+        want = sorted(e["key"] for e in whole.skipped)
+    assert all(len(b) for b in batches), "a batch of zero rows"
+    for stop in range(1, len(batches)):
+        with text_loader(urls, **make) as first:
+            for n, _ in enumerate(first, 1):
+                if n == stop:
+                    break
+            state = first.state_dict()
+        with text_loader(urls, **make) as second:
+            second.load_state_dict(state)
+            passes(second)
+            assert sorted(e["key"] for e in second.skipped) == want, stop
+
+
 @pytest.mark.parametrize("reason", sorted(BAD))
 def test_bad_document_raises_naming_shard_and_key(tmp_path, reason):
     urls = bad_shard(tmp_path)
@@ -305,6 +328,18 @@ def test_trained_bpe_tokenizer_round_trips_and_masks(corpus, tmp_path):
                      **OPTS) as loader:
         b = next(iter(loader))
     assert (b.input_ids == tok.mask_id).any() and (b.labels != masking.IGNORE).any()
+
+
+def test_special_tokens_written_in_a_document_are_text(corpus, tmp_path):
+    pytest.importorskip("tokenizers")
+    from pipeline.tokenizer import HFTokenizer, train_bpe
+
+    path = tmp_path / "tok.json"
+    train_bpe(corpus[1].values(), path, 300)
+    tok = HFTokenizer(path)
+    ids = tok.encode_batch(["a [SEP] b [MASK] c [PAD]"])[0]
+    assert not set(ids.tolist()) & set(tok.special_ids)
+    assert tok.decode(ids) == "a [SEP] b [MASK] c [PAD]"
 
 
 def test_unknown_tokenizer_file_is_named(corpus, tmp_path):
