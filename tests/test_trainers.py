@@ -379,3 +379,22 @@ def test_credentials_in_the_data_url_appear_nowhere_in_the_run(shards, tmp_path)
         assert b"SECRET" not in path.read_bytes(), path.name
     assert "SECRET" not in proc.stdout + proc.stderr
     assert "train-000009.tar" in (tmp_path / "run" / "summary.json").read_text()
+
+
+def test_torchrun_a_rank_with_an_empty_batch_does_not_hang_the_others(shards, tmp_path):
+    data = tmp_path / "shards"
+    shutil.copytree(shards, data)
+    victim = sorted(data.glob("*.tar"))[0]
+    victim.write_bytes(victim.read_bytes()[:700])  # cut in the first member: 30 samples lost
+    out = tmp_path / "ddp"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(ROOT / "tools" / "train.py"), "--task", "image", "--data", str(data), "--out",
+         str(out), "--steps", "20", "--batch-size", "9", "--size", "16", "--device", "cpu",
+         "--reader", "stream", "--on-error", "skip", "--precision", "fp32", "--quiet"],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 20 and len(set(summary["parameter_digests"])) == 1
+    assert summary["skipped_samples"] >= 1  # the cut shard, named in the skip report
+    assert summary["samples_left_out_with_an_empty_rank"] > 0

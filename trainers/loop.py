@@ -22,6 +22,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from pipeline.readers import rank_agreement
 from trainers import checkpoint
 from trainers.distributed import DistInfo, gather, sum_over_ranks, unwrap
 from trainers.offload import OffloadedOptimizer
@@ -132,6 +133,9 @@ class Trainer:
         self.micro_losses: list[torch.Tensor] = []
         self.wait_s = self.compute_s = 0.0
         self.samples = 0
+        # Under DDP: whether every rank's batch has samples (a CPU all-reduce; see run.py)
+        self.all_have_data = rank_agreement(self.dist.world_size)
+        self.dropped_for_sync = 0
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         if self.dist.is_main:
             checkpoint.remove_partial(cfg.run_dir)  # left by a kill during a save

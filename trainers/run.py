@@ -85,14 +85,31 @@ def _train_on(trainer: Trainer, batch: Any, window: _Window) -> float | None:
         log_line(trainer.cfg.run_dir / "keys.jsonl", {
             "rank": trainer.dist.rank, "step": trainer.step, "micro": trainer.micro,
             "epoch": trainer.loader.epoch, "keys": list(batch.keys)})
-    if not len(batch):
-        return None  # every sample of this batch was skipped (on_error="skip")
+    if not _everyone_has_data(trainer, batch):
+        return None  # every sample of this batch (or of another rank's) was skipped
     window.samples += len(batch)
     trainer.samples += len(batch)
     loss = trainer.micro_step(batch)
     if loss is not None:
         window.losses.append(loss)
     return loss
+
+
+def _everyone_has_data(trainer: Trainer, batch: Any) -> bool:
+    """Whether this micro-step trains. A batch can come out empty (all its samples skipped);
+    under DDP every rank must then skip the step, since one rank's backward without the
+    others' would pair its gradient all-reduce with their next one. The rest of the ranks'
+    samples of that step are then not trained on: counted, and logged."""
+    if trainer.all_have_data is None:
+        return bool(len(batch))
+    if trainer.all_have_data(bool(len(batch))):
+        return True
+    if len(batch):
+        trainer.dropped_for_sync += len(batch)
+        log.warning("rank %d: step %d skipped on every rank because another rank's batch was "
+                    "all bad samples; %d samples of this rank's batch not trained on",
+                    trainer.dist.rank, trainer.step, len(batch))
+    return False
 
 
 def _after_step(trainer: Trainer, window: _Window, progress: Progress | None) -> _Window:
@@ -126,6 +143,8 @@ def _finish(trainer: Trainer, eval_loader: Any, held_out: str, last_loss: float,
         "device": str(trainer.device), "precision": trainer.precision.name,
         "held_out": held_out, "resumed_at_step": resumed_at,
         "skipped_samples": int(skipped), "nonfinite_skipped_steps": trainer.bad_steps,
+        "samples_left_out_with_an_empty_rank": int(sum_over_ranks(
+            [trainer.dropped_for_sync], trainer.dist)[0]),
         "fp16_skipped_steps": trainer.precision.skipped_steps,
         "world_size": trainer.dist.world_size, "parameter_digests": digests,
         "bottleneck": bottleneck.report(trainer.wait_s, trainer.compute_s, trainer.loader),
