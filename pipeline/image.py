@@ -27,7 +27,6 @@ from pipeline.checks import check_label
 from pipeline.errors import DataError, OnError, SkipLog, handle
 from pipeline.image_decode import DecodeStage
 from pipeline.loader import Loader, Produced
-from pipeline.prefetch import Stage
 from pipeline.readplan import EpochPlan
 from pipeline.shardlist import Source, resolve
 
@@ -162,13 +161,8 @@ class ImageLoader(Loader):
 
     def _produce(self, plan: EpochPlan, reader_state: dict[str, Any] | None,
                  stop: threading.Event) -> Iterator[Produced]:
-        self._decoder.enter_thread()
-        prepared = Stage(lambda s: self._prepared(plan, reader_state, s), depth=self.prefetch,
-                         name="shardflow-image-reader", parent_stop=stop)
-        try:
-            yield from self._decoder.run(prepared, stop)
-        finally:
-            prepared.close()
+        return self._two_stages(lambda s: self._prepared(plan, reader_state, s),
+                                self._decoder, stop)
 
     def close(self) -> None:
         super().close()

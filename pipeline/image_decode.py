@@ -22,7 +22,7 @@ from pipeline.batch import Batch, EncodedBatch
 from pipeline.checks import CheckLimits, check_image
 from pipeline.errors import DataError, OnError, SkipLog, handle
 from pipeline.loader import Produced
-from pipeline.prefetch import DeviceCopier
+from pipeline.prefetch import DeviceCopier, dali_to_cuda
 
 Item = tuple[EncodedBatch, list[Any]]  # (batch, [labels, windows])
 
@@ -90,13 +90,8 @@ class DecodeStage:
 
     def _to_cuda(self, out: Any) -> Any:
         import torch
-        from nvidia.dali.plugin.pytorch import feed_ndarray
 
-        dense = out.as_tensor()
-        tensor = torch.empty(dense.shape(), dtype=torch.uint8,
-                             device=torch.device("cuda", self.cuda_index or 0))
-        feed_ndarray(dense, tensor, cuda_stream=self.copier.stream)
-        return tensor
+        return dali_to_cuda(out, torch.uint8, self.cuda_index, self.copier.stream)
 
     # -- failures ----------------------------------------------------------------------------
 

@@ -161,6 +161,18 @@ class Loader(ABC):
                         "this epoch so that every rank runs the same number of batches",
                         plan.epoch, plan.world_size, plan.length, plan.dropped)
 
+    def _two_stages(self, prepared: Callable[[threading.Event], Iterator[Any]], decoder: Any,
+                    stop: threading.Event) -> Iterator[Produced]:
+        """The reader stage (`prepared`, in its own thread) feeding `decoder.run` in this one:
+        the shape of the image and point-cloud loaders."""
+        decoder.enter_thread()
+        reader = Stage(prepared, depth=self.prefetch, name=f"shardflow-{self.kind}-reader",
+                       parent_stop=stop)
+        try:
+            yield from decoder.run(reader, stop)
+        finally:
+            reader.close()
+
     def _batches_per_epoch(self, plan: EpochPlan) -> int | None:
         """How many batches an epoch yields, when that is known before reading it."""
         return plan.batches

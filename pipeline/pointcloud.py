@@ -31,7 +31,6 @@ from pipeline.errors import DataError, OnError, SkipLog, handle
 from pipeline.loader import Loader, Produced
 from pipeline.pointcloud_decode import DecodeStage, Item
 from pipeline.pointcloud_sample import SampleParams, check_npy, sample_params
-from pipeline.prefetch import Stage
 from pipeline.readplan import EpochPlan
 from pipeline.shardlist import Source, resolve
 
@@ -155,13 +154,8 @@ class PointCloudLoader(Loader):
 
     def _produce(self, plan: EpochPlan, reader_state: dict[str, Any] | None,
                  stop: threading.Event) -> Iterator[Produced]:
-        self._decoder.enter_thread()
-        prepared = Stage(lambda s: self._prepared(plan, reader_state, s), depth=self.prefetch,
-                         name="shardflow-pointcloud-reader", parent_stop=stop)
-        try:
-            yield from self._decoder.run(prepared, stop)
-        finally:
-            prepared.close()
+        return self._two_stages(lambda s: self._prepared(plan, reader_state, s),
+                                self._decoder, stop)
 
     def close(self) -> None:
         super().close()

@@ -28,7 +28,7 @@ from pipeline.image_graph import GraphRunner
 from pipeline.loader import Produced
 from pipeline.pointcloud_graph import GraphSpec, Outputs, build_graph
 from pipeline.pointcloud_sample import SampleParams
-from pipeline.prefetch import DeviceCopier
+from pipeline.prefetch import DeviceCopier, dali_to_cuda
 
 if TYPE_CHECKING:
     from pipeline.pointcloud import PointCloudConfig
@@ -101,13 +101,8 @@ class DecodeStage:
 
     def _to_cuda(self, points: Any) -> Any:
         import torch
-        from nvidia.dali.plugin.pytorch import feed_ndarray
 
-        dense = points.as_tensor()
-        tensor = torch.empty(dense.shape(), dtype=torch.float32,
-                             device=torch.device("cuda", self.cuda_index or 0))
-        feed_ndarray(dense, tensor, cuda_stream=self.copier.stream)
-        return tensor
+        return dali_to_cuda(points, torch.float32, self.cuda_index, self.copier.stream)
 
     # -- failures --------------------------------------------------------------------------
 

@@ -162,3 +162,16 @@ class DeviceCopier:
         if self.mean is None or self.std is None:
             return image
         return (image.float() - self.mean) / self.std
+
+
+def dali_to_cuda(batch: Any, dtype: Any, cuda_index: int | None, stream: Any) -> Any:
+    """A dense DALI GPU batch copied into a new CUDA tensor, ordered on `stream` (the
+    copier's side stream), before the graph runs again and reuses its buffer."""
+    import torch
+    from nvidia.dali.plugin.pytorch import feed_ndarray
+
+    dense = batch.as_tensor()
+    tensor = torch.empty(dense.shape(), dtype=dtype,
+                         device=torch.device("cuda", cuda_index or 0))
+    feed_ndarray(dense, tensor, cuda_stream=stream)
+    return tensor
