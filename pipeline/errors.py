@@ -4,6 +4,11 @@ A data error is a problem with the input (a truncated JPEG, a missing label), ne
 our code: TypeError, AttributeError and ImportError are never turned into one. Under
 `on_error="raise"` the first data error stops the job with the source and key; under
 `on_error="skip"` it is counted by reason and named in the log, so `read + skipped == total`.
+
+Each error also says how many samples it cost (`samples`): one for a bad sample; for a shard
+lost whole or in part, the samples it still held when its count is known (from manifest.json),
+else None (unknown). The skip log sums them, so a run can state `read + skipped == total` in
+samples, not only in skip entries.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from pipeline.urls import redact
 
@@ -21,15 +26,25 @@ OnError = Literal["raise", "skip"]
 ON_ERROR_CHOICES = ("raise", "skip")
 
 
+class _Unset:
+    pass
+
+
+_ONE_IF_KEYED = _Unset()
+
+
 class DataError(Exception):
     """Bad input: `reason` is a short code ("truncated", "bad-utf8"...), `source` the file or
-    shard URL (credentials redacted) and `key` the sample key when there is one."""
+    shard URL (credentials redacted), `key` the sample key when there is one, and `samples`
+    how many samples it costs (default: one with a key, unknown without: a whole file)."""
 
-    def __init__(self, reason: str, message: str, *, source: str = "", key: str = "") -> None:
+    def __init__(self, reason: str, message: str, *, source: str = "", key: str = "",
+                 samples: int | None | _Unset = _ONE_IF_KEYED) -> None:
         self.reason = reason
         self.detail = message
         self.source = redact(source)
         self.key = key
+        self.samples = (1 if key else None) if isinstance(samples, _Unset) else samples
         super().__init__(self._text())
 
     def _text(self) -> str:
@@ -37,19 +52,20 @@ class DataError(Exception):
         text = f"{self.detail} [{self.reason}]"
         return f"{where}: {text}" if where else text
 
-    def __reduce__(self) -> tuple[object, tuple[str, str, str, str]]:
+    def __reduce__(self) -> tuple[object, tuple[str, str, str, str, int | None]]:
         # Worker processes send DataErrors to the parent: keep every field across pickling.
-        return _rebuild, (self.reason, self.detail, self.source, self.key)
+        return _rebuild, (self.reason, self.detail, self.source, self.key, self.samples)
 
     def located(self, *, source: str = "", key: str = "") -> DataError:
         """The same error with the source/key filled in where they were unknown."""
-        return DataError(
-            self.reason, self.detail, source=self.source or source, key=self.key or key
-        )
+        key = self.key or key
+        return DataError(self.reason, self.detail, source=self.source or source, key=key,
+                         samples=self.samples if self.key or not key else 1)
 
 
-def _rebuild(reason: str, detail: str, source: str, key: str) -> DataError:
-    return DataError(reason, detail, source=source, key=key)
+def _rebuild(reason: str, detail: str, source: str, key: str, samples: int | None
+             ) -> DataError:
+    return DataError(reason, detail, source=source, key=key, samples=samples)
 
 
 def check_on_error(value: str) -> OnError:
@@ -63,23 +79,35 @@ def check_on_error(value: str) -> OnError:
 class SkipLog:
     """Every skipped input, by reason. Kept whole: a run must be able to name all it dropped."""
 
-    entries: list[dict[str, str]] = field(default_factory=list)
+    entries: list[dict[str, Any]] = field(default_factory=list)
     announce: bool = True  # log each entry as it comes (off where the caller prints a report)
 
     def add(self, err: DataError) -> None:
         self.entries.append({"source": err.source, "key": err.key, "reason": err.reason,
-                             "detail": err.detail})
+                             "detail": err.detail, "samples": err.samples})
         if self.announce:
             log.warning("skipped %s", err)
 
-    def extend(self, entries: list[dict[str, str]]) -> None:
+    def extend(self, entries: list[dict[str, Any]]) -> None:
         self.entries.extend(entries)
 
     def counts(self) -> dict[str, int]:
         return dict(sorted(Counter(e["reason"] for e in self.entries).items()))
 
+    def samples(self) -> tuple[int, int]:
+        """(samples skipped, entries whose size is unknown: whole shards without a count)."""
+        sizes = [entry_samples(e) for e in self.entries]
+        return sum(n for n in sizes if n is not None), sum(n is None for n in sizes)
+
     def __len__(self) -> int:
         return len(self.entries)
+
+
+def entry_samples(entry: dict[str, Any]) -> int | None:
+    """Samples a skip entry stands for (entries saved before the count existed: one if keyed)."""
+    if "samples" in entry:
+        return None if entry["samples"] is None else int(entry["samples"])
+    return 1 if entry.get("key") else None
 
 
 def handle(err: DataError, policy: OnError, skips: SkipLog) -> None:

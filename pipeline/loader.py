@@ -67,7 +67,8 @@ class Loader(ABC):
                         world_size=world_size, shuffle=cfg.train,
                         shuffle_buffer=cfg.shuffle_buffer, on_error=cfg.on_error,
                         prefetch=cfg.prefetch, reader=reader, timeout_s=cfg.timeout_s)
-        self.skips.extend(early.entries)
+        if rank == 0:  # a shard dropped before the rank split is counted once, by rank 0
+            self.skips.extend(early.entries)
 
     # -- epochs ----------------------------------------------------------------------------
 
@@ -220,9 +221,14 @@ class Loader(ABC):
     # -- skips and lifetime ----------------------------------------------------------------
 
     @property
-    def skipped(self) -> list[dict[str, str]]:
-        """Every sample skipped so far (shard URL, key, reason, detail)."""
+    def skipped(self) -> list[dict[str, Any]]:
+        """Every skip so far (shard URL, key, reason, detail, samples it stands for)."""
         return list(self.skips.entries)
+
+    def skipped_samples(self) -> tuple[int, int]:
+        """(samples skipped, skips of unknown size): a shard lost whole stands for its count
+        when manifest.json gives one, else its size is unknown."""
+        return self.skips.samples()
 
     def skip_counts(self) -> dict[str, int]:
         return self.skips.counts()

@@ -185,23 +185,37 @@ def _read_all(fetcher: _Fetcher, count: int, on_error: OnError, skips: SkipLog,
         shard = fetcher.next_shard()
         if shard is None:
             return
-        read = 0
+        # This shard's skips pass through `here` so that a failure can say how many of its
+        # samples are left: its count less those read and those already skipped.
+        here, done = SkipLog(announce=skips.announce), 0
         try:
             for sample in iter_samples(shard, redact(shard.spec.url), limits=limits,  # type: ignore[arg-type]
-                                       on_error=on_error, skips=skips):
-                read += 1
+                                       on_error=on_error, skips=here):
+                done += 1 + _move(here, skips)
                 yield sample
+            _move(here, skips)
         except DataError as err:
+            done += _move(here, skips)
             shard.cancel()  # the rest of this shard is not read
-            handle(_with_loss(err, shard.spec, read), on_error, skips)
+            handle(_with_loss(err, shard.spec, done), on_error, skips)
 
 
-def _with_loss(err: DataError, spec: ShardSpec, read: int) -> DataError:
-    """Name how many samples the lost rest of a shard held, when the count is known."""
-    if spec.samples is None:
-        return err
-    return DataError(err.reason, f"{err.detail}; {max(spec.samples - read, 0)} samples of "
-                     "this shard are lost", source=err.source, key=err.key)
+def _move(src: SkipLog, dst: SkipLog) -> int:
+    """Move `src`'s entries to `dst`; the samples they stand for."""
+    moved = src.samples()[0]
+    dst.extend(src.entries)
+    src.entries = []
+    return moved
+
+
+def _with_loss(err: DataError, spec: ShardSpec, done: int) -> DataError:
+    """Name how many samples the lost rest of a shard held (its count less the `done` ones
+    read or skipped), when the count is known."""
+    if spec.samples is None:  # a shard without a count: how much was lost is unknown
+        return DataError(err.reason, err.detail, source=err.source, key=err.key, samples=None)
+    lost = max(spec.samples - done, 0)
+    return DataError(err.reason, f"{err.detail}; {lost} samples of this shard are lost",
+                     source=err.source, key=err.key, samples=lost)
 
 
 def _shuffled(stream: Iterator[dict[str, object]], plan: EpochPlan

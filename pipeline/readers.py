@@ -46,7 +46,7 @@ def pick_reader(source: Source, reader: ReaderKind, kind: str) -> str:
 
 
 def _has_index(shard: ShardSpec) -> bool:
-    return os.path.exists(shard.url[: -len(".tar")] + ".idx")
+    return os.path.isfile(shard.url[: -len(".tar")] + ".idx")  # not a FIFO: opening blocks
 
 
 def check_local_shards(source: Source, on_error: OnError, skips: SkipLog) -> Source:
@@ -59,8 +59,8 @@ def check_local_shards(source: Source, on_error: OnError, skips: SkipLog) -> Sou
             good.append(shard)
         except DataError as err:
             lost = f"; its {shard.samples} samples are lost" if shard.samples else ""
-            handle(DataError(err.reason, err.detail + lost, source=err.source), on_error,
-                   skips)
+            handle(DataError(err.reason, err.detail + lost, source=err.source,
+                             samples=shard.samples), on_error, skips)
     return Source(tuple(good), source.classes, source.modality)
 
 

@@ -119,7 +119,7 @@ def _after_step(trainer: Trainer, window: _Window, progress: Progress | None) ->
         return window
     # Every rank reaches this step: sum samples and skips over ranks, rank 0 writes.
     window.samples, skipped = (int(v) for v in sum_over_ranks(
-        [window.samples, len(trainer.loader.skipped)], trainer.dist))
+        [window.samples, trainer.loader.skipped_samples()[0]], trainer.dist))
     if not trainer.dist.is_main:
         return _Window()
     record = window.record(trainer.step, trainer.optimizer.param_groups[0]["lr"], skipped)
@@ -134,15 +134,16 @@ def _finish(trainer: Trainer, eval_loader: Any, held_out: str, last_loss: float,
     wall = time.perf_counter() - started
     metrics = trainer.evaluate(eval_loader) if eval_loader is not None else {}
     digests = gather(parameter_digest(trainer.task.model), trainer.dist)
-    samples, skipped = sum_over_ranks([trainer.samples, len(trainer.loader.skipped)],
-                                      trainer.dist)
+    samples, skipped, unknown = sum_over_ranks(
+        [trainer.samples, *trainer.loader.skipped_samples()], trainer.dist)
     summary = {
         "steps": trainer.step, "final_loss": last_loss, **metrics,
         "samples_per_s": samples / max(wall, 1e-9), "wall_s": wall,
         "data_wait": trainer.wait_s / max(wall, 1e-9),
         "device": str(trainer.device), "precision": trainer.precision.name,
         "held_out": held_out, "resumed_at_step": resumed_at,
-        "skipped_samples": int(skipped), "nonfinite_skipped_steps": trainer.bad_steps,
+        "skipped_samples": int(skipped), "skipped_shards_of_unknown_size": int(unknown),
+        "nonfinite_skipped_steps": trainer.bad_steps,
         "samples_left_out_with_an_empty_rank": int(sum_over_ranks(
             [trainer.dropped_for_sync], trainer.dist)[0]),
         "fp16_skipped_steps": trainer.precision.skipped_steps,
