@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import os
+import tarfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,7 +27,7 @@ def check_local_shard(url: str) -> int:
     """Samples in a local shard per its index, after checking that the tar holds every byte
     the index points at (a truncated shard is refused up front, not mid-epoch)."""
     idx = url[: -len(".tar")] + ".idx"
-    if not os.path.exists(idx):
+    if not os.path.isfile(idx):
         raise DataError("missing-index", "no .idx beside the shard; make it with "
                         "tools/make_shards.py shards, or read through the streaming reader",
                         source=url)
@@ -39,7 +40,28 @@ def check_local_shard(url: str) -> int:
     if os.path.getsize(url) < end:
         raise DataError("truncated", f"the shard has {os.path.getsize(url)} bytes but its index "
                         f"points up to byte {end}", source=url)
+    members = [m for s in samples for m in s]
+    if members:
+        _check_headers(url, [members[0], members[-1]])
     return len(samples)
+
+
+def _check_headers(url: str, members: list[tuple[str, int, int, str]]) -> None:
+    """The tar header before these members' data says what the index says: a shard replaced
+    by another file (an error page, another shard) with its old .idx left beside it would
+    otherwise be read as members at stale offsets, text decoding as documents."""
+    with open(url, "rb") as f:
+        for _ext, offset, size, name in members:
+            f.seek(max(offset - 512, 0))
+            try:
+                info = tarfile.TarInfo.frombuf(f.read(512), "utf-8", "surrogateescape")
+            except tarfile.HeaderError:
+                info = None
+            if offset < 512 or info is None or info.size != size or \
+                    (len(name) < 100 and info.name != name):
+                raise DataError("index-mismatch", f"the shard's bytes do not match its .idx at "
+                                f"member {name!r} (offset {offset}): the shard was changed or "
+                                "replaced after indexing", source=url)
 
 
 def _seed(plan: EpochPlan) -> int:
