@@ -69,6 +69,8 @@ class ConvertConfig:
     max_member_bytes: int = 256 * 1024 * 1024
     workers: int = field(default=os.cpu_count() or 1, compare=False)
     overwrite: bool = field(default=False, compare=False)
+    # seconds a chunk of inputs may take in a worker process before it is declared hung
+    worker_timeout_s: float = field(default=900.0, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out", Path(self.out))  # a str from Python callers too
@@ -78,6 +80,8 @@ class ConvertConfig:
         for name in ("max_count", "max_size", "workers", "max_file_bytes", "max_member_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
+        if not self.worker_timeout_s > 0:  # also refuses NaN
+            raise ValueError(f"worker_timeout_s={self.worker_timeout_s}: must be above 0")
         if not self.prefix or any(c in self.prefix for c in "./\\ "):
             raise ValueError(f"prefix={self.prefix!r}: use letters, digits, '-' or '_'")
         index, count = self.part
@@ -97,7 +101,7 @@ class ConvertConfig:
         """The arguments as recorded in the manifest and compared on resume (URLs redacted)."""
         args = asdict(self)
         args.update(src=redact(self.src), out=str(self.out), part=list(self.part))
-        for name in ("workers", "overwrite"):
+        for name in ("workers", "overwrite", "worker_timeout_s"):
             args.pop(name)
         return json.loads(json.dumps(args))
 
@@ -241,7 +245,8 @@ class _Job:
     def run(self, tasks: Iterable[Task | dict[str, object] | DataError], work: _Work) -> None:
         start_task, start_result = self.journal.position
         self.end = (start_task, start_result)
-        results = executor.ordered_map(run_task, _skip(tasks, start_task), work, self.cfg.workers)
+        results = executor.ordered_map(run_task, _skip(tasks, start_task), work, self.cfg.workers,
+                                       timeout_s=self.cfg.worker_timeout_s, describe=_describe)
         with contextlib.closing(results):  # stop the workers here, also on an error
             for n, outputs in enumerate(results, start_task):
                 first = start_result if n == start_task else 0
@@ -312,3 +317,12 @@ def _modality_of(out: Path, shards: list[ShardInfo]) -> str:
         if exts & names:
             return modality
     return "unknown"
+
+
+def _describe(item: Task | dict[str, object] | DataError) -> str:
+    """An input as a worker error names it."""
+    if isinstance(item, Task):
+        return f"{redact(item.path)} key {item.key!r}"
+    if isinstance(item, dict):
+        return f"sample {item.get('__key__')!r}"
+    return str(item)

@@ -13,6 +13,7 @@ either, a source can be read by one rank only (there is nothing to balance ranks
 from __future__ import annotations
 
 import heapq
+import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -104,6 +105,17 @@ def preflight(urls: list[str], source: str) -> None:
         more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
         raise FileNotFoundError(f"{len(missing)} of {len(urls)} shards are missing: "
                                 f"{listed}{more}")
+    special = [u for u in urls if not is_remote(u) and not u.startswith("pipe:")
+               and not _regular(u)]
+    if special:
+        raise ValueError(f"{len(special)} of {len(urls)} shards are not regular files (a FIFO "
+                         "blocks its reader forever, a device may never end): "
+                         + ", ".join(special[:20]))
+
+
+def _regular(url: str) -> bool:
+    path = url[len("file://"):] if url.startswith("file://") else url
+    return os.path.isfile(path)  # follows links: a link to a regular file is fine
 
 
 def _exists(url: str) -> bool:
@@ -115,7 +127,7 @@ def _count_from_index(url: str) -> int | None:
     if is_remote(url) or not url.endswith(".tar"):
         return None
     idx = Path(url[: -len(".tar")] + ".idx")
-    if not idx.exists():
+    if not idx.is_file():  # absent, or a FIFO that would block the open
         return None
     with open(idx) as f:
         head = f.readline().split()

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,18 +81,22 @@ def _ext(path: str) -> str:
 
 
 def _walk(root: Path) -> tuple[list[str], list[dict[str, str]]]:
-    """Relative POSIX paths of the regular files under root, sorted, and the symbolic links
-    passed over (never followed: a link could lead anywhere on the machine)."""
-    files, links = [], []
+    """Relative POSIX paths of the regular files under root, sorted, and what was passed over:
+    symbolic links (never followed: a link could lead anywhere on the machine) and FIFOs,
+    sockets and devices (reading a FIFO blocks forever; a device may never end)."""
+    files, passed = [], []
     for p in sorted(root.rglob("*")):
         if p.is_symlink():
-            links.append({"source": str(p), "reason": "symlink"})
+            passed.append({"source": str(p), "reason": "symlink"})
         elif p.is_file():
             files.append(p.relative_to(root).as_posix())
-    if links:
-        log.warning("%s: passed over %d symbolic links (e.g. %s); they are listed under "
-                    "'ignored' in the manifest", root, len(links), links[0]["source"])
-    return files, links
+        elif not p.is_dir():
+            passed.append({"source": str(p), "reason": "not-a-regular-file"})
+    if passed:
+        log.warning("%s: passed over %d symbolic links, FIFOs or devices (e.g. %s); they are "
+                    "listed under 'ignored' in the manifest", root, len(passed),
+                    passed[0]["source"])
+    return files, passed
 
 
 def _class_folder_plan(src: Path, exts: tuple[str, ...], mode: str, modality: str,
@@ -294,8 +299,23 @@ def build_samples(task: Task, limits: checks.CheckLimits, text: TextOptions,
         return [err.located(source=task.path, key=task.key)]
 
 
+def regular_file(path: str) -> None:
+    """Refuse a local path that is a FIFO, socket or device (links followed): opening a FIFO
+    blocks until a writer comes, which may be never, and a device may never end."""
+    if "://" in path:
+        return
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return  # the caller's open says so, in its own words
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        raise DataError("not-a-regular-file", "the path is a FIFO, socket or device, not a "
+                        "regular file")
+
+
 def _read_file(path: str, max_bytes: int) -> bytes:
     """The whole file, refusing more than max_bytes without reading past the limit."""
+    regular_file(path)
     try:
         with fsspec.open(path, "rb") as f:
             data = f.read(max_bytes + 1)
@@ -344,6 +364,7 @@ def _text_samples(task: Task, limits: checks.CheckLimits,
 def _lines(path: str, start: int, end: int, limit: int) -> Iterator[tuple[int, bytes | None]]:
     """(offset, line without its newline) of each non-blank line that starts in [start, end);
     None for a line over `limit` bytes, which is skipped without being held in memory."""
+    regular_file(path)
     with open(path, "rb") as f:
         if start > 0:
             f.seek(start - 1)

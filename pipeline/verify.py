@@ -19,7 +19,7 @@ from pipeline.checks import CheckLimits, check_sample
 from pipeline.errors import DataError, SkipLog
 from pipeline.manifest import MANIFEST, Manifest, load_manifest
 from pipeline.shardwriter import ShardInfo
-from pipeline.sources import list_shards
+from pipeline.sources import list_shards, regular_file
 from pipeline.tarread import TarLimits, iter_samples
 from pipeline.urls import beside, redact
 
@@ -83,6 +83,7 @@ def verify_shard(url: str, expected: ShardInfo | None, opts: VerifyOptions) -> S
     skips = SkipLog(announce=False)
     members: dict[str, tuple[int, int]] = {}
     try:
+        regular_file(url)  # a FIFO named .tar would block the open forever
         with fsspec.open(url, "rb") as raw:
             reader = _HashingReader(raw)
             try:
@@ -96,6 +97,10 @@ def verify_shard(url: str, expected: ShardInfo | None, opts: VerifyOptions) -> S
             reader.drain()
     except FileNotFoundError:
         skips.add(DataError("missing-shard", "the shard does not exist", source=report.url))
+        report.problems = skips.entries
+        return report
+    except DataError as err:  # not a regular file
+        skips.add(err.located(source=report.url))
         report.problems = skips.entries
         return report
     report.bytes, report.sha256 = reader.count, reader.sha.hexdigest()
@@ -168,9 +173,10 @@ def _verify_one(item: tuple[str, ShardInfo | None], opts: VerifyOptions) -> Shar
     return verify_shard(item[0], item[1], opts)
 
 
-def verify(source: str, *, workers: int = 1, limits: CheckLimits | None = None
-           ) -> tuple[list[ShardReport], Manifest | None]:
-    """Verify every shard of `source`; reports come back in shard order."""
+def verify(source: str, *, workers: int = 1, limits: CheckLimits | None = None,
+           timeout_s: float | None = None) -> tuple[list[ShardReport], Manifest | None]:
+    """Verify every shard of `source`; reports come back in shard order. With workers > 1 a
+    shard whose check takes over `timeout_s` is reported hung (executor.WorkerError)."""
     urls, manifest = resolve(source)
     if not urls:
         raise FileNotFoundError(f"{redact(source)}: no shards found")
@@ -179,7 +185,9 @@ def verify(source: str, *, workers: int = 1, limits: CheckLimits | None = None
                          manifest.modality if manifest else None,
                          len(manifest.classes) if manifest and manifest.classes else None)
     items = list(zip(urls, expected, strict=True))
-    reports = list(executor.ordered_map(_verify_one, items, opts, workers, chunk=1))
+    reports = list(executor.ordered_map(_verify_one, items, opts, workers, chunk=1,
+                                        timeout_s=timeout_s,
+                                        describe=lambda item: redact(item[0])))
     _check_keys_across_shards(reports)
     return reports, manifest
 

@@ -178,3 +178,19 @@ def read_dali(out: Path, exts: list[str]) -> list[list[bytes]]:
         outs = p.run()
         samples.append([np.array(o[0]).tobytes() for o in outs])
     return samples
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    return found

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_tool
+from conftest import ROOT, process_tree, run_tool
 
 from pipeline.builtin import make_image_folder
 
@@ -57,22 +57,6 @@ def _records(out: Path) -> list[dict]:
     return records
 
 
-def _tree(pid: int) -> list[int]:
-    """`pid` and its descendants (torchrun starts its workers in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        found.append(todo.pop())
-        todo += children.get(found[-1], [])
-    return found
-
-
 def _kill_after(cmd: list[str], out: Path, records: int) -> None:
     """Start the run; SIGKILL it and every process it started once keys.jsonl has `records`
     lines."""
@@ -87,7 +71,7 @@ def _kill_after(cmd: list[str], out: Path, records: int) -> None:
             except subprocess.TimeoutExpired:
                 pass
     finally:
-        for pid in _tree(proc.pid):
+        for pid in process_tree(proc.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         proc.wait()

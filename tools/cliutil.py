@@ -44,6 +44,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):  # NaN fails `> 0`
+        raise argparse.ArgumentTypeError(f"{text}: must be a number of seconds above 0")
+    return value
+
+
 def setup_logging(quiet: bool) -> None:
     logging.basicConfig(level=logging.ERROR if quiet else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

@@ -18,12 +18,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cliutil import fail, parse_part, parse_size, positive_int, setup_logging  # noqa: E402
+from cliutil import (  # noqa: E402
+    fail,
+    parse_part,
+    parse_size,
+    positive_int,
+    positive_seconds,
+    setup_logging,
+)
 from tqdm import tqdm  # noqa: E402
 
 from pipeline.checks import CheckLimits  # noqa: E402
 from pipeline.convert import ConvertConfig, convert  # noqa: E402
 from pipeline.errors import DataError  # noqa: E402
+from pipeline.executor import WorkerError  # noqa: E402
 from pipeline.manifest import Manifest, load_manifest, merge_parts  # noqa: E402
 from pipeline.sources import TextOptions  # noqa: E402
 
@@ -62,6 +70,9 @@ def _common_options(p: argparse.ArgumentParser) -> None:
                    help="spread inputs randomly (but reproducibly) across shards")
     p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1,
                    help="processes that read and check inputs (default: all cores)")
+    p.add_argument("--worker-timeout", type=positive_seconds, default=900.0, metavar="SECONDS",
+                   help="a worker with no result this long is hung: stop with an error naming "
+                        "its inputs (default 900; with --workers 1 work runs inline, untimed)")
     p.add_argument("--part", type=parse_part, default=(0, 1), metavar="I/N",
                    help="convert only slice I (0-based) of N; merge the parts afterwards")
     p.add_argument("--on-error", choices=("raise", "skip"), default="raise",
@@ -122,7 +133,7 @@ def config_from_args(args: argparse.Namespace) -> ConvertConfig:
         max_file_bytes=getattr(args, "max_file_size", 2**30),
         classes=_classes_from(getattr(args, "classes_from", None)),
         max_member_bytes=getattr(args, "max_member_size", 256 * 2**20),
-        workers=args.workers, overwrite=args.overwrite)
+        workers=args.workers, overwrite=args.overwrite, worker_timeout_s=args.worker_timeout)
 
 
 def print_summary(m: Manifest, out: Path, seconds: float) -> None:
@@ -169,6 +180,8 @@ if __name__ == "__main__":
              "convert the rest; finished shards are kept)")
     except (FileExistsError, FileNotFoundError, ValueError) as err:
         fail(str(err), 2)
+    except WorkerError as err:
+        fail(f"{err}; finished shards are kept: rerun the same command to go on", 4)
     except OSError as err:
         fail(f"{err}; nothing partial was left under a final name: free space or fix the "
              "cause and rerun the same command to finish", 3)

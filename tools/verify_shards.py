@@ -16,8 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cliutil import fail, positive_int  # noqa: E402
+from cliutil import fail, positive_int, positive_seconds  # noqa: E402
 
+from pipeline.executor import WorkerError  # noqa: E402
 from pipeline.split import assignment  # noqa: E402
 from pipeline.verify import ShardReport, problem_counts, verify  # noqa: E402
 
@@ -30,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="a folder with manifest.json, a glob, a brace pattern or URL")
     p.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1,
                    help="shards verified in parallel")
+    p.add_argument("--worker-timeout", type=positive_seconds, default=900.0, metavar="SECONDS",
+                   help="a shard whose check takes longer is reported hung (with --jobs > 1)")
     p.add_argument("--world-size", type=positive_int, default=None,
                    help="show how samples would fall on this many ranks")
     p.add_argument("--workers", type=positive_int, default=1,
@@ -77,7 +80,7 @@ def print_split(reports: list[ShardReport], world_size: int, workers: int) -> bo
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    reports, manifest = verify(args.source, workers=args.jobs)
+    reports, manifest = verify(args.source, workers=args.jobs, timeout_s=args.worker_timeout)
     print_table(reports)
     total = sum(r.samples for r in reports)
     print(f"{len(reports)} shards, {total} samples"
@@ -96,3 +99,5 @@ if __name__ == "__main__":
         sys.exit(main())
     except (FileNotFoundError, ValueError) as err:
         fail(str(err), 2)
+    except WorkerError as err:
+        fail(str(err), 4)

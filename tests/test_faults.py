@@ -1,0 +1,100 @@
+"""Worker faults in the shard tools: a worker process that hangs on an input (a server that
+stops sending mid-file) or dies (killed, out of memory) ends the run with an error naming the
+inputs in flight, within the configured timeout; nothing waits forever, no worker is left
+behind, and no partial shard is left under a final name."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, QuietHandler, http_server, jpeg_bytes, process_tree
+
+
+class _StallingHandler(QuietHandler):
+    """Serves files; for `stall.jpg` sends the headers and a few bytes, then nothing until
+    the test releases it (`release` is set), as a stuck server or a dead NFS mount would."""
+
+    stalled = threading.Event()
+    release = threading.Event()
+
+    def do_GET(self) -> None:
+        if not self.path.endswith("stall.jpg"):
+            return super().do_GET()
+        self.send_response(200)
+        self.send_header("Content-Length", "50000")
+        self.end_headers()
+        self.wfile.write(b"\xff\xd8\xff" + bytes(97))
+        self.wfile.flush()
+        type(self).stalled.set()
+        type(self).release.wait(120)
+        return None
+
+
+@pytest.fixture
+def stalling(tmp_path: Path):
+    """A CSV manifest of two local images and one served by a stalling 127.0.0.1 server."""
+    _StallingHandler.stalled.clear()
+    _StallingHandler.release.clear()
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.jpg").write_bytes(jpeg_bytes(ord(name)))
+    with http_server(tmp_path, _StallingHandler) as url:
+        listing = tmp_path / "list.csv"
+        listing.write_text(f"path,label\na.jpg,0\n{url}/stall.jpg,1\nb.jpg,0\n")
+        try:
+            yield listing
+        finally:
+            _StallingHandler.release.set()  # let the handler thread end before shutdown
+
+
+def _make_shards(listing: Path, out: Path, *args: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, str(ROOT / "tools" / "make_shards.py"), "manifest", str(listing),
+           str(out), "--workers", "2", "--quiet", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _no_partial_shards(out: Path) -> None:
+    assert not list(out.glob("*.tar")) and not (out / "manifest.json").exists()
+
+
+def test_a_hung_worker_is_named_within_the_timeout(stalling, tmp_path):
+    proc = _make_shards(stalling, tmp_path / "out", "--worker-timeout", "3")
+    _, err = proc.communicate(timeout=120)  # the run must end by itself
+    assert proc.returncode == 4, err
+    assert "stall.jpg" in err and "no result for 3 s" in err and "hung" in err
+    _no_partial_shards(tmp_path / "out")
+
+
+def test_a_killed_worker_is_named_and_the_run_ends(stalling, tmp_path):
+    proc = _make_shards(stalling, tmp_path / "out", "--worker-timeout", "600")
+    try:
+        assert _StallingHandler.stalled.wait(60), "no worker reached the stalling input"
+        # The pool's workers are forked by the forkserver: the run's grandchildren.
+        workers = [pid for pid in process_tree(proc.pid)[1:] if _parent(pid) != proc.pid]
+        assert workers, "no worker processes found"
+        for pid in workers:  # as the kernel's OOM killer would
+            os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # failed: stop the run and every process it started
+            for pid in process_tree(proc.pid):
+                os.kill(pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 4, err
+    assert "a worker process died" in err and "stall.jpg" in err
+    _no_partial_shards(tmp_path / "out")
+
+
+def test_worker_timeout_must_be_positive(tmp_path):
+    proc = _make_shards(tmp_path / "none.csv", tmp_path / "out", "--worker-timeout", "nan")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "--worker-timeout" in err
