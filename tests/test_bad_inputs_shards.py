@@ -15,19 +15,30 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import pathlib
+import os
 import pickle
 import subprocess
 import sys
 import tarfile
 import time
 import tracemalloc
-import zlib
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
+from badfiles import (
+    ABSURD,
+    HTML_PAGE,
+    Payload,
+    declare_size,
+    member_info,
+    npy_bytes,
+    png16,
+    png_declaring,
+    special,
+    tar_bytes,
+)
 from conftest import ROOT, jpeg_bytes, load_manifest, make_image_folder, run_tool
 from PIL import Image
 
@@ -38,81 +49,6 @@ from pipeline.manifest import Manifest
 from pipeline.shardwriter import ShardWriter
 from pipeline.tarread import iter_samples
 from pipeline.verify import verify
-
-HTML_PAGE = (b"<!DOCTYPE html>\n<html><head><title>404 Not Found</title></head>\n<body>"
-             + b"<p>The requested shard was not found on this server.</p>\n" * 20
-             + b"</body></html>\n")
-ABSURD = 2**50  # a member declaring a petabyte
-
-
-# -- building bad files ------------------------------------------------------------------------
-
-class Payload:
-    """Unpickling this touches `marker`: proof that nothing from the data was unpickled."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (pathlib.Path.touch, (self.marker,))
-
-
-def tar_bytes(members: list) -> bytes:
-    """A GNU tar of (name, bytes) pairs and ready-made TarInfos (links, devices)."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
-        for m in members:
-            if isinstance(m, tarfile.TarInfo):
-                tar.addfile(m)
-            else:
-                info = tarfile.TarInfo(m[0])
-                info.size = len(m[1])
-                tar.addfile(info, io.BytesIO(m[1]))
-    return buf.getvalue()
-
-
-def special(name: str, kind: bytes, linkname: str = "") -> tarfile.TarInfo:
-    info = tarfile.TarInfo(name)
-    info.type, info.linkname = kind, linkname
-    if kind == tarfile.CHRTYPE:
-        info.devmajor, info.devminor = 1, 3  # /dev/null
-    return info
-
-
-def member_info(data: bytes, name: str) -> tarfile.TarInfo:
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        return tar.getmember(name)
-
-
-def declare_size(data: bytes, name: str, size: int) -> bytes:
-    """Patch the size field of `name`'s header (GNU base-256) and fix the header checksum."""
-    off = member_info(data, name).offset
-    b = bytearray(data)
-    b[off + 124:off + 136] = b"\x80" + size.to_bytes(11, "big")
-    b[off + 148:off + 156] = b" " * 8
-    b[off + 148:off + 156] = b"%06o\0 " % sum(b[off:off + 512])
-    return bytes(b)
-
-
-def npy_bytes(arr: np.ndarray) -> bytes:
-    out = io.BytesIO()
-    np.save(out, arr, allow_pickle=arr.dtype.hasobject)
-    return out.getvalue()
-
-
-def png_declaring(width: int, height: int) -> bytes:
-    """A tiny 8x8 PNG whose IHDR (CRC fixed) claims width x height: a decompression bomb."""
-    b = bytearray(jpeg_bytes(0, (8, 8), "L", "PNG"))
-    assert b[12:16] == b"IHDR"
-    b[16:24] = width.to_bytes(4, "big") + height.to_bytes(4, "big")
-    b[29:33] = zlib.crc32(bytes(b[12:29])).to_bytes(4, "big")
-    return bytes(b)
-
-
-def png16() -> bytes:
-    out = io.BytesIO()
-    Image.fromarray(np.arange(12 * 16, dtype=np.uint16).reshape(12, 16) * 300).save(out, "PNG")
-    return out.getvalue()
 
 
 def rows(path: Path, lines: list[str]) -> Path:
@@ -991,3 +927,37 @@ def test_zero_limits_are_refused_naming_the_option(tmp_path, kind, option):
     proc = make(kind, tmp_path, tmp_path / "out", option, 0)
     assert proc.returncode == 2 and f"argument {option}" in proc.stderr
     assert "unrecognized" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+# == FIFOs and devices where files are expected =================================================
+
+def test_fifos_and_devices_are_refused_never_opened(tmp_path):
+    """Opening a FIFO blocks until a writer comes (maybe never); /dev/zero never ends."""
+    src = tmp_path / "src"
+    (src / "c").mkdir(parents=True)
+    (src / "c" / "ok.jpg").write_bytes(jpeg_bytes(1))
+    os.mkfifo(src / "c" / "pipe.jpg")
+    (src / "c" / "zero.jpg").symlink_to("/dev/zero")
+    listing = rows(src / "list.csv", ["path,label", "c/ok.jpg,0", "c/pipe.jpg,1",
+                                      "c/zero.jpg,1"])  # a listed link is followed
+    shards = good_shards(tmp_path / "shards")
+    os.mkfifo(tmp_path / "shards" / "old-000009.tar")
+    (raised, out_raise), (skipped, out_skip), (folder, _), (checked, out_verify) = run_bounded([
+        tool_cmd("make_shards", "manifest", listing, tmp_path / "o1", "--workers", 1),
+        tool_cmd("make_shards", "manifest", listing, tmp_path / "o2", "--workers", 1,
+                 "--on-error", "skip"),
+        tool_cmd("make_shards", "imagefolder", src, tmp_path / "o3", "--workers", 1),
+        tool_cmd("verify_shards", f"{tmp_path / 'shards'}/*.tar", "--jobs", 1)], timeout=120)
+    assert raised == 1 and "pipe.jpg key 'pipe'" in out_raise
+    assert "[not-a-regular-file]" in out_raise
+    assert skipped == 0, out_skip
+    reasons = {Path(e["source"]).name: e["reason"] for e in load_manifest(tmp_path / "o2")
+               ["skipped"]}
+    assert reasons == {"pipe.jpg": "not-a-regular-file", "zero.jpg": "not-a-regular-file"}
+    assert folder == 0 and load_manifest(tmp_path / "o3")["total_samples"] == 1
+    ignored = {Path(e["source"]).name: e["reason"] for e in load_manifest(tmp_path / "o3")
+               ["ignored"]}
+    assert ignored == {"pipe.jpg": "not-a-regular-file", "zero.jpg": "symlink",
+                       "list.csv": "not-a-class-image"}
+    assert checked == 1 and "old-000009.tar: the path is a FIFO" in out_verify
+    assert len(shards) == 2

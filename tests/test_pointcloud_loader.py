@@ -6,12 +6,12 @@ from __future__ import annotations
 import functools
 import io
 import json
-import pickle
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from badfiles import bad_samples, good, npy
 from conftest import read_wds, run_tool
 
 from pipeline import pointcloud_sample
@@ -228,58 +228,6 @@ def test_two_ranks_cover_everything_when_the_split_is_even(tmp_path):
 
 
 # -- bad clouds ------------------------------------------------------------------------------
-
-def npy(array: np.ndarray) -> bytes:
-    out = io.BytesIO()
-    np.save(out, array, allow_pickle=False)
-    return out.getvalue()
-
-
-def npy_header(descr: str, shape: tuple[int, ...], body: bytes = b"") -> bytes:
-    """A version 1.0 .npy file with any header (np.save would refuse some of these)."""
-    text = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}"
-    text += " " * (63 - (len(text) + 10) % 64) + "\n"
-    return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text.encode() + body
-
-
-class _Opens:
-    """Unpickling this calls open(path, "w"): the marker file appears if anything unpickles."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple[object, tuple[str, str]]:
-        return open, (str(self.path), "w")
-
-
-def good(seed: int, n: int = 40) -> np.ndarray:
-    return np.random.default_rng(seed).normal(size=(n, 3)).astype(np.float32)
-
-
-def bad_samples(marker: Path) -> dict[str, tuple[dict[str, bytes], str]]:
-    """key -> (members, the reason it is refused for)."""
-    nan, inf, same = good(1), good(2), np.ones((30, 3), np.float32)
-    nan[7, 1], inf[3, 2] = np.nan, -np.inf
-    evil = npy_header("|O", (2,), pickle.dumps(np.array([_Opens(marker), 1], dtype=object)))
-    return {
-        "nan": ({"npy": npy(nan), "cls": b"1"}, "non-finite"),
-        "inf": ({"npy": npy(inf), "cls": b"1"}, "non-finite"),
-        "empty": ({"npy": npy(np.zeros((0, 3), np.float32)), "cls": b"1"}, "empty"),
-        "single": ({"npy": npy(good(3, 1)), "cls": b"1"}, "degenerate"),
-        "identical": ({"npy": npy(same), "cls": b"1"}, "degenerate"),
-        "pickled": ({"npy": evil, "cls": b"1"}, "object-dtype"),
-        "complex": ({"npy": npy(good(4).astype(np.complex64)), "cls": b"1"}, "bad-dtype"),
-        "flat": ({"npy": npy(good(5).ravel()), "cls": b"1"}, "bad-shape"),
-        "two-columns": ({"npy": npy(good(6)[:, :2]), "cls": b"1"}, "bad-shape"),
-        "huge": ({"npy": npy_header("<f4", (3_000_000, 3), bytes(1200)), "cls": b"1"},
-                 "too-many-points"),
-        "cut": ({"npy": npy(good(7))[:-50], "cls": b"1"}, "truncated"),
-        "noise": ({"npy": b"not a numpy file at all" * 4, "cls": b"1"}, "bad-format"),
-        "nolabel": ({"npy": npy(good(8))}, "missing-field"),
-        "nopoints": ({"cls": b"1"}, "missing-field"),
-        "badlabel": ({"npy": npy(good(9)), "cls": b"9"}, "label-out-of-range"),
-    }
-
 
 def write_shard(folder: Path, samples: dict[str, dict[str, bytes]]) -> list[str]:
     writer = ShardWriter(folder, "train", max_count=1000, max_size=10**8)
