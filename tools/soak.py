@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Soak: the image loader for many epochs, then training for many steps, watching resident
-memory, open file descriptors and threads; a table, JSON and a PNG chart.
+"""Soak: the image, text and point-cloud loaders for many epochs each, then image training
+for many steps, watching resident memory, open file descriptors and threads; JSON and a PNG
+chart.
 
     python tools/soak.py --out soak-out [--epochs 30] [--steps 1500]
 
@@ -32,16 +33,41 @@ def reading() -> dict[str, float]:
             "fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count()}
 
 
-def soak_loader(shards: Path, epochs: int) -> list[dict[str, float]]:
-    from pipeline import image_loader
+def soak_loader(modality: str, shards: Path, epochs: int) -> list[dict[str, float]]:
+    from pipeline.image import image_loader
+    from pipeline.pointcloud import pointcloud_loader
+    from pipeline.text import text_loader
 
+    make = {"image": lambda: image_loader(shards, batch_size=32, device="auto"),
+            "text": lambda: text_loader(shards, batch_size=32, seq_len=128, device="auto"),
+            "pointcloud": lambda: pointcloud_loader(shards, batch_size=32, num_points=512,
+                                                    voxels="occupancy", grid=16,
+                                                    device="auto")}[modality]
     points = [reading()]
-    with image_loader(shards, batch_size=32, device="auto") as loader:
+    with make() as loader:
         for epoch in range(epochs):
             for _ in loader:
                 pass
             points.append({**reading(), "epoch": epoch + 1})
     return points
+
+
+def make_shards(out: Path, images: int) -> dict[str, Path]:
+    """The built-in data of each modality as shards under `out`."""
+    from pipeline.builtin import make_image_folder, make_pointcloud_folder, make_text_corpus
+    from pipeline.convert import ConvertConfig, convert
+
+    sources = {"image": ("imagefolder", make_image_folder(out / "images",
+                                                          per_class=max(images // 10, 1))),
+               "text": ("text", make_text_corpus(out / "docs", docs=600)),
+               "pointcloud": ("pointcloud", make_pointcloud_folder(out / "clouds", per_class=50,
+                                                                   points=1024))}
+    shards = {}
+    for modality, (kind, src) in sources.items():
+        shards[modality] = out / f"{modality}-shards"
+        convert(ConvertConfig(kind=kind, src=str(src), out=shards[modality], max_count=50,
+                              shuffle_seed=0))
+    return shards
 
 
 def soak_training(shards: Path, run: Path, steps: int) -> list[dict[str, float]]:
@@ -65,15 +91,17 @@ def soak_training(shards: Path, run: Path, steps: int) -> list[dict[str, float]]
     return points
 
 
-def chart(loader: list[dict[str, Any]], training: list[dict[str, Any]], path: Path) -> None:
+def chart(loaders: dict[str, list[dict[str, Any]]], training: list[dict[str, Any]],
+          path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(12, 6))
-    for row, (points, xkey, label) in enumerate(((loader, "epoch", "loader epoch"),
-                                                 (training, "step", "training step"))):
+    rows = [(points, "epoch", f"{modality} loader epoch") for modality, points in loaders.items()]
+    rows.append((training, "step", "image training step"))
+    fig, axes = plt.subplots(len(rows), 3, figsize=(12, 2.6 * len(rows)), squeeze=False)
+    for row, (points, xkey, label) in enumerate(rows):
         xs = [p.get(xkey, 0) for p in points]
         for col, key in enumerate(("rss_mb", "fds", "threads")):
             axes[row][col].plot(xs, [p[key] for p in points], marker="o")
@@ -101,22 +129,23 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(quiet=True)
     import shutil
 
-    from pipeline.builtin import make_image_folder
-    from pipeline.convert import ConvertConfig, convert
-
     shutil.rmtree(args.out, ignore_errors=True)
-    src = make_image_folder(args.out / "images", per_class=max(args.images // 10, 1))
-    convert(ConvertConfig(kind="imagefolder", src=str(src), out=args.out / "shards",
-                          max_count=50, shuffle_seed=0))
-    loader_points = soak_loader(args.out / "shards", args.epochs)
-    training_points = soak_training(args.out / "shards", args.out / "run", args.steps)
-    result = {"loader": loader_points, "training": training_points,
-              "loader_rss_growth_mb_per_epoch": round(growth(loader_points, "rss_mb"), 2),
-              "training_rss_growth_mb_per_chunk": round(growth(training_points, "rss_mb"), 2),
-              "fds_end": loader_points[-1]["fds"], "threads_end": training_points[-1]["threads"]}
+    shards = make_shards(args.out, args.images)
+    loaders = {m: soak_loader(m, path, args.epochs) for m, path in shards.items()}
+    training_points = soak_training(shards["image"], args.out / "run", args.steps)
+    result: dict[str, Any] = {"loaders": loaders, "training": training_points}
+    for modality, points in loaders.items():
+        result[f"{modality}_loader_rss_growth_mb_per_epoch"] = round(growth(points, "rss_mb"), 2)
+        result[f"{modality}_loader_fds_first_last"] = [points[1]["fds"], points[-1]["fds"]]
+        result[f"{modality}_loader_threads_first_last"] = [points[1]["threads"],
+                                                           points[-1]["threads"]]
+    result["training_rss_growth_mb_per_chunk"] = round(growth(training_points, "rss_mb"), 2)
+    result["training_rss_first_last_mb"] = [training_points[1]["rss_mb"],
+                                            training_points[-1]["rss_mb"]]
+    result["threads_end"] = training_points[-1]["threads"]
     (args.out / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
-    chart(loader_points, training_points, args.out / "soak.png")
-    print(json.dumps({k: v for k, v in result.items() if k not in ("loader", "training")}))
+    chart(loaders, training_points, args.out / "soak.png")
+    print(json.dumps({k: v for k, v in result.items() if k not in ("loaders", "training")}))
     print(f"chart: {args.out / 'soak.png'}")
     return 0
 
