@@ -1,5 +1,6 @@
 """The image loader: shards -> (DALI or streaming reader) -> checks and crop windows ->
-DALI decode graph -> resize/flip (CPU: torch; GPU: in the graph) -> `Batch(image, label, keys)`.
+DALI decode graph -> resize/flip (CPU: torch, or the graph with resize_on="dali"; GPU: in the
+graph) -> `Batch(image, label, keys)`.
 
     from pipeline import image_loader
     with image_loader("shards/train", batch_size=256) as loader:
@@ -59,7 +60,11 @@ class ImageConfig:
     shuffle_buffer: int = 1024
     reader: ReaderKind = "auto"
     max_pixels: int = 64_000_000
-    interp: Literal["linear", "triangular", "cubic"] = "linear"  # GPU graph resize filter
+    interp: Literal["linear", "triangular", "cubic"] = "linear"  # the graph's resize filter
+    # Where resize, flip and (with normalize) normalization run after a CPU decode: "torch"
+    # (resize.py, in the decode stage's thread) or "dali" (the graph, on DALI's CPU threads);
+    # "auto": the tuning file's choice, else torch. A GPU loader always resizes in the graph.
+    resize_on: Literal["auto", "torch", "dali"] = "auto"
     antialias: bool = True
     fast_idct: bool = False
     hw_decoder_load: float = 0.65
@@ -71,6 +76,7 @@ class ImageConfig:
         readers.positive(self, "size", "threads", "max_pixels")
         readers.choice(self, "layout", ("NCHW", "NHWC"))
         readers.choice(self, "interp", ("linear", "triangular", "cubic"))
+        readers.choice(self, "resize_on", ("auto", "torch", "dali"))
         readers.interval(self, "crop_scale", 0, 1)
         readers.interval(self, "crop_ratio", 0, float("inf"))
         if not 0 < self.crop_fraction <= 1:
@@ -90,7 +96,8 @@ def image_loader(source: str | Path | Sequence[str], *, batch_size: int, train: 
 
     `source`: a folder with manifest.json, a glob, a brace pattern, a list of URLs, or any
     fsspec URL. `rank`/`world_size` default to torch.distributed's when it is initialised.
-    Choices left automatic (device, reader, threads, prefetch) come from the tuning file of
+    Choices left automatic (device, reader, threads, prefetch, resize_on) come from the tuning
+    file of
     `tools/bench_loader.py --tune` when one was measured on this machine (see tuning.py).
     """
     if use_tuning:

@@ -1,8 +1,9 @@
 """The image loader's decode stage: DALI graph -> host or device batch -> `Batch`.
 
 On the CPU the graph decodes each sample's window (ROI decode) and this stage resizes, flips
-and normalizes with torch (resize.py); on a GPU the graph does all of it and the batch is
-copied from DALI's buffer straight into a CUDA tensor on the copier's side stream.
+and normalizes with torch (resize.py), or, with resize_on="dali", the graph does it on DALI's
+CPU threads; on a GPU the graph resizes and flips and the batch is copied from DALI's buffer
+straight into a CUDA tensor on the copier's side stream, normalized there.
 
 A batch that fails to decode is traced to its samples: first by decoding each with PIL, then,
 for what PIL accepts, by running each sample alone through a fresh graph. Bad samples are
@@ -35,6 +36,9 @@ class DecodeStage:
         self.cfg, self.device, self.cuda_index = cfg, device, cuda_index
         self.batch_size = batch_size
         self.on_error: OnError = cfg.on_error
+        # "auto" reaching here (no tuning file said otherwise) is torch: measured faster on
+        # the CPU (resize.py); a GPU graph always resizes.
+        self.graph_resizes = device == "gpu" or cfg.resize_on == "dali"
         self.runner = image_graph.GraphRunner(self._build, self._feed, self._fetch,
                                               lambda item: not len(item[0]), depth=2)
         self._copier: DeviceCopier | None = None
@@ -63,8 +67,9 @@ class DecodeStage:
         c = self.cfg
         return image_graph.GraphSpec(
             size=c.size, device=self.device, layout=c.layout, interp=c.interp,
-            antialias=c.antialias, fast_idct=c.fast_idct, resize=self.device == "gpu",
-            hw_decoder_load=c.hw_decoder_load)
+            antialias=c.antialias, fast_idct=c.fast_idct, resize=self.graph_resizes,
+            hw_decoder_load=c.hw_decoder_load,
+            normalize=(c.mean, c.std) if c.normalize and self.device == "cpu" else None)
 
     def _build(self, depth: int) -> Any:
         return image_graph.build(self._spec(), batch_size=self.batch_size,
@@ -76,13 +81,17 @@ class DecodeStage:
         graph.feed_input("encoded", enc.data)
         graph.feed_input("anchor", [np.array([w.x, w.y], np.int32) for w in windows])
         graph.feed_input("shape", [np.array([w.width, w.height], np.int32) for w in windows])
-        if self.device == "gpu":  # the graph flips there; on the CPU resize.py does
+        if self.graph_resizes:  # else resize.py flips
             graph.feed_input("flip", [np.array(int(w.flip), np.int32) for w in windows])
 
     def _fetch(self, out: Any, item: Item) -> Any:
         """The graph's output as a batch tensor, copied before the graph runs again."""
         if self.device == "gpu":
             return self._to_cuda(out)
+        if self.graph_resizes:  # already the batch: copy it out of DALI's reused buffer
+            import torch
+
+            return torch.from_numpy(np.array(out.as_array()))
         c, windows = self.cfg, item[1][1]
         norm = (c.mean, c.std) if c.normalize else None
         return resize.batch(resize.views(out), [w.flip for w in windows], c.size,
@@ -146,7 +155,7 @@ class DecodeStage:
     def copier(self) -> DeviceCopier:
         if self._copier is None:
             c, gpu = self.cfg, self.device == "gpu"
-            norm = c.normalize and gpu  # on the CPU, resize.py normalized already
+            norm = c.normalize and gpu  # on the CPU, resize.py or the graph normalized
             self._copier = DeviceCopier(
                 ("cuda", self.cuda_index) if gpu else "cpu", c.mean if norm else None,
                 c.std if norm else None, c.layout == "NCHW")

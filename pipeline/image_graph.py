@@ -36,6 +36,8 @@ class GraphSpec:
     fast_idct: bool = False  # libjpeg-turbo's faster, slightly less exact integer IDCT
     resize: bool = True  # False: the graph only decodes (the CPU path resizes with torch)
     hw_decoder_load: float = 0.65
+    # (mean, std) in 0..255 units: float32 (x - mean) / std out of the graph; None: uint8
+    normalize: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
 
 def build(spec: GraphSpec, *, batch_size: int, num_threads: int, device_id: int | None,
@@ -74,8 +76,13 @@ def _graph(spec: GraphSpec) -> Any:
     flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
     images = fn.resize(images, resize_x=spec.size, resize_y=spec.size, interp_type=interp,
                        antialias=spec.antialias)
-    return fn.crop_mirror_normalize(images, mirror=flip, dtype=types.UINT8,
-                                    output_layout="CHW" if spec.layout == "NCHW" else "HWC")
+    norm: dict[str, Any] = {"dtype": types.UINT8}
+    if spec.normalize is not None:
+        norm = {"dtype": types.FLOAT, "mean": list(spec.normalize[0]),
+                "std": list(spec.normalize[1])}
+    return fn.crop_mirror_normalize(images, mirror=flip,
+                                    output_layout="CHW" if spec.layout == "NCHW" else "HWC",
+                                    **norm)
 
 
 class GraphRunner:

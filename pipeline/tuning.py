@@ -1,9 +1,10 @@
 """The tuning file: the loader configuration measured fastest on this machine.
 
 `tools/bench_loader.py --tune` measures the choices that matter (decode device, reader, DALI
-threads, prefetch depth, and on a GPU the hardware JPEG decoder's share) and writes the winner
-here; `image_loader` then uses it for every
-choice left automatic (device="auto", reader="auto", threads and prefetch not given) and logs
+threads, prefetch depth, where resize/flip/normalize run after a CPU decode, and on a GPU the
+hardware JPEG decoder's share) and writes the winner here; `image_loader` then uses it for every
+choice left automatic (device, reader and resize_on "auto", threads and prefetch not given) and
+logs
 that it did and where the figures come from. A file measured on another machine (other CPU
 count or GPU) is ignored, with a log line saying so.
 """
@@ -47,6 +48,7 @@ class Tuning:
     machine: dict[str, Any] = field(default_factory=this_machine)
     measured: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M"))
     hw_decoder_load: float | None = None  # measured on GPU machines only
+    resize_on: str | None = None  # "torch" or "dali" for a CPU winner (files before: None)
 
     def save(self, path: Path) -> None:
         from pipeline.shardwriter import write_atomic
@@ -60,6 +62,8 @@ class Tuning:
                   "prefetch": self.prefetch}
         if self.device == "gpu" and self.hw_decoder_load is not None:
             chosen["hw_decoder_load"] = self.hw_decoder_load
+        if self.device == "cpu" and self.resize_on is not None:
+            chosen["resize_on"] = self.resize_on
         return chosen
 
 
@@ -90,7 +94,7 @@ def apply(options: dict[str, Any], path: Path | None) -> dict[str, Any]:
         return options
     tuned = dict(options)
     for name, value in tuning.choices().items():
-        if name in ("device", "reader") and tuned.get(name, "auto") == "auto":
+        if name in ("device", "reader", "resize_on") and tuned.get(name, "auto") == "auto":
             tuned[name] = value
         elif name not in tuned:
             tuned[name] = value

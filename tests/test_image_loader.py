@@ -252,7 +252,8 @@ def test_missing_shards_are_listed_together(shards, tmp_path):
 
 @pytest.mark.parametrize("option, value", [("batch_size", 0), ("size", -1), ("layout", "CHW"),
                                            ("on_error", "ignore"), ("crop_scale", (0.5, 0.1)),
-                                           ("device", "tpu"), ("reader", "fast")])
+                                           ("device", "tpu"), ("reader", "fast"),
+                                           ("resize_on", "gpu")])
 def test_invalid_options_name_the_option(shards, option, value):
     kwargs = {"batch_size": 4, option: value}
     with pytest.raises(ValueError, match=option):
@@ -462,3 +463,24 @@ def test_a_state_saved_after_the_epochs_last_batch_resumes_with_the_next_epoch(s
     with make() as resumed:
         resumed.load_state_dict(state)
         assert epoch(resumed)[0] == want and resumed.epoch == 2
+
+
+@pytest.mark.parametrize("train, normalize, layout, tolerance", [
+    (False, False, "NCHW", 1.5), (True, True, "NHWC", 0.03)])
+def test_resize_in_the_graph_or_in_torch_gives_the_same_images(shards, train, normalize, layout,
+                                                               tolerance):
+    """resize_on (a --tune choice): the DALI graph's resize, flip and normalize on the CPU
+    against torch's, on the same windows and flips: the same images within resampling noise,
+    and far from the mirror image."""
+    got = {}
+    for on in ("torch", "dali"):
+        loader = image_loader(shards, batch_size=8, train=train, device="cpu", resize_on=on,
+                              normalize=normalize, layout=layout, use_tuning=False, **OPTS)
+        got[on] = {k: img.float() for b in loader for k, img in zip(b.keys, b.image,
+                                                                     strict=True)}
+    assert got["torch"].keys() == got["dali"].keys()
+    width = -1 if layout == "NCHW" else -2
+    for key, image in got["dali"].items():
+        same = (image - got["torch"][key]).abs().mean().item()
+        mirrored = (image.flip(width) - got["torch"][key]).abs().mean().item()
+        assert same < tolerance < mirrored, (key, same, mirrored)

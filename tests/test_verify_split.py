@@ -77,6 +77,12 @@ def test_tuning_file_round_trip_and_what_auto_takes_from_it(tmp_path, caplog):
     gpu = Tuning("gpu", "dali", 2, 4, 5000.0, [], hw_decoder_load=0.9)
     assert gpu.choices()["hw_decoder_load"] == 0.9
     assert "hw_decoder_load" not in Tuning("cpu", "dali", 2, 4, 1.0).choices()
+    # where resize/flip/normalize run is a CPU choice, filled in only where left "auto"
+    cpu = tmp_path / "cpu.json"
+    Tuning("cpu", "dali", 2, 4, 1.0, resize_on="dali").save(cpu)
+    assert apply({"device": "auto"}, cpu)["resize_on"] == "dali"
+    assert apply({"device": "auto", "resize_on": "torch"}, cpu)["resize_on"] == "torch"
+    assert "resize_on" not in gpu.choices()
 
 
 def test_a_tuning_file_from_another_machine_is_ignored(tmp_path):
@@ -94,8 +100,9 @@ def test_image_loader_uses_the_tuning_file_unless_told_not_to(tmp_path):
     src = make_image_folder(tmp_path / "src", classes=2, per_class=3)
     run_tool("make_shards", "imagefolder", src, tmp_path / "o", "--max-count", 3, check=True)
     path = tmp_path / "tuning.json"
-    Tuning("cpu", "stream", 1, 3, 100.0).save(path)
+    Tuning("cpu", "stream", 1, 3, 100.0, resize_on="dali").save(path)
     tuned = image_loader(tmp_path / "o", batch_size=2, tuning_file=path)
     assert tuned.reader == "stream" and tuned.cfg.threads == 1 and tuned.cfg.prefetch == 3
+    assert tuned.cfg.resize_on == "dali" and len(next(iter(tuned)).keys) == 2
     plain = image_loader(tmp_path / "o", batch_size=2, tuning_file=path, use_tuning=False)
     assert plain.reader == "dali"

@@ -98,9 +98,11 @@ def tune(c: bi.Corpus, args: argparse.Namespace) -> None:
     devices = ["cpu", "gpu"] if torch.cuda.is_available() else ["cpu"]
     configs = [{"device": d, "reader": r, "threads": t, "prefetch": p} for d in devices
                for r in ("dali", "stream") for t in (c.threads, c.threads + 1) for p in (2, 4)]
-    # On a GPU, the share of JPEGs sent to the hardware decoder (the rest: CUDA + CPU Huffman)
-    configs = [{**cfg, "hw_decoder_load": h} for cfg in configs
-               for h in ((0.0, 0.65, 0.9) if cfg["device"] == "gpu" else (None,))]
+    # On a GPU, the share of JPEGs sent to the hardware decoder (the rest: CUDA + CPU Huffman);
+    # on the CPU, where resize, flip and normalize run: torch in the decode stage, or the graph
+    configs = [{**cfg, "hw_decoder_load": h, "resize_on": on} for cfg in configs
+               for h in ((0.0, 0.65, 0.9) if cfg["device"] == "gpu" else (None,))
+               for on in ((None,) if cfg["device"] == "gpu" else ("torch", "dali"))]
     configs = [{k: v for k, v in cfg.items() if v is not None} for cfg in configs]
     runs = {json.dumps(cfg): bi.Ours(c, **cfg) for cfg in configs}
     timings = alternate({key: ours.epoch for key, ours in runs.items()}, repeats=args.repeats)
@@ -111,7 +113,8 @@ def tune(c: bi.Corpus, args: argparse.Namespace) -> None:
     best = table[0]
     path = args.tuning_file or default_path()
     Tuning(best["device"], best["reader"], best["threads"], best["prefetch"],
-           best["images_per_s"], table, hw_decoder_load=best.get("hw_decoder_load")).save(path)
+           best["images_per_s"], table, hw_decoder_load=best.get("hw_decoder_load"),
+           resize_on=best.get("resize_on")).save(path)
     print(f"fastest: {best}; written to {path}")
 
 
