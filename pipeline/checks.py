@@ -99,19 +99,19 @@ def check_points(data: bytes, ext: str, limits: CheckLimits) -> bytes:
     return out.getvalue()
 
 
-_LABEL = re.compile(rb"\s*(-?[0-9]+)\s*")  # ASCII digits; \s is ASCII whitespace for bytes
+_LABEL = re.compile(rb"\s*([+-]?[0-9]+)\s*")  # ASCII digits; \s is ASCII whitespace for bytes
 
 
 def check_label(data: bytes, num_classes: int | None = None) -> int:
     """A `.cls` member: ASCII decimal integer, within [0, num_classes) when that is known."""
     # Stricter than int(): it would take "1_000" and non-ASCII digits, and labels past int64
     # would overflow the batch's label tensor.
-    found = _LABEL.fullmatch(data)
+    found = _LABEL.fullmatch(data) if len(data) <= 64 else None
     if found is None:
         raise DataError("bad-label", f"label {data[:40]!r} is not an integer")
-    if len(found.group(1).lstrip(b"-")) > 18:
-        raise DataError("label-out-of-range", f"label {data[:40]!r} does not fit in int64")
     label = int(found.group(1))
+    if not -(2**63) <= label < 2**63:
+        raise DataError("label-out-of-range", f"label {data[:40]!r} does not fit in int64")
     if label < 0 or (num_classes is not None and label >= num_classes):
         bound = f"[0, {num_classes})" if num_classes is not None else ">= 0"
         raise DataError("label-out-of-range", f"label {label} is not in {bound}")

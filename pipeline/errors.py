@@ -44,7 +44,8 @@ class DataError(Exception):
         self.detail = message
         self.source = redact(source)
         self.key = key
-        self.samples = (1 if key else None) if isinstance(samples, _Unset) else samples
+        self._counted = not isinstance(samples, _Unset)  # samples given, not defaulted
+        self.samples = samples if not isinstance(samples, _Unset) else (1 if key else None)
         super().__init__(self._text())
 
     def _text(self) -> str:
@@ -52,18 +53,20 @@ class DataError(Exception):
         text = f"{self.detail} [{self.reason}]"
         return f"{where}: {text}" if where else text
 
-    def __reduce__(self) -> tuple[object, tuple[str, str, str, str, int | None]]:
+    def __reduce__(self) -> tuple[object, tuple[str, str, str, str, int | None | _Unset]]:
         # Worker processes send DataErrors to the parent: keep every field across pickling.
-        return _rebuild, (self.reason, self.detail, self.source, self.key, self.samples)
+        return _rebuild, (self.reason, self.detail, self.source, self.key,
+                          self.samples if self._counted else _ONE_IF_KEYED)
 
     def located(self, *, source: str = "", key: str = "") -> DataError:
-        """The same error with the source/key filled in where they were unknown."""
-        key = self.key or key
-        return DataError(self.reason, self.detail, source=self.source or source, key=key,
-                         samples=self.samples if self.key or not key else 1)
+        """The same error with the source/key filled in where they were unknown (a count
+        left to the default follows the key: one sample once it has one)."""
+        return DataError(self.reason, self.detail, source=self.source or source,
+                         key=self.key or key,
+                         samples=self.samples if self._counted else _ONE_IF_KEYED)
 
 
-def _rebuild(reason: str, detail: str, source: str, key: str, samples: int | None
+def _rebuild(reason: str, detail: str, source: str, key: str, samples: int | None | _Unset
              ) -> DataError:
     return DataError(reason, detail, source=source, key=key, samples=samples)
 

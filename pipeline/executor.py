@@ -8,6 +8,7 @@ most `window` chunks are in flight, so a long or endless input never piles up in
 from __future__ import annotations
 
 import multiprocessing
+import threading
 from collections import deque
 from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -37,47 +38,58 @@ def ordered_map(fn: Callable[[T, Any], R], items: Iterable[T], extra: Any, worke
 
     With worker processes, a chunk whose result has not come `timeout_s` after it became the
     oldest in flight is declared hung, and a dead worker is reported: both as WorkerError
-    naming the inputs (by `describe`), with the workers stopped. Inline work has no timeout."""
+    naming the inputs (by `describe`). Unless the map runs to its end, the workers are
+    terminated, not waited for (one may be hung). Inline work has no timeout."""
     if workers <= 1:
         yield from (fn(item, extra) for item in items)
         return
+    if timeout_s is not None and timeout_s >= threading.TIMEOUT_MAX:
+        timeout_s = None  # beyond what a wait can take: no limit
     window = window or 4 * workers
     source = iter(items)
     # forkserver: workers do not inherit the parent's threads (progress bars, loggers).
     ctx = multiprocessing.get_context("forkserver")
     pool = ProcessPoolExecutor(workers, mp_context=ctx)
     pending: deque[tuple[Future[list[R]], list[T]]] = deque()
-    failed = False
+    finished = False
     try:
         while True:
-            while len(pending) < window and (batch := list(islice(source, chunk))):
-                pending.append((pool.submit(_run_chunk, fn, batch, extra), batch))
-            if not pending:
-                return
-            future, batch = pending.popleft()
             try:
-                results = future.result(timeout=timeout_s)
-            except (FutureTimeout, BrokenProcessPool) as exc:
-                failed = True
-                raise _worker_error(exc, batch, timeout_s, describe) from None
+                while len(pending) < window and (batch := list(islice(source, chunk))):
+                    pending.append((pool.submit(_run_chunk, fn, batch, extra), batch))
+                if not pending:
+                    finished = True
+                    return
+                results = pending[0][0].result(timeout=timeout_s)
+            except FutureTimeout:
+                raise _hung(pending[0][1], timeout_s, describe) from None
+            except BrokenProcessPool:
+                raise _died([item for _, batch in pending for item in batch], describe) \
+                    from None
+            pending.popleft()
             yield from results
     finally:
-        if failed:  # a hung worker would never let shutdown(wait=True) return
+        if not finished:  # an error, a hung or dead worker, or an early close
             _terminate(pool)
-        # On an error or an early close, drop queued work instead of finishing it.
-        pool.shutdown(wait=not failed, cancel_futures=True)
+        pool.shutdown(wait=finished, cancel_futures=True)
 
 
-def _worker_error(exc: Exception, batch: list[T], timeout_s: float | None,
-                  describe: Callable[[T], str]) -> WorkerError:
-    names = ", ".join(describe(item) for item in batch[:3])
-    more = f" and {len(batch) - 3} more" if len(batch) > 3 else ""
-    if isinstance(exc, BrokenProcessPool):
-        return WorkerError(f"a worker process died (killed, or out of memory) with these "
-                           f"inputs in flight: {names}{more}")
-    return WorkerError(f"no result for {timeout_s:.0f} s from the worker on {names}{more}: it "
-                       "is hung (a stalled read or decode); raise the worker timeout if such "
-                       "inputs legitimately take that long")
+def _names(items: list[T], describe: Callable[[T], str]) -> str:
+    more = f" and {len(items) - 3} more" if len(items) > 3 else ""
+    return ", ".join(describe(item) for item in items[:3]) + more
+
+
+def _hung(batch: list[T], timeout_s: float | None, describe: Callable[[T], str]
+          ) -> WorkerError:
+    return WorkerError(f"no result for {timeout_s:.0f} s from the worker on "
+                       f"{_names(batch, describe)}: it is hung (a stalled read or decode); "
+                       "raise the worker timeout if such inputs legitimately take that long")
+
+
+def _died(in_flight: list[T], describe: Callable[[T], str]) -> WorkerError:
+    # A broken pool fails every pending chunk: which input killed it is not known.
+    return WorkerError("a worker process died (killed, or out of memory) on one of the inputs "
+                       f"in flight: {_names(in_flight, describe)}")
 
 
 def _terminate(pool: ProcessPoolExecutor) -> None:

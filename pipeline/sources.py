@@ -299,10 +299,13 @@ def build_samples(task: Task, limits: checks.CheckLimits, text: TextOptions,
         return [err.located(source=task.path, key=task.key)]
 
 
-def regular_file(path: str) -> None:
+def regular_file(path: str, samples: int | None = 1) -> None:
     """Refuse a local path that is a FIFO, socket or device (links followed): opening a FIFO
-    blocks until a writer comes, which may be never, and a device may never end."""
-    if "://" in path:
+    blocks until a writer comes, which may be never, and a device may never end. `samples`:
+    what refusing it costs (a line file holds an unknown number: None)."""
+    if path.startswith("file://"):
+        path = path[len("file://"):]
+    elif "://" in path:
         return
     try:
         mode = os.stat(path).st_mode
@@ -310,7 +313,7 @@ def regular_file(path: str) -> None:
         return  # the caller's open says so, in its own words
     if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
         raise DataError("not-a-regular-file", "the path is a FIFO, socket or device, not a "
-                        "regular file")
+                        "regular file", samples=samples)
 
 
 def _read_file(path: str, max_bytes: int) -> bytes:
@@ -364,7 +367,7 @@ def _text_samples(task: Task, limits: checks.CheckLimits,
 def _lines(path: str, start: int, end: int, limit: int) -> Iterator[tuple[int, bytes | None]]:
     """(offset, line without its newline) of each non-blank line that starts in [start, end);
     None for a line over `limit` bytes, which is skipped without being held in memory."""
-    regular_file(path)
+    regular_file(path, samples=None)
     with open(path, "rb") as f:
         if start > 0:
             f.seek(start - 1)

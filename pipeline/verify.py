@@ -83,7 +83,7 @@ def verify_shard(url: str, expected: ShardInfo | None, opts: VerifyOptions) -> S
     skips = SkipLog(announce=False)
     members: dict[str, tuple[int, int]] = {}
     try:
-        regular_file(url)  # a FIFO named .tar would block the open forever
+        regular_file(url, samples=None)  # a FIFO named .tar would block the open forever
         with fsspec.open(url, "rb") as raw:
             reader = _HashingReader(raw)
             try:
@@ -148,6 +148,11 @@ def _check_index(url: str, members: dict[str, tuple[int, int]], skips: SkipLog) 
     """The .idx beside the shard must point at exactly the bytes we read for each member."""
     idx_url = beside(url, ".idx")
     fs, path = fsspec.core.url_to_fs(idx_url)
+    try:
+        regular_file(idx_url)  # a FIFO where the .idx belongs would block the read
+    except DataError as err:
+        skips.add(DataError("bad-index", err.detail, source=redact(idx_url)))
+        return
     if not fs.exists(path):
         skips.add(DataError("missing-index", "no DALI index (.idx) beside the shard; DALI would "
                             "scan the whole tar at start-up", source=redact(url)))

@@ -194,3 +194,21 @@ def process_tree(pid: int) -> list[int]:
         found.append(todo.pop())
         todo += children.get(found[-1], [])
     return found
+
+
+@contextlib.contextmanager
+def deadline(seconds: int) -> Iterator[None]:
+    """Raise TimeoutError in the block after `seconds` (main thread only): a test of something
+    that must not hang fails instead of hanging the suite."""
+    import signal
+
+    def expired(signum: int, frame: object) -> None:
+        raise TimeoutError(f"still running after {seconds} s: hung")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

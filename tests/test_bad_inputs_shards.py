@@ -942,6 +942,8 @@ def test_fifos_and_devices_are_refused_never_opened(tmp_path):
                                       "c/zero.jpg,1"])  # a listed link is followed
     shards = good_shards(tmp_path / "shards")
     os.mkfifo(tmp_path / "shards" / "old-000009.tar")
+    (tmp_path / "shards" / "old-000001.idx").unlink()
+    os.mkfifo(tmp_path / "shards" / "old-000001.idx")  # where an index belongs
     (raised, out_raise), (skipped, out_skip), (folder, _), (checked, out_verify) = run_bounded([
         tool_cmd("make_shards", "manifest", listing, tmp_path / "o1", "--workers", 1),
         tool_cmd("make_shards", "manifest", listing, tmp_path / "o2", "--workers", 1,
@@ -960,4 +962,5 @@ def test_fifos_and_devices_are_refused_never_opened(tmp_path):
     assert ignored == {"pipe.jpg": "not-a-regular-file", "zero.jpg": "symlink",
                        "list.csv": "not-a-class-image"}
     assert checked == 1 and "old-000009.tar: the path is a FIFO" in out_verify
+    assert "old-000001.idx: the path is a FIFO" in out_verify and "bad-index" in out_verify
     assert len(shards) == 2

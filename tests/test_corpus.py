@@ -50,12 +50,15 @@ from badfiles import (
     special,
     tar_bytes,
 )
-from conftest import jpeg_bytes
+from conftest import deadline, jpeg_bytes
 
+from pipeline.checks import check_label
+from pipeline.daliindex import format_index
 from pipeline.errors import DataError
 from pipeline.image import image_loader
 from pipeline.manifest import Manifest
 from pipeline.pointcloud import pointcloud_loader
+from pipeline.reader_dali import check_local_shard
 from pipeline.shardwriter import ShardInfo, ShardWriter
 from pipeline.text import text_loader
 
@@ -384,8 +387,9 @@ def test_raise_on_a_bad_shard_names_it_and_the_reason(tmp_path, modality, kind, 
     good = [s for s in sorted(corpus.folder.glob("*.tar")) if s.name.startswith(("good", "fg"))]
     for case in corpus.shard_cases:
         urls = [str(good[0]), str(corpus.folder / case.name)]
-        if not case.expect[reader]:  # read whole
-            assert len(set(one_pass(LOADERS[modality](urls, reader=reader)))) > len(good)
+        if not case.expect[reader]:  # read whole: the good shard's samples and all of its own
+            read = set(one_pass(LOADERS[modality](urls, reader=reader)))
+            assert len(read) == len(corpus.good_keys) + case.samples, case.name
             continue
         with pytest.raises(DataError) as info:  # DALI's reader refuses some at build time
             one_pass(LOADERS[modality](urls, reader=reader))
@@ -399,6 +403,11 @@ def test_raise_on_a_bad_shard_names_it_and_the_reason(tmp_path, modality, kind, 
 def test_a_fifo_in_place_of_a_shard_or_index_is_never_opened(tmp_path, modality):
     """Opening a FIFO blocks until a writer comes: a FIFO shard is refused before any read,
     and a FIFO where the .idx belongs sends the shard to the streaming reader."""
+    with deadline(120):  # a regression would block in open(): fail, not hang the suite
+        _fifos_are_never_opened(tmp_path, modality)
+
+
+def _fifos_are_never_opened(tmp_path: Path, modality: str) -> None:
     info = _written(tmp_path, "good", _goods(modality, "good", 3))
     os.mkfifo(tmp_path / "good-000001.tar")
     with pytest.raises(ValueError, match="not regular files.*good-000001.tar"):
@@ -518,3 +527,41 @@ def test_every_category_names_tests_that_exist():
             module, name = ref.split("::")
             assert callable(getattr(importlib.import_module(module), name, None)), \
                 f"{category}: {ref} does not exist"
+
+
+def test_label_parsing_and_the_sample_count_an_error_carries():
+    assert [check_label(b) for b in (b"+1", b"0001", b" 9223372036854775807\n")] == \
+        [1, 1, 2**63 - 1]
+    for data, reason in ((b"9223372036854775808", "label-out-of-range"), (b"1_0", "bad-label"),
+                         (b"1" * 100, "bad-label"), ("\u0661".encode(), "bad-label")):
+        with pytest.raises(DataError) as info:
+            check_label(data)
+        assert info.value.reason == reason, data
+    # a whole file: unknown until a key makes it one sample; a count given stays
+    assert DataError("r", "d").samples is None
+    assert DataError("r", "d").located(key="k").samples == 1
+    assert DataError("r", "d", samples=None).located(key="k").samples is None
+    assert pickle.loads(pickle.dumps(DataError("r", "d"))).located(key="k").samples == 1
+    assert pickle.loads(pickle.dumps(DataError("r", "d", samples=7))).samples == 7
+
+
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT])
+def test_the_index_check_accepts_long_and_non_ascii_member_names(tmp_path, fmt):
+    """Names the ustar header cannot hold live in PAX or GNU long-name records: a shard and
+    an index written by other tools (webdataset's TarWriter writes PAX) are read, not refused."""
+    names = ["caf\u00e9.jpg", "caf\u00e9.cls", "\u00e9" * 60 + ".jpg", "\u00e9" * 60 + ".cls",
+             "k" * 120 + ".jpg", "k" * 120 + ".cls"]
+    shard = tmp_path / "other-000000.tar"
+    with tarfile.open(shard, "w", format=fmt) as tar:
+        for i, name in enumerate(names):
+            data = jpeg_bytes(i, (20, 16)) if name.endswith("jpg") else b"1"
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with tarfile.open(shard) as tar:
+        members = [(m.name.rsplit(".", 1)[1], m.offset_data, m.size, m.name) for m in tar]
+    (tmp_path / "other-000000.idx").write_text(
+        format_index([members[i:i + 2] for i in range(0, len(members), 2)]))
+    assert check_local_shard(str(shard)) == 3
+    loader = LOADERS["image"]([str(shard)], reader="dali")
+    assert len(set(one_pass(loader))) == 3

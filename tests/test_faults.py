@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, QuietHandler, http_server, jpeg_bytes, process_tree
 
+from pipeline.executor import WorkerError, ordered_map
+
 
 class _StallingHandler(QuietHandler):
     """Serves files; for `stall.jpg` sends the headers and a few bytes, then nothing until
@@ -68,18 +70,33 @@ def _no_partial_shards(out: Path) -> None:
 
 def test_a_hung_worker_is_named_within_the_timeout(stalling, tmp_path):
     proc = _make_shards(stalling, tmp_path / "out", "--worker-timeout", "3")
+    assert _StallingHandler.stalled.wait(60), "no worker reached the stalling input"
+    workers = _workers(proc.pid)
     _, err = proc.communicate(timeout=120)  # the run must end by itself
     assert proc.returncode == 4, err
     assert "stall.jpg" in err and "no result for 3 s" in err and "hung" in err
     _no_partial_shards(tmp_path / "out")
+    assert workers and not [pid for pid in workers if _alive(pid)], "a worker was left running"
+
+
+def _workers(pid: int) -> list[int]:
+    """The pool's workers: forked by the forkserver, so the run's grandchildren."""
+    return [p for p in process_tree(pid)[1:] if _parent(p) != pid]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has ended; only its exit status is left to collect
 
 
 def test_a_killed_worker_is_named_and_the_run_ends(stalling, tmp_path):
     proc = _make_shards(stalling, tmp_path / "out", "--worker-timeout", "600")
     try:
         assert _StallingHandler.stalled.wait(60), "no worker reached the stalling input"
-        # The pool's workers are forked by the forkserver: the run's grandchildren.
-        workers = [pid for pid in process_tree(proc.pid)[1:] if _parent(pid) != proc.pid]
+        workers = _workers(proc.pid)
         assert workers, "no worker processes found"
         for pid in workers:  # as the kernel's OOM killer would
             os.kill(pid, signal.SIGKILL)
@@ -98,3 +115,41 @@ def test_worker_timeout_must_be_positive(tmp_path):
     proc = _make_shards(tmp_path / "none.csv", tmp_path / "out", "--worker-timeout", "nan")
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2 and "--worker-timeout" in err
+
+
+# -- the executor itself -------------------------------------------------------------------------
+
+def _stall_on(item: int, stall: int) -> int:
+    if item == stall:
+        threading.Event().wait()  # forever: a read that never returns
+    return item
+
+
+def _die_on(item: int, die: int) -> int:
+    if item == die:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would
+    return item
+
+
+def test_closing_the_map_early_terminates_a_hung_worker():
+    """A consumer that stops early (a data error under raise) must not wait on a hung
+    worker: the map's close terminates the workers."""
+    results = ordered_map(_stall_on, range(20), 5, 2, chunk=1, timeout_s=600)
+    assert [next(results) for _ in range(3)] == [0, 1, 2]
+    closer = threading.Thread(target=results.close, name="test-closer")
+    closer.start()
+    closer.join(120)
+    assert not closer.is_alive(), "close() waited for the hung worker"
+
+
+def test_a_dead_worker_is_a_worker_error_naming_the_inputs_in_flight():
+    got = []
+    with pytest.raises(WorkerError, match=r"died .* one of the inputs in flight: .*input3"):
+        for item in ordered_map(_die_on, range(12), 3, 2, chunk=1,
+                                describe=lambda i: f"input{i}"):
+            got.append(item)
+    assert got == list(range(len(got))) and 3 not in got
+
+
+def test_a_timeout_beyond_what_a_wait_can_take_means_none():
+    assert list(ordered_map(_stall_on, range(4), -1, 2, chunk=1, timeout_s=1e12)) == [0, 1, 2, 3]
