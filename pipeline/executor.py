@@ -74,22 +74,22 @@ def ordered_map(fn: Callable[[T, Any], R], items: Iterable[T], extra: Any, worke
         pool.shutdown(wait=finished, cancel_futures=True)
 
 
-def _names(items: list[T], describe: Callable[[T], str]) -> str:
-    more = f" and {len(items) - 3} more" if len(items) > 3 else ""
-    return ", ".join(describe(item) for item in items[:3]) + more
+def _names(items: list[T], describe: Callable[[T], str], limit: int) -> str:
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(describe(item) for item in items[:limit]) + more
 
 
 def _hung(batch: list[T], timeout_s: float | None, describe: Callable[[T], str]
           ) -> WorkerError:
     return WorkerError(f"no result for {timeout_s:.0f} s from the worker on "
-                       f"{_names(batch, describe)}: it is hung (a stalled read or decode); "
+                       f"{_names(batch, describe, 3)}: it is hung (a stalled read or decode); "
                        "raise the worker timeout if such inputs legitimately take that long")
 
 
 def _died(in_flight: list[T], describe: Callable[[T], str]) -> WorkerError:
     # A broken pool fails every pending chunk: which input killed it is not known.
     return WorkerError("a worker process died (killed, or out of memory) on one of the inputs "
-                       f"in flight: {_names(in_flight, describe)}")
+                       f"in flight: {_names(in_flight, describe, 40)}")
 
 
 def _terminate(pool: ProcessPoolExecutor) -> None:
