@@ -202,6 +202,8 @@ def _read_all(fetcher: _Fetcher, count: int, on_error: OnError, skips: SkipLog,
 
 def _move(src: SkipLog, dst: SkipLog) -> int:
     """Move `src`'s entries to `dst`; the samples they stand for."""
+    if not src.entries:  # the common case, once per sample read
+        return 0
     moved = src.samples()[0]
     dst.extend(src.entries)
     src.entries = []

@@ -13,7 +13,6 @@ either, a source can be read by one rank only (there is nothing to balance ranks
 from __future__ import annotations
 
 import heapq
-import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,8 +20,9 @@ from pathlib import Path
 
 import fsspec
 
+from pipeline.errors import DataError
 from pipeline.manifest import MANIFEST, load_manifest
-from pipeline.sources import list_shards
+from pipeline.sources import list_shards, regular_file
 from pipeline.urls import check_scheme, expand_braces, is_remote, redact, scrub
 
 
@@ -105,8 +105,7 @@ def preflight(urls: list[str], source: str) -> None:
         more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
         raise FileNotFoundError(f"{len(missing)} of {len(urls)} shards are missing: "
                                 f"{listed}{more}")
-    special = [u for u in urls if not is_remote(u) and not u.startswith("pipe:")
-               and not _regular(u)]
+    special = [u for u in urls if not u.startswith("pipe:") and not _regular(u)]
     if special:
         raise ValueError(f"{len(special)} of {len(urls)} shards are not regular files (a FIFO "
                          "blocks its reader forever, a device may never end): "
@@ -114,8 +113,12 @@ def preflight(urls: list[str], source: str) -> None:
 
 
 def _regular(url: str) -> bool:
-    path = url[len("file://"):] if url.startswith("file://") else url
-    return os.path.isfile(path)  # follows links: a link to a regular file is fine
+    """False for a local FIFO, socket or device (remote URLs pass; links are followed)."""
+    try:
+        regular_file(url)
+    except DataError:
+        return False
+    return True
 
 
 def _exists(url: str) -> bool:

@@ -300,9 +300,9 @@ def build_samples(task: Task, limits: checks.CheckLimits, text: TextOptions,
 
 
 def regular_file(path: str, samples: int | None = 1) -> None:
-    """Refuse a local path that is a FIFO, socket or device (links followed): opening a FIFO
-    blocks until a writer comes, which may be never, and a device may never end. `samples`:
-    what refusing it costs (a line file holds an unknown number: None)."""
+    """Refuse a local path that is a folder, FIFO, socket or device (links followed): opening
+    a FIFO blocks until a writer comes, which may be never, and a device may never end.
+    `samples`: what refusing it costs (a line file holds an unknown number: None)."""
     if path.startswith("file://"):
         path = path[len("file://"):]
     elif "://" in path:
@@ -311,9 +311,11 @@ def regular_file(path: str, samples: int | None = 1) -> None:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
         return  # the caller's open says so, in its own words
-    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
-        raise DataError("not-a-regular-file", "the path is a FIFO, socket or device, not a "
-                        "regular file", samples=samples)
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) \
+            else "a socket" if stat.S_ISSOCK(mode) else "a device"
+        raise DataError("not-a-regular-file", f"the path is {kind}, not a regular file",
+                        samples=samples)
 
 
 def _read_file(path: str, max_bytes: int) -> bytes:
