@@ -6,15 +6,15 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> object:
     # Lazy: `import pipeline` stays light (no torch/DALI) for the shard tools.
     if name == "image_loader":
-        from pipeline.image import image_loader
+        from pipeline.image.loader import image_loader
 
         return image_loader
     if name == "text_loader":
-        from pipeline.text import text_loader
+        from pipeline.text.loader import text_loader
 
         return text_loader
     if name == "pointcloud_loader":
-        from pipeline.pointcloud import pointcloud_loader
+        from pipeline.pointcloud.loader import pointcloud_loader
 
         return pointcloud_loader
     raise AttributeError(f"module 'pipeline' has no attribute {name!r}")

@@ -42,13 +42,13 @@ from badfiles import (
 from conftest import ROOT, jpeg_bytes, load_manifest, make_image_folder, run_tool
 from PIL import Image
 
-from pipeline.checks import CheckLimits, check_image
 from pipeline.convert import ConvertConfig, convert
 from pipeline.errors import DataError, SkipLog
-from pipeline.manifest import Manifest
-from pipeline.shardwriter import ShardWriter
-from pipeline.tarread import iter_samples
-from pipeline.verify import verify
+from pipeline.samples.checks import CheckLimits, check_image
+from pipeline.shards.manifest import Manifest
+from pipeline.shards.tarread import iter_samples
+from pipeline.shards.verify import verify
+from pipeline.shards.writer import ShardWriter
 
 
 def rows(path: Path, lines: list[str]) -> Path:
@@ -356,7 +356,7 @@ def test_absurd_member_size_refused_without_allocating(tmp_path):
 def test_absurd_member_size_under_skip_does_not_hang(tmp_path):
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "absurd.tar").write_bytes(absurd_shard())
-    reader = ("import sys; from pipeline.tarread import iter_samples; "
+    reader = ("import sys; from pipeline.shards.tarread import iter_samples; "
               "from pipeline.errors import SkipLog, DataError\n"
               "s = SkipLog(announce=False)\n"
               "try:\n list(iter_samples(open(sys.argv[1], 'rb'), 'a', on_error='skip', skips=s))\n"

@@ -52,15 +52,15 @@ from badfiles import (
 )
 from conftest import deadline, jpeg_bytes
 
-from pipeline.checks import check_label
-from pipeline.daliindex import format_index
 from pipeline.errors import DataError
-from pipeline.image import image_loader
-from pipeline.manifest import Manifest
-from pipeline.pointcloud import pointcloud_loader
-from pipeline.reader_dali import check_local_shard
-from pipeline.shardwriter import ShardInfo, ShardWriter
-from pipeline.text import text_loader
+from pipeline.image.loader import image_loader
+from pipeline.loading.reader_dali import check_local_shard
+from pipeline.pointcloud.loader import pointcloud_loader
+from pipeline.samples.checks import check_label
+from pipeline.shards.daliindex import format_index
+from pipeline.shards.manifest import Manifest, ShardInfo
+from pipeline.shards.writer import ShardWriter
+from pipeline.text.loader import text_loader
 
 Members = dict[str, bytes]
 

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 from conftest import RangeHandler, http_server, make_image_folder, run_tool
 
-from pipeline import image_loader, pointcloud_loader, reader_stream, text_loader
+from pipeline import image_loader, pointcloud_loader, text_loader
 from pipeline.builtin import make_pointcloud_folder, make_text_corpus
 from pipeline.convert import ConvertConfig, convert
 from pipeline.errors import DataError
+from pipeline.loading import reader_stream
 
 SECRET = "SECRETSIG"
 QUERY = f"?X-Amz-Signature={SECRET}&X-Amz-Credential=AKIA{SECRET}"

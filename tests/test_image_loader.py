@@ -209,7 +209,7 @@ def _png_declaring(width: int, height: int) -> bytes:
 
 @pytest.mark.parametrize("policy", ["raise", "skip"])
 def test_missing_label_bad_bytes_and_pixel_bomb_are_caught_before_decode(tmp_path, policy):
-    from pipeline.shardwriter import ShardWriter
+    from pipeline.shards.writer import ShardWriter
 
     writer = ShardWriter(tmp_path, "train", max_count=100, max_size=10**8)
     samples = [{"__key__": f"good{i}", "jpg": jpeg_bytes(i), "cls": b"1"} for i in range(5)]
@@ -305,8 +305,8 @@ def test_close_during_iteration_stops_quietly_and_leaves_no_thread(shards):
 def test_eval_batch_is_the_centre_crop_of_the_image(shards):
     from PIL import Image
 
-    from pipeline import resize
-    from pipeline.augment import center_crop
+    from pipeline.image import resize
+    from pipeline.image.augment import center_crop
 
     batch = next(iter(image_loader(shards, batch_size=4, train=False, device="cpu", **OPTS)))
     tar = tarfile.open(shards / "train-000000.tar")
@@ -361,7 +361,7 @@ def test_streaming_resume_counts_each_skip_once(tmp_path):
 
 
 def test_fetch_failures_never_show_url_secrets(tmp_path, monkeypatch):
-    from pipeline import reader_stream
+    from pipeline.loading import reader_stream
 
     monkeypatch.setattr(reader_stream, "BACKOFF_S", 0.01)
     (tmp_path / "a.tar").write_bytes(b"x" * 2048)
@@ -412,7 +412,7 @@ class _FlakyRangeHandler(QuietHandler):
 
 
 def test_a_dropped_download_is_resumed_and_nothing_is_lost(shards, monkeypatch):
-    from pipeline import reader_stream
+    from pipeline.loading import reader_stream
 
     monkeypatch.setattr(reader_stream, "BACKOFF_S", 0.01)
     monkeypatch.setattr(reader_stream, "CHUNK", 16384)
@@ -427,7 +427,7 @@ def test_a_dropped_download_is_resumed_and_nothing_is_lost(shards, monkeypatch):
 
 
 def test_a_hung_reader_is_reported_within_the_timeout(shards, monkeypatch):
-    from pipeline import reader_dali
+    from pipeline.loading import reader_dali
 
     stop_hanging = threading.Event()
     real = reader_dali.batches

@@ -267,9 +267,8 @@ def test_symlinks_are_not_followed_but_listed(tmp_path):
 
 
 def test_big_line_files_are_cut_into_ranges_without_losing_a_line(tmp_path, monkeypatch):
-    from pipeline import sources
-    from pipeline.convert import ConvertConfig, convert
-    from pipeline.sources import TextOptions
+    from pipeline.convert import ConvertConfig, convert, sources
+    from pipeline.convert.sources import TextOptions
 
     monkeypatch.setattr(sources, "TEXT_RANGE_BYTES", 64)
     lines = [f"line {i} " + "x" * (i % 17) for i in range(200)]

@@ -1,4 +1,4 @@
-"""Tests for pipeline.pointcloud_io: round trips per format, then every bad input we know of."""
+"""Tests for samples/pointcloud_io.py: round trips per format, then every bad input we know of."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
-from pipeline.pointcloud_io import PointCloudFormatError, check_points, read_points
+from pipeline.samples.pointcloud_io import PointCloudFormatError, check_points, read_points
 
 RNG = np.random.default_rng(0)
 XYZ = RNG.normal(size=(7, 3)).astype(np.float32)

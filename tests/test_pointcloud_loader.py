@@ -14,16 +14,16 @@ import torch
 from badfiles import bad_samples, good, npy
 from conftest import read_wds, run_tool
 
-from pipeline import pointcloud_sample
-from pipeline.bench_pointcloud import augment_numpy
+from pipeline.bench.pointcloud import augment_numpy
 from pipeline.builtin import make_pointcloud_folder
 from pipeline.convert import ConvertConfig, convert
 from pipeline.errors import DataError
-from pipeline.pointcloud import PointCloudConfig, PointCloudLoader, pointcloud_loader
-from pipeline.pointcloud_sample import sample_params
-from pipeline.shardlist import resolve
-from pipeline.shardwriter import ShardWriter
-from pipeline.voxelize import voxelize
+from pipeline.loading.shardlist import resolve_source
+from pipeline.pointcloud import sample as pointcloud_sample
+from pipeline.pointcloud.loader import PointCloudConfig, PointCloudLoader, pointcloud_loader
+from pipeline.pointcloud.sample import sample_params
+from pipeline.pointcloud.voxelize import voxelize
+from pipeline.shards.writer import ShardWriter
 
 OPTS = {"device": "cpu", "threads": 1, "shuffle_buffer": 16}
 POINTS = 96  # per stored cloud
@@ -81,7 +81,7 @@ def test_points_equal_the_numpy_reference_of_the_same_parameters(shards, clouds,
                                                                  train):
     cfg = PointCloudConfig(batch_size=8, train=train, seed=5, num_points=num_points,
                            rotate=90.0, scale=(0.5, 1.5), jitter=0.02, **OPTS)
-    loader = PointCloudLoader(resolve(shards), cfg, 0, 1)
+    loader = PointCloudLoader(resolve_source(shards), cfg, 0, 1)
     loader.set_epoch(2)
     got = by_key(epoch(loader))
     assert len(got) == len(clouds)

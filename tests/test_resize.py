@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline import resize
+from pipeline.image import resize
+from pipeline.loading.prefetch import one_core_in_this_thread
 
 
 def _image(h: int, w: int, seed: int = 0) -> np.ndarray:
@@ -42,7 +43,7 @@ def test_normalize_gives_float_mean_std_units():
 
 
 def test_center_crop_window_is_a_centred_square():
-    from pipeline.augment import center_crop
+    from pipeline.image.augment import center_crop
 
     w = center_crop(200, 100, 0.5)
     assert (w.x, w.y, w.width, w.height, w.flip) == (75, 25, 50, 50, False)
@@ -55,7 +56,7 @@ def test_one_core_setting_stays_in_its_thread():
     seen = {}
 
     def stage() -> None:
-        resize.one_core_in_this_thread()
+        one_core_in_this_thread()
         seen["stage"] = torch.get_num_threads()
 
     thread = threading.Thread(target=stage)

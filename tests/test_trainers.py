@@ -17,13 +17,12 @@ import torch
 from conftest import ROOT, http_server, run_tool
 
 from pipeline.builtin import make_image_folder
-from pipeline.image import ImageConfig, ImageLoader
-from pipeline.shardlist import resolve
+from pipeline.image.loader import ImageConfig, ImageLoader
+from pipeline.loading.shardlist import resolve_source
 from trainers import checkpoint
 from trainers.image_task import ImageClassification
 from trainers.loop import TrainConfig, Trainer
-from trainers.precision import Precision
-from trainers.precision import resolve as resolve_precision
+from trainers.precision import Precision, resolve_precision
 from trainers.run import fit
 
 CPU = torch.device("cpu")
@@ -40,7 +39,7 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _trainer(shards: Path, run_dir: Path, steps: int, **cfg: object) -> Trainer:
     torch.manual_seed(0)
-    source = resolve(shards)
+    source = resolve_source(shards)
     loader = ImageLoader(source, ImageConfig(batch_size=16, size=24, device="cpu", threads=1,
                                              shuffle_buffer=32), 0, 1)
     task = ImageClassification(10, device=CPU)
@@ -209,10 +208,10 @@ def test_torchrun_two_gloo_ranks_see_disjoint_samples_and_agree(shards, tmp_path
 # -- memory options: offloaded optimizer, activation checkpointing, compile --------------------
 
 def _batches(n: int = 4) -> list:
-    from pipeline.batch import Batch
+    from pipeline.loading.batch import ImageBatch
 
     g = torch.Generator().manual_seed(0)
-    return [Batch(torch.randint(0, 256, (8, 3, 24, 24), dtype=torch.uint8, generator=g),
+    return [ImageBatch(torch.randint(0, 256, (8, 3, 24, 24), dtype=torch.uint8, generator=g),
                   torch.randint(0, 10, (8,), generator=g), [f"k{i}"] * 8) for i in range(n)]
 
 
@@ -282,14 +281,14 @@ def test_rerunning_a_finished_run_keeps_its_summary(shards, tmp_path):
 
 
 def test_a_pass_with_no_usable_sample_stops_with_an_error(tmp_path):
-    from pipeline.batch import Batch
     from pipeline.errors import DataError
+    from pipeline.loading.batch import ImageBatch
 
     class Empty:
         epoch, skipped = 0, []
 
         def __iter__(self):
-            yield Batch(torch.zeros(0, 3, 8, 8, dtype=torch.uint8),
+            yield ImageBatch(torch.zeros(0, 3, 8, 8, dtype=torch.uint8),
                         torch.zeros(0, dtype=torch.int64), [])
 
         def state_dict(self):

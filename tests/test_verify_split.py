@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from conftest import make_image_folder, run_tool
 
-from pipeline.bench import Timings, alternate
-from pipeline.split import assignment, rank_slice, worker_slice
+from pipeline.bench.core import Timings, alternate
+from pipeline.loading.split import assignment, rank_slice, worker_slice
 
 
 def test_split_is_disjoint_and_covers_everything():
@@ -60,7 +60,7 @@ def test_gpu_check_says_there_is_no_gpu_and_exits_0():
 def test_tuning_file_round_trip_and_what_auto_takes_from_it(tmp_path, caplog):
     import logging
 
-    from pipeline.tuning import Tuning, apply, load
+    from pipeline.loading.tuning import Tuning, apply, load
 
     path = tmp_path / "tuning.json"
     assert load(path) is None  # no file: nothing changes
@@ -86,7 +86,7 @@ def test_tuning_file_round_trip_and_what_auto_takes_from_it(tmp_path, caplog):
 
 
 def test_a_tuning_file_from_another_machine_is_ignored(tmp_path):
-    from pipeline.tuning import Tuning, load
+    from pipeline.loading.tuning import Tuning, load
 
     path = tmp_path / "tuning.json"
     Tuning("gpu", "dali", 64, 4, 9000.0, machine={"cpus": 64, "gpu": "H200"}).save(path)
@@ -95,7 +95,7 @@ def test_a_tuning_file_from_another_machine_is_ignored(tmp_path):
 
 def test_image_loader_uses_the_tuning_file_unless_told_not_to(tmp_path):
     from pipeline import image_loader
-    from pipeline.tuning import Tuning
+    from pipeline.loading.tuning import Tuning
 
     src = make_image_folder(tmp_path / "src", classes=2, per_class=3)
     run_tool("make_shards", "imagefolder", src, tmp_path / "o", "--max-count", 3, check=True)

@@ -16,13 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cliutil import positive_int, setup_logging
 
-from cliutil import positive_int, setup_logging  # noqa: E402
-
-from pipeline.bench import alternate  # noqa: E402
-from pipeline.builtin import make_photo_corpus  # noqa: E402
-from pipeline.convert import ConvertConfig, convert  # noqa: E402
+from pipeline.bench.core import alternate
+from pipeline.builtin import make_photo_corpus
+from pipeline.convert import ConvertConfig, convert
 
 
 def contenders(src: Path, scratch: Path) -> dict[str, object]:

@@ -25,14 +25,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cliutil import positive_int, setup_logging
 
-from cliutil import positive_int, setup_logging  # noqa: E402
-
-from pipeline import bench_image as bi  # noqa: E402
-from pipeline.bench import alternate, loader_figures  # noqa: E402
-from pipeline.builtin import make_photo_corpus  # noqa: E402
-from pipeline.convert import ConvertConfig, convert  # noqa: E402
+from pipeline.bench import image as bi
+from pipeline.bench.core import alternate, cpu_seconds, loader_figures
+from pipeline.builtin import make_photo_corpus
+from pipeline.convert import ConvertConfig, convert
 
 # Ours (uint8 out, normalized later on the accelerator) against each baseline; the last is
 # the canonical recipe users run today, normalizing to float in the workers.
@@ -93,7 +91,7 @@ def tune(c: bi.Corpus, args: argparse.Namespace) -> None:
     """Every configuration that matters here, alternated; the fastest goes to the file."""
     import torch
 
-    from pipeline.tuning import Tuning, default_path
+    from pipeline.loading.tuning import Tuning, default_path
 
     devices = ["cpu", "gpu"] if torch.cuda.is_available() else ["cpu"]
     configs = [{"device": d, "reader": r, "threads": t, "prefetch": p} for d in devices
@@ -153,7 +151,7 @@ def other_modality(args: argparse.Namespace) -> int:
     pipeline/bench_pointcloud.py); the same table, --json and --plot outputs."""
     args.work.mkdir(parents=True, exist_ok=True)
     if args.modality == "text":
-        from pipeline import bench_text
+        from pipeline.bench import text as bench_text
         from pipeline.builtin import make_text_corpus
 
         shards = args.source
@@ -164,7 +162,7 @@ def other_modality(args: argparse.Namespace) -> int:
                                   workers=args.threads))
         result, table = bench_text.run(shards, args.work, args.batch_size, args.repeats)
     else:
-        from pipeline import bench_pointcloud
+        from pipeline.bench import pointcloud as bench_pointcloud
 
         result, table = bench_pointcloud.run(args)
     return write_outputs(args, result, table,
@@ -254,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     runs = contenders(corpus)
     timings = alternate({k: v.epoch for k, v in runs.items()}, repeats=args.repeats,
-                        cpu_clock=bi.cpu_seconds)
+                        cpu_clock=cpu_seconds)
     result = report(corpus, timings, runs, args)
     return write_outputs(args, result, print_table(result), lambda path: plot(result, path))
 

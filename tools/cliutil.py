@@ -6,6 +6,8 @@ import argparse
 import logging
 import re
 import sys
+from collections.abc import Callable
+from typing import NoReturn
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.I)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -62,3 +64,28 @@ def setup_logging(quiet: bool) -> None:
 def fail(message: str, code: int = 1) -> None:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(code)
+
+
+def run_main(main: Callable[[], int], *, hints: dict[type[BaseException], str] | None = None,
+             usage: tuple[type[BaseException], ...] = ()) -> NoReturn:
+    """`sys.exit(main())`, with the errors a user can act on turned into one line on stderr
+    and an exit code (programming errors keep their traceback):
+
+        1  a data error (DataError: shard, key, reason)
+        2  a usage error: a bad option or value, a missing or existing path (and `usage`)
+        3  an OS error other than those: a full disk, a permission
+        4  a worker process hung or died (WorkerError)
+
+    `hints`: text added after the message of an error of that type (what to do next)."""
+    from pipeline.errors import DataError
+    from pipeline.executor import WorkerError
+
+    codes: tuple[tuple[tuple[type[BaseException], ...], int], ...] = (
+        ((DataError,), 1), ((WorkerError,), 4),
+        ((ValueError, FileNotFoundError, FileExistsError, *usage), 2), ((OSError,), 3))
+    try:
+        sys.exit(main())
+    except tuple(t for types, _ in codes for t in types) as err:
+        code = next(c for types, c in codes if isinstance(err, types))
+        hint = next((h for t, h in (hints or {}).items() if isinstance(err, t)), "")
+        fail(f"{err}{hint}", code)

@@ -17,19 +17,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cliutil import fail, setup_logging
 
-from cliutil import fail, setup_logging  # noqa: E402
-
-from pipeline.builtin import (  # noqa: E402
+from pipeline.builtin import (
     make_image_folder,
     make_photo_corpus,
     make_pointcloud_folder,
     make_text_corpus,
 )
-from pipeline.convert import ConvertConfig, convert  # noqa: E402
-from pipeline.sources import TextOptions  # noqa: E402
-from pipeline.verify import verify  # noqa: E402
+from pipeline.convert import ConvertConfig, convert
+from pipeline.convert.sources import TextOptions
+from pipeline.shards.verify import verify
 
 MARKER = ".shardflow-demo"
 # name -> (generator, make_shards kind, samples per shard)
@@ -105,7 +103,7 @@ def train_text(out: Path) -> None:
     """A small GPT-style decoder on the built-in text, byte-level: half a minute."""
     import train
 
-    from pipeline.tokenizer import byte_unigram_entropy
+    from pipeline.text.tokenizer import byte_unigram_entropy
 
     run = out / "run-text"
     train.main(["--task", "text", "--objective", "clm", "--data", str(out / "shards" / "text"),

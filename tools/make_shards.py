@@ -12,28 +12,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cliutil import (  # noqa: E402
-    fail,
+from cliutil import (
     parse_part,
     parse_size,
     positive_int,
     positive_seconds,
+    run_main,
     setup_logging,
 )
-from tqdm import tqdm  # noqa: E402
+from tqdm import tqdm
 
-from pipeline.checks import CheckLimits  # noqa: E402
-from pipeline.convert import ConvertConfig, convert  # noqa: E402
-from pipeline.errors import DataError  # noqa: E402
-from pipeline.executor import WorkerError  # noqa: E402
-from pipeline.manifest import Manifest, load_manifest, merge_parts  # noqa: E402
-from pipeline.sources import TextOptions  # noqa: E402
+from pipeline.convert import ConvertConfig, convert
+from pipeline.convert.sources import TextOptions
+from pipeline.errors import DataError
+from pipeline.executor import WorkerError
+from pipeline.samples.checks import CheckLimits
+from pipeline.shards.manifest import Manifest, load_manifest, merge_parts
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,15 +170,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except DataError as err:
-        fail(f"{err}\n(rerun the same command with --on-error skip to record bad inputs and "
-             "convert the rest; finished shards are kept)")
-    except (FileExistsError, FileNotFoundError, ValueError) as err:
-        fail(str(err), 2)
-    except WorkerError as err:
-        fail(f"{err}; finished shards are kept: rerun the same command to go on", 4)
-    except OSError as err:
-        fail(f"{err}; nothing partial was left under a final name: free space or fix the "
-             "cause and rerun the same command to finish", 3)
+    run_main(main, hints={
+        DataError: "\n(rerun the same command with --on-error skip to record bad inputs and "
+                   "convert the rest; finished shards are kept)",
+        WorkerError: "; finished shards are kept: rerun the same command to go on",
+        OSError: "; nothing partial was left under a final name: free space or fix the cause "
+                 "and rerun the same command to finish"})

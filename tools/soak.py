@@ -20,9 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cliutil import positive_int, setup_logging  # noqa: E402
+from cliutil import positive_int, setup_logging
 
 
 def reading() -> dict[str, float]:
@@ -34,9 +32,9 @@ def reading() -> dict[str, float]:
 
 
 def soak_loader(modality: str, shards: Path, epochs: int) -> list[dict[str, float]]:
-    from pipeline.image import image_loader
-    from pipeline.pointcloud import pointcloud_loader
-    from pipeline.text import text_loader
+    from pipeline.image.loader import image_loader
+    from pipeline.pointcloud.loader import pointcloud_loader
+    from pipeline.text.loader import text_loader
 
     make = {"image": lambda: image_loader(shards, batch_size=32, device="auto"),
             "text": lambda: text_loader(shards, batch_size=32, seq_len=128, device="auto"),
@@ -73,13 +71,13 @@ def make_shards(out: Path, images: int) -> dict[str, Path]:
 def soak_training(shards: Path, run: Path, steps: int) -> list[dict[str, float]]:
     import torch
 
-    from pipeline.image import ImageConfig, ImageLoader
-    from pipeline.shardlist import resolve
+    from pipeline.image.loader import ImageConfig, ImageLoader
+    from pipeline.loading.shardlist import resolve_source
     from trainers.image_task import ImageClassification
     from trainers.loop import TrainConfig, Trainer
     from trainers.run import fit
 
-    source, points = resolve(shards), [reading()]
+    source, points = resolve_source(shards), [reading()]
     loader = ImageLoader(source, ImageConfig(batch_size=32, size=48, device="cpu"), 0, 1)
     task = ImageClassification(len(source.classes or {}) or 10, device=torch.device("cpu"))
     chunk = max(steps // 10, 1)

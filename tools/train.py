@@ -14,20 +14,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cliutil import positive_int, run_main, setup_logging
+from tqdm import tqdm
 
-from cliutil import fail, positive_int, setup_logging  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from pipeline.errors import DataError  # noqa: E402
-from pipeline.shardlist import Source, resolve  # noqa: E402
-from pipeline.urls import redact  # noqa: E402
-
-HOLD_OUT_EVERY = 10
+from pipeline.loading.shardlist import resolve_source
+from trainers.wiring import TaskOptions, build_task, device_of, split_eval
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,101 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def split_eval(source: Source, eval_data: str | None) -> tuple[Source, Source, str]:
-    if eval_data:
-        return source, resolve(eval_data), f"--eval-data {redact(eval_data)}"
-    shards = sorted(source.shards, key=lambda s: s.url)
-    if len(shards) < 2:
-        raise ValueError("--data has one shard: nothing to hold out; pass --eval-data or "
-                         "re-shard with a smaller --max-count")
-    held = shards[HOLD_OUT_EVERY - 1:: HOLD_OUT_EVERY] or shards[-1:]
-    train = tuple(s for s in shards if s not in held)
-    names = ", ".join(redact(s.url).rsplit("/", 1)[-1] for s in held)
-    return (Source(train, source.classes, source.modality),
-            Source(tuple(held), source.classes, source.modality),
-            f"every {HOLD_OUT_EVERY}th shard of --data, never trained on: {names}")
-
-
-def build_task(args: argparse.Namespace, train: Source, held: Source, rank: int, world: int
-               ) -> tuple[Any, Any, Any]:
-    """(training loader, evaluation loader or None, task) for --task. Rank 0 evaluates all
-    of the held-out data (often too few shards to split); the other ranks add nothing to the
-    sums they share."""
-    builders = {"image": _image, "text": _text, "pointcloud": _pointcloud}
-    return builders[args.task](args, train, held, rank, world)
-
-
-def _classes(args: argparse.Namespace, train: Source) -> int:
-    if not train.classes:
-        raise ValueError(f"{redact(args.data)}: its manifest has no classes; {args.task} "
-                         "training needs labelled shards")
-    return len(train.classes)
-
-
-def _device(loader: Any) -> Any:
-    import torch
-
-    return torch.device("cuda", loader.cuda_index) if loader.device == "gpu" else \
-        torch.device("cpu")
-
-
-def _image(args: argparse.Namespace, train: Source, held: Source, rank: int, world: int
-           ) -> tuple[Any, Any, Any]:
-    from pipeline.image import ImageConfig, ImageLoader
-    from trainers.image_task import ImageClassification
-
-    classes = _classes(args, train)
-    common = {"batch_size": args.batch_size, "seed": args.seed, "device": args.device,
-              "on_error": args.on_error, "size": args.size, "num_classes": classes,
-              "reader": args.reader}
-    loader = ImageLoader(train, ImageConfig(train=True, **common), rank, world)
-    evaluation = ImageLoader(held, ImageConfig(train=False, **common), 0, 1) if rank == 0 \
-        else None
-    task = ImageClassification(classes, args.model or "small-resnet", _device(loader),
-                               args.activation_checkpointing)
-    return loader, evaluation, task
-
-
-def _text(args: argparse.Namespace, train: Source, held: Source, rank: int, world: int
-          ) -> tuple[Any, Any, Any]:
-    from pipeline.text import TextConfig, TextLoader
-    from pipeline.tokenizer import load_tokenizer
-    from trainers.text_task import LanguageModelling
-
-    if args.model:
-        raise ValueError("--model is for image and pointcloud tasks; text models follow "
-                         "--objective (mlm: encoder, clm: decoder)")
-    tokenizer = load_tokenizer(args.tokenizer)
-    common = {"batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed,
-              "objective": args.objective, "device": args.device, "on_error": args.on_error,
-              "reader": args.reader}
-    loader = TextLoader(train, TextConfig(train=True, **common), tokenizer, rank, world)
-    evaluation = TextLoader(held, TextConfig(train=False, **common), tokenizer, 0, 1) \
-        if rank == 0 else None
-    task = LanguageModelling(args.objective, tokenizer.vocab_size, args.seq_len,
-                             _device(loader))
-    return loader, evaluation, task
-
-
-def _pointcloud(args: argparse.Namespace, train: Source, held: Source, rank: int, world: int
-                ) -> tuple[Any, Any, Any]:
-    from pipeline.pointcloud import PointCloudConfig, PointCloudLoader
-    from trainers.pointcloud_task import MODELS, PointCloudClassification
-
-    classes, model = _classes(args, train), args.model or "pointnet"
-    if model not in MODELS:  # before any loader is built
-        raise ValueError(f"--model {model}: choose one of {', '.join(MODELS)} for point clouds")
-    common = {"batch_size": args.batch_size, "seed": args.seed, "device": args.device,
-              "on_error": args.on_error, "num_points": args.num_points, "grid": args.grid,
-              "num_classes": classes, "voxels": "occupancy" if model == "voxnet" else None,
-              "reader": args.reader}
-    loader = PointCloudLoader(train, PointCloudConfig(train=True, **common), rank, world)
-    evaluation = PointCloudLoader(held, PointCloudConfig(train=False, **common), 0, 1) \
-        if rank == 0 else None
-    task = PointCloudClassification(classes, model, _device(loader), grid=args.grid)
-    return loader, evaluation, task
-
-
 def run(trainer: Any, evaluation: Any, held_out: str, steps: int, quiet: bool
         ) -> dict[str, Any]:
     from trainers.run import fit
@@ -203,11 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.quiet or not info.is_main)
     logging.getLogger("trainers").setLevel(logging.INFO if info.is_main else logging.WARNING)
     distributed.init(info, use_cuda=args.device != "cpu" and torch.cuda.is_available())
-    train, held, held_out = split_eval(resolve(args.data), args.eval_data)
+    train, held, held_out = split_eval(resolve_source(args.data), args.eval_data)
     torch.manual_seed(args.seed)
     # The same seed on every rank: every rank starts from the same weights.
-    loader, evaluation, task = build_task(args, train, held, info.rank, info.world_size)
-    device = _device(loader)
+    opts = TaskOptions(**{f.name: getattr(args, f.name) for f in fields(TaskOptions)})
+    loader, evaluation, task = build_task(opts, train, held, info.rank, info.world_size)
+    device = device_of(loader)
     if args.epochs and args.task == "text":
         raise ValueError("--epochs needs the loader's length, which for packed text depends "
                          "on the token count; pass --steps")
@@ -248,11 +149,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except DataError as err:
-        fail(str(err))
-    except (ValueError, FileNotFoundError) as err:
-        fail(str(err), 2)
-    except OSError as err:  # a full disk while saving, say: the message says what to do
-        fail(str(err), 3)
+    run_main(main)

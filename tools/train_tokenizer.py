@@ -13,28 +13,25 @@ checks (bad UTF-8, NUL bytes, empty) are skipped, counted and named, or with
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cliutil import positive_int, run_main, setup_logging
 
-from cliutil import fail, positive_int, setup_logging  # noqa: E402
-
-from pipeline.checks import CheckLimits, check_text  # noqa: E402
-from pipeline.errors import DataError, OnError, SkipLog, handle  # noqa: E402
+from pipeline.errors import DataError, OnError, SkipLog, handle
+from pipeline.samples.checks import CheckLimits, check_text
 
 
 def documents(source: str, on_error: OnError, skips: SkipLog, limit: int
               ) -> Iterator[str]:
     import fsspec
 
-    from pipeline.shardlist import resolve
-    from pipeline.tarread import iter_samples
+    from pipeline.loading.shardlist import resolve_source
+    from pipeline.shards.tarread import iter_samples
     from pipeline.urls import redact
 
     checks = CheckLimits(max_text_bytes=limit)
-    for shard in resolve(source).shards:
+    for shard in resolve_source(source).shards:
         with fsspec.open(shard.url, "rb") as f:
             for sample in iter_samples(f, redact(shard.url), on_error=on_error, skips=skips):
                 if "txt" not in sample:
@@ -48,7 +45,7 @@ def documents(source: str, on_error: OnError, skips: SkipLog, limit: int
 
 def train(source: str, out: Path, vocab_size: int, on_error: OnError, limit: int
           ) -> tuple[int, SkipLog]:
-    from pipeline.tokenizer import train_bpe
+    from pipeline.text.tokenizer import train_bpe
 
     skips, count = SkipLog(), 0
 
@@ -84,9 +81,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except DataError as err:
-        fail(str(err))
-    except (ValueError, FileNotFoundError, ImportError) as err:
-        fail(str(err), 2)
+    run_main(main, usage=(ImportError,))  # ImportError: the optional tokenizers extra

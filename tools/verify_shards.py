@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cliutil import positive_int, positive_seconds, run_main
 
-from cliutil import fail, positive_int, positive_seconds  # noqa: E402
-
-from pipeline.executor import WorkerError  # noqa: E402
-from pipeline.split import assignment  # noqa: E402
-from pipeline.verify import ShardReport, problem_counts, verify  # noqa: E402
+from pipeline.loading.split import assignment
+from pipeline.shards.verify import ShardReport, problem_counts, verify
 
 MAX_LISTED = 20
 
@@ -95,9 +91,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (FileNotFoundError, ValueError) as err:
-        fail(str(err), 2)
-    except WorkerError as err:
-        fail(str(err), 4)
+    run_main(main)

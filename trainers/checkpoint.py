@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pipeline.shardwriter import fsync_dir
+from pipeline.atomic import fsync_dir
 
 log = logging.getLogger(__name__)
 VERSION = 1

@@ -5,17 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from trainers.classify import Classification
 from trainers.models import build_model
-from trainers.task import EvalTotals, StepOutput
 
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 
 
-class ImageClassification:
-    """A classifier over `Batch(image, label, keys)`; images arrive uint8 NCHW."""
+class ImageClassification(Classification):
+    """A classifier over `ImageBatch(image, label, keys)`; images arrive uint8 NCHW."""
 
     def __init__(self, num_classes: int, model: str = "small-resnet",
                  device: torch.device | str = "cpu", activation_checkpointing: bool = False
@@ -31,18 +30,6 @@ class ImageClassification:
         if image.dtype == torch.uint8:  # the loader sends uint8 (4x fewer bytes): normalize here
             image = (image.float() - self.mean) / self.std
         return image
-
-    def forward(self, batch: Any) -> StepOutput:
-        logits = self.model(self._inputs(batch))
-        loss = F.cross_entropy(logits.float(), batch.label)
-        return StepOutput(loss)
-
-    def evaluate(self, batch: Any) -> EvalTotals:
-        logits = self.model(self._inputs(batch)).float()
-        loss = F.cross_entropy(logits, batch.label, reduction="sum")
-        correct = (logits.argmax(1) == batch.label).sum()
-        # .item() syncs with the device; evaluation is not the hot path
-        return EvalTotals(float(loss.item()), int(correct.item()), len(batch.label))
 
     def describe(self) -> dict[str, Any]:
         return {"task": "image", "model": self.model_name, "num_classes": self.num_classes}

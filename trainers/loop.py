@@ -22,7 +22,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from pipeline.readers import rank_agreement
+from pipeline.loading.agreement import rank_agreement
 from trainers import checkpoint
 from trainers.distributed import DistInfo, gather, sum_over_ranks, unwrap
 from trainers.offload import OffloadedOptimizer

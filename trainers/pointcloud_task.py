@@ -13,10 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from trainers.task import EvalTotals, StepOutput
+from trainers.classify import Classification
 
 MODELS = ("pointnet", "voxnet")
 
@@ -62,7 +61,7 @@ def _block(cin: int, cout: int) -> nn.Module:
                          nn.ReLU(inplace=True))
 
 
-class PointCloudClassification:
+class PointCloudClassification(Classification):
     """A classifier over `PointBatch(points, label, keys, voxels)`. "voxnet" needs a loader
     built with voxels="occupancy" or "count" and the same `grid`."""
 
@@ -90,17 +89,6 @@ class PointCloudClassification:
                              f"build the loader with voxels='occupancy' (or 'count') and "
                              f"grid={self.grid}")
         return voxels
-
-    def forward(self, batch: Any) -> StepOutput:
-        logits = self.model(self._inputs(batch))
-        return StepOutput(F.cross_entropy(logits.float(), batch.label))
-
-    def evaluate(self, batch: Any) -> EvalTotals:
-        logits = self.model(self._inputs(batch)).float()
-        loss = F.cross_entropy(logits, batch.label, reduction="sum")
-        correct = (logits.argmax(1) == batch.label).sum()
-        # .item() syncs with the device; evaluation is not the hot path
-        return EvalTotals(float(loss.item()), int(correct.item()), len(batch.label))
 
     def describe(self) -> dict[str, Any]:
         grid = self.grid if self.model_name == "voxnet" else None

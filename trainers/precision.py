@@ -31,7 +31,7 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve(name: PrecisionName, device: torch.device) -> str:
+def resolve_precision(name: PrecisionName, device: torch.device) -> str:
     if name not in ("auto", "bf16", "fp16", "fp32"):
         raise ValueError(f"precision={name!r}: choose auto, bf16, fp16 or fp32")
     if name == "fp16" and device.type != "cuda":
@@ -53,7 +53,7 @@ class Precision:
     def __init__(self, name: PrecisionName, device: torch.device,
                  max_nonfinite: int = 20) -> None:
         self.device = device
-        self.name = resolve(name, device)
+        self.name = resolve_precision(name, device)
         self.scaler = torch.amp.GradScaler("cuda") if self.name == "fp16" else None
         self.max_nonfinite, self.nonfinite_in_a_row, self.skipped_steps = max_nonfinite, 0, 0
 

@@ -6,7 +6,7 @@ background noise, and writes them as an ImageNet-style folder ``out/<class>/<cla
 A small CNN separates the classes within a minute on a laptop CPU, yet no class is a constant
 image. Every 20th image is a PNG so that readers exercise both decoders.
 
-The module also holds the two helpers the other generators share: ``prepare_out`` and
+The module also holds the two helpers the other generators share: ``fresh_out_dir`` and
 ``save_image``.
 """
 
@@ -41,7 +41,7 @@ JPEG_QUALITY = 90
 MaskFn = Callable[[np.ndarray, np.ndarray, float, np.random.Generator], np.ndarray]
 
 
-def prepare_out(out: str | Path) -> Path:
+def fresh_out_dir(out: str | Path) -> Path:
     """Create ``out`` (with parents) and return it as a Path.
 
     Raises ValueError if ``out`` already holds files, so a generator never mixes its output with
@@ -180,7 +180,7 @@ def make_image_folder(
     Files are ``<class>_<i:05d>.jpg`` (quality 90), except every 20th (``i % 20 == 0``), which is
     ``.png``. The same arguments give byte-identical files.
     """
-    out = prepare_out(out)
+    out = fresh_out_dir(out)
     for class_index, name in enumerate(CLASSES):
         folder = out / name
         folder.mkdir()

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from .images import JPEG_QUALITY, prepare_out
+from .images import JPEG_QUALITY, fresh_out_dir
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def make_photo_corpus(
     Folders are ``class_<c:03d>``; image ``k`` goes to class ``k % classes`` as its
     ``k // classes``-th file. The same arguments give byte-identical files.
     """
-    out = prepare_out(out)
+    out = fresh_out_dir(out)
     names = [f"class_{c:03d}" for c in range(classes)]
     for name in names:
         (out / name).mkdir()

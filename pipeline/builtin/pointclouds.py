@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .images import prepare_out
+from .images import fresh_out_dir
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def make_pointcloud_folder(
     Files are ``out/<class>/<class>_<i:05d>.npy``, except every 25th (``i % 25 == 0``), which is
     ``.xyz`` text. The same arguments give byte-identical files.
     """
-    out = prepare_out(out)
+    out = fresh_out_dir(out)
     for class_index, name in enumerate(SHAPES):
         folder = out / name
         folder.mkdir()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .images import prepare_out
+from .images import fresh_out_dir
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ def make_text_corpus(out: str | Path, *, docs: int = 400, seed: int = 0) -> Path
     Documents with ``i % 50 == 0`` contain non-ASCII text; the rest are ASCII. The same arguments
     give byte-identical files.
     """
-    out = prepare_out(out)
+    out = fresh_out_dir(out)
     for i in range(docs):
         rng = np.random.default_rng([seed, i])
         text = render_document(rng, number=i, accented=i % NON_ASCII_EVERY == 0)

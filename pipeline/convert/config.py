@@ -1,0 +1,77 @@
+"""The options of a conversion (`tools/make_shards.py`'s flags, one to one), validated here.
+
+Everything that decides the output bytes is compared on a rerun (the journal's `args`), so a
+resumed job is the same job; workers, overwrite and the worker timeout are not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pipeline.convert.sources import SOURCE_KINDS, TextOptions
+from pipeline.errors import OnError, check_on_error
+from pipeline.samples.checks import CheckLimits
+from pipeline.shards.manifest import MANIFEST, part_manifest_name
+from pipeline.urls import redact
+
+
+@dataclass(frozen=True)
+class ConvertConfig:
+    """Everything that decides the output bytes (plus workers and overwrite, which don't)."""
+
+    kind: str
+    src: str
+    out: Path
+    prefix: str = "train"
+    max_count: int = 10_000
+    max_size: int = 512 * 1024 * 1024
+    shuffle_seed: int | None = None
+    part: tuple[int, int] = (0, 1)
+    on_error: OnError = "raise"
+    limits: CheckLimits = field(default_factory=CheckLimits)
+    text: TextOptions = field(default_factory=TextOptions)
+    path_column: str = "path"
+    label_column: str = "label"
+    classes: dict[str, int] | None = None  # reuse an earlier conversion's class map
+    max_file_bytes: int = 1024 * 1024 * 1024
+    max_member_bytes: int = 256 * 1024 * 1024
+    workers: int = field(default=os.cpu_count() or 1, compare=False)
+    overwrite: bool = field(default=False, compare=False)
+    # seconds a chunk of inputs may take in a worker process before it is declared hung
+    worker_timeout_s: float = field(default=900.0, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "out", Path(self.out))  # a str from Python callers too
+        if self.kind not in SOURCE_KINDS:
+            raise ValueError(f"kind={self.kind!r}: choose one of {', '.join(SOURCE_KINDS)}")
+        check_on_error(self.on_error)
+        for name in ("max_count", "max_size", "workers", "max_file_bytes", "max_member_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
+        if not self.worker_timeout_s > 0:  # also refuses NaN
+            raise ValueError(f"worker_timeout_s={self.worker_timeout_s}: must be above 0")
+        if not self.prefix or any(c in self.prefix for c in "./\\ "):
+            raise ValueError(f"prefix={self.prefix!r}: use letters, digits, '-' or '_'")
+        index, count = self.part
+        if count < 1 or not 0 <= index < count:
+            raise ValueError(f"part={index}/{count}: expected i/n with 0 <= i < n (0-based)")
+
+    @property
+    def stem(self) -> str:
+        index, count = self.part
+        return self.prefix if count == 1 else f"{self.prefix}-p{index:03d}"
+
+    @property
+    def manifest_name(self) -> str:
+        return MANIFEST if self.part[1] == 1 else part_manifest_name(*self.part)
+
+    def job_args(self) -> dict[str, object]:
+        """The arguments as recorded in the manifest and compared on resume (URLs redacted)."""
+        args = asdict(self)
+        args.update(src=redact(self.src), out=str(self.out), part=list(self.part))
+        for name in ("workers", "overwrite", "worker_timeout_s"):
+            args.pop(name)
+        return json.loads(json.dumps(args))

@@ -1,0 +1,273 @@
+"""The conversion job behind `tools/make_shards.py`: source -> checked samples -> shards.
+
+    plan (sorted tasks, stable keys) -> order (shuffle seed, part slice) -> workers check and
+    build samples -> ShardWriter (limits, atomic) -> journal after each shard -> manifest
+
+The output folder (refused, cleaned or resumed) and the journal that makes a rerun continue
+after a kill are in outdir.py; the manifest, written last, marks a finished job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline import executor
+from pipeline.convert import outdir
+from pipeline.convert.config import ConvertConfig
+from pipeline.convert.outdir import JOURNAL, Journal
+from pipeline.convert.sources import (
+    InputItem,
+    Plan,
+    TextOptions,
+    build_samples,
+    make_keys,
+    plan_imagefolder,
+    plan_manifest,
+    plan_pointcloud,
+    plan_text,
+)
+from pipeline.errors import DataError, SkipLog, handle
+from pipeline.samples.checks import (
+    IMAGE_EXTS,
+    POINTCLOUD_EXTS,
+    TEXT_EXTS,
+    CheckLimits,
+    check_sample,
+)
+from pipeline.shards.listing import list_shards, preflight
+from pipeline.shards.manifest import Manifest, ShardInfo
+from pipeline.shards.tarread import TarLimits, iter_samples
+from pipeline.shards.writer import ShardWriter
+from pipeline.urls import redact
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int, "int | None"], None]  # samples, bytes so far; total if known
+SHUFFLE_BUFFER = 10_000  # samples held when shuffling a stream of existing shards
+
+
+# -- planning and ordering ---------------------------------------------------------------------
+
+def make_plan(cfg: ConvertConfig) -> Plan:
+    src = Path(cfg.src)
+    if cfg.kind == "imagefolder":
+        return plan_imagefolder(src, cfg.classes)
+    if cfg.kind == "pointcloud":
+        return plan_pointcloud(src, cfg.classes)
+    if cfg.kind == "text":
+        return plan_text(src, cfg.text)
+    if cfg.kind == "manifest":
+        return plan_manifest(src, cfg.path_column, cfg.label_column, cfg.classes)
+    return Plan("unknown", [])  # shards: streamed, see shard_tasks
+
+
+def order_tasks(tasks: list[InputItem], cfg: ConvertConfig) -> list[InputItem]:
+    """Shuffle with the seed (if any), then take this part's contiguous slice."""
+    if cfg.shuffle_seed is not None:
+        tasks = list(tasks)
+        random.Random(cfg.shuffle_seed).shuffle(tasks)
+    index, count = cfg.part
+    return tasks[index * len(tasks) // count: (index + 1) * len(tasks) // count]
+
+
+def shard_tasks(cfg: ConvertConfig, skips: SkipLog) -> Iterator[dict[str, object] | DataError]:
+    """Samples of existing shards (this part's slice of them), keys made safe and unique."""
+    urls = list_shards(cfg.src)
+    preflight(urls, cfg.src)
+    index, count = cfg.part
+    urls = urls[index * len(urls) // count: (index + 1) * len(urls) // count]
+    stream = _unique_keys(_read_shards(urls, cfg, skips))
+    if cfg.shuffle_seed is not None:
+        stream = _buffer_shuffle(stream, random.Random(cfg.shuffle_seed))
+    return stream
+
+
+def _read_shards(urls: list[str], cfg: ConvertConfig, skips: SkipLog
+                 ) -> Iterator[dict[str, object] | DataError]:
+    import fsspec
+
+    limits = TarLimits(cfg.max_member_bytes)
+    for url in urls:
+        try:
+            with fsspec.open(url, "rb") as f:
+                yield from iter_samples(f, redact(url), limits=limits, on_error=cfg.on_error,
+                                        skips=skips)
+        except DataError as err:
+            yield err  # the shard is damaged from here on; the error says where
+
+
+def _unique_keys(stream: Iterable[dict[str, object] | DataError]
+                 ) -> Iterator[dict[str, object] | DataError]:
+    seen: set[str] = set()
+    for item in stream:
+        if isinstance(item, dict):
+            key = make_keys([str(item["__key__"])])[0]
+            if key in seen:
+                item = DataError("duplicate-key", "key already used by an earlier shard",
+                                 source=str(item["__url__"]), key=key)
+            else:
+                seen.add(key)
+                item = {**item, "__key__": key}
+        yield item
+
+
+def _buffer_shuffle(stream: Iterable[dict[str, object] | DataError], rng: random.Random
+                    ) -> Iterator[dict[str, object] | DataError]:
+    buf: list[dict[str, object] | DataError] = []
+    for item in stream:
+        buf.append(item)
+        if len(buf) >= SHUFFLE_BUFFER:
+            i = rng.randrange(len(buf))
+            buf[i], buf[-1] = buf[-1], buf[i]
+            yield buf.pop()
+    rng.shuffle(buf)
+    yield from buf
+
+
+# -- the worker side -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Work:
+    """What a worker needs besides the task; picklable, sent once per chunk."""
+
+    limits: CheckLimits
+    text: TextOptions
+    max_file_bytes: int
+
+
+def run_task(task: InputItem | dict[str, object] | DataError, work: _Work
+             ) -> list[dict[str, object] | DataError]:
+    if isinstance(task, DataError):
+        return [task]
+    if isinstance(task, dict):
+        try:
+            check_sample(task, work.limits)
+        except DataError as err:
+            return [err]
+        return [task]
+    return build_samples(task, work.limits, work.text, work.max_file_bytes)
+
+
+# -- the job ---------------------------------------------------------------------------------------
+
+def convert(cfg: ConvertConfig, progress: Progress | None = None) -> Manifest:
+    """Run (or finish) a conversion; returns the manifest it wrote."""
+    outdir.not_in_place(cfg)
+    journal = outdir.prepare_out(cfg)
+    skips = SkipLog()
+    plan = make_plan(cfg)
+    tasks: Iterable[InputItem | dict[str, object] | DataError]
+    tasks = shard_tasks(cfg, skips) if cfg.kind == "shards" else order_tasks(plan.tasks, cfg)
+    writer = ShardWriter(cfg.out, cfg.stem, max_count=cfg.max_count, max_size=cfg.max_size,
+                         start_index=len(journal.shards))
+    job = _Job(cfg, journal, writer, skips, progress)
+    job.total = _expected_samples(tasks)
+    try:
+        job.run(tasks, _Work(cfg.limits, cfg.text, cfg.max_file_bytes))
+    except BaseException:
+        writer.abort()
+        raise
+    return job.finish(plan)
+
+
+class _Job:
+    """The write loop's state: position in the task list, skips, the journal."""
+
+    def __init__(self, cfg: ConvertConfig, journal: Journal, writer: ShardWriter,
+                 skips: SkipLog, progress: Progress | None) -> None:
+        self.cfg, self.journal, self.writer, self.progress = cfg, journal, writer, progress
+        self.skips = skips
+        self.skips.extend(journal.skipped)
+        self.total: int | None = None
+        self.written = sum(int(s["samples"]) for s in journal.shards)  # type: ignore[call-overload]
+        self.bytes = sum(int(s["bytes"]) for s in journal.shards)  # type: ignore[call-overload]
+
+    def run(self, tasks: Iterable[InputItem | dict[str, object] | DataError], work: _Work) -> None:
+        start_task, start_result = self.journal.position
+        self.end = (start_task, start_result)
+        results = executor.ordered_map(run_task, _skip(tasks, start_task), work, self.cfg.workers,
+                                       timeout_s=self.cfg.worker_timeout_s, describe=_describe)
+        with contextlib.closing(results):  # stop the workers here, also on an error
+            for n, outputs in enumerate(results, start_task):
+                first = start_result if n == start_task else 0
+                for r, item in enumerate(outputs[first:], first):
+                    self._take(item, (n, r))
+                self.end = (n + 1, 0)
+
+    def _take(self, item: dict[str, object] | DataError, position: tuple[int, int]) -> None:
+        if isinstance(item, DataError):
+            handle(item, self.cfg.on_error, self.skips)
+            return
+        if not self.writer.fits(item):
+            self._finish_shard(position)
+        self.writer.write(item)
+        self.written += 1
+        if self.progress:
+            self.progress(self.written, self.bytes + self.writer.open_bytes, self.total)
+
+    def _finish_shard(self, position: tuple[int, int]) -> None:
+        info = self.writer.finish()
+        if info is None:
+            return
+        self.bytes += info.bytes
+        self.journal.shards.append(info.to_json())
+        self.journal.position = list(position)
+        self.journal.skipped = list(self.skips.entries)
+        self.journal.save(self.cfg.out)
+
+    def finish(self, plan: Plan) -> Manifest:
+        self._finish_shard(self.end)  # a rerun after this point has nothing left to convert
+        shards = [ShardInfo.from_json(s) for s in self.journal.shards]
+        modality = plan.modality
+        if self.cfg.kind == "shards":
+            modality = _modality_of(self.cfg.out, shards)
+        manifest = Manifest(shards, modality, plan.classes, list(self.skips.entries),
+                            plan.ignored, self.cfg.job_args())
+        manifest.save(self.cfg.out / self.cfg.manifest_name)
+        (self.cfg.out / JOURNAL).unlink(missing_ok=True)
+        return manifest
+
+
+def _expected_samples(tasks: Iterable[object]) -> int | None:
+    """Samples to expect when every task is one file holding one sample (for an ETA)."""
+    if not isinstance(tasks, list):
+        return None
+    if all(isinstance(t, InputItem) and t.mode in ("image", "points", "text") for t in tasks):
+        return len(tasks)
+    return None
+
+
+def _skip(tasks: Iterable[InputItem | dict[str, object] | DataError], n: int
+          ) -> Iterator[InputItem | dict[str, object] | DataError]:
+    for i, task in enumerate(tasks):
+        if i >= n:
+            yield task
+
+
+def _modality_of(out: Path, shards: list[ShardInfo]) -> str:
+    """A re-sharded dataset's modality, from the extensions in its first index."""
+    from pipeline.shards.daliindex import parse_index
+
+    if not shards:
+        return "unknown"
+    exts = {e[0] for s in parse_index((out / (shards[0].name[:-4] + ".idx")).read_text())
+            for e in s}
+    for modality, names in (("image", set(IMAGE_EXTS)), ("text", set(TEXT_EXTS)),
+                            ("pointcloud", set(POINTCLOUD_EXTS))):
+        if exts & names:
+            return modality
+    return "unknown"
+
+
+def _describe(item: InputItem | dict[str, object] | DataError) -> str:
+    """An input as a worker error names it."""
+    if isinstance(item, InputItem):
+        return f"{redact(item.path)} key {item.key!r}"
+    if isinstance(item, dict):
+        return f"sample {item.get('__key__')!r}"
+    return str(item)

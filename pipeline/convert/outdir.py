@@ -1,0 +1,110 @@
+"""The output folder of a conversion: refuse, clean or resume it, and the journal.
+
+The journal (`.make_shards.journal.json`) records the finished shards and the position in the
+task list after each one, so running the same command again after a kill continues where it
+stopped; a finished job is marked by its manifest, written last.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pipeline.atomic import write_atomic
+from pipeline.convert.config import ConvertConfig
+from pipeline.shards.listing import list_shards
+
+log = logging.getLogger(__name__)
+JOURNAL = ".make_shards.journal.json"
+
+
+@dataclass
+class Journal:
+    """Progress of an unfinished job: shards done and where in the task list they end."""
+
+    args: dict[str, object]
+    shards: list[dict[str, object]] = field(default_factory=list)
+    position: list[int] = field(default_factory=lambda: [0, 0])  # [task, result within task]
+    skipped: list[dict[str, str]] = field(default_factory=list)
+
+    def save(self, out: Path) -> None:
+        write_atomic(out / JOURNAL, json.dumps(asdict(self)).encode())
+
+    @classmethod
+    def load(cls, out: Path) -> Journal:
+        return cls(**json.loads((out / JOURNAL).read_text()))
+
+
+def prepare_out(cfg: ConvertConfig) -> Journal:
+    """Refuse, clean or resume the output folder; returns the journal to continue from."""
+    out = cfg.out
+    out.mkdir(parents=True, exist_ok=True)
+    for tmp in out.glob(".*.tmp"):
+        tmp.unlink()  # leftovers of a killed run: never under a final name, safe to drop
+    if cfg.overwrite:
+        _clean(out, cfg)
+    elif (out / cfg.manifest_name).exists():
+        raise FileExistsError(f"{out} already holds a finished conversion ({cfg.manifest_name});"
+                              " pass --overwrite to replace it")
+    elif (out / JOURNAL).exists():
+        return _resume(out, cfg)
+    elif foreign := _foreign_shards(out, cfg):
+        raise FileExistsError(f"{out} already holds shards ({foreign[0].name} and "
+                              f"{len(foreign) - 1} more); pass --overwrite to replace them")
+    return Journal(cfg.job_args())
+
+
+def _resume(out: Path, cfg: ConvertConfig) -> Journal:
+    journal = Journal.load(out)
+    if not _same_job(journal, cfg):
+        raise FileExistsError(f"{out} holds an unfinished conversion made with other arguments;"
+                              " rerun that command to finish it, or pass --overwrite")
+    for name in _owned(out, cfg):
+        if name.name not in {str(s["name"]) for s in journal.shards} | {
+                str(s["name"])[:-4] + ".idx" for s in journal.shards}:
+            name.unlink()  # renamed after the journal's last save: it will be written again
+    log.info("resuming %s after %d finished shards", out, len(journal.shards))
+    return journal
+
+
+def _same_job(journal: Journal, cfg: ConvertConfig) -> bool:
+    """Same arguments; the error policy may differ while nothing was skipped yet, since the
+    finished shards are then the same under either policy (raise, then rerun with skip)."""
+    mine, theirs = cfg.job_args(), dict(journal.args)
+    if not journal.skipped:
+        mine.pop("on_error")
+        theirs.pop("on_error", None)
+    return mine == theirs
+
+
+def _owned(out: Path, cfg: ConvertConfig) -> list[Path]:
+    pattern = f"{cfg.stem}-[0-9]*"
+    return sorted(list(out.glob(pattern + ".tar")) + list(out.glob(pattern + ".idx")))
+
+
+def _foreign_shards(out: Path, cfg: ConvertConfig) -> list[Path]:
+    # Sibling parts of the same job may share the folder (one per machine).
+    sibling = f"{cfg.prefix}-p" if cfg.part[1] > 1 else None
+    return [p for p in sorted(out.glob("*.tar"))
+            if not (sibling and p.name.startswith(sibling) and not p.name.startswith(cfg.stem))]
+
+
+def _clean(out: Path, cfg: ConvertConfig) -> None:
+    doomed = _owned(out, cfg) + _foreign_shards(out, cfg) + [out / JOURNAL, out / cfg.manifest_name]
+    if cfg.part[1] == 1:
+        doomed += list(out.glob("*.idx")) + list(out.glob("manifest*.json"))
+    for path in doomed:
+        path.unlink(missing_ok=True)
+
+
+def not_in_place(cfg: ConvertConfig) -> None:
+    """Refuse to write into the folder being read: --overwrite would delete the source."""
+    if cfg.kind != "shards" or "://" in cfg.src:
+        return
+    out = cfg.out.resolve()
+    sources = [Path(u).resolve() for u in list_shards(cfg.src)]
+    if any(p.parent == out for p in sources):
+        raise ValueError(f"{cfg.out} holds the source shards; write the new shards to another "
+                         "folder")

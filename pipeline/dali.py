@@ -1,0 +1,128 @@
+"""DALI helpers every graph shares: building a graph fed from Python, running it ahead of its
+consumer (`GraphRunner`), copying a GPU output into a torch tensor, and a DALI error in one line.
+
+DALI is imported inside the functions: `import pipeline` works where DALI is not installed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def build(graph: Callable[[], Any], *, batch_size: int, num_threads: int,
+          device_id: int | None, seed: int, prefetch_depth: int = 2) -> Any:
+    """A built DALI pipeline of `graph()`'s operators, whose inputs are fed with
+    `feed_input(name, ...)` per batch and run with `schedule_run()` / `outputs()` (see
+    GraphRunner). `device_id=None` runs it on the CPU only."""
+    from nvidia.dali import pipeline_def
+
+    @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
+                  seed=seed, prefetch_queue_depth=prefetch_depth)
+    def pipe() -> Any:
+        return graph()
+
+    built = pipe()
+    built.build()
+    return built
+
+
+class GraphRunner:
+    """Runs a graph up to `depth` batches ahead of its consumer (DALI's pipelined executor),
+    pairing every output with the batch that went in; `fetch(output, batch)` copies an
+    output out before the graph runs again. Empty batches (every sample skipped)
+    pass through in their place with output None, so the batch count never changes.
+
+    When an iteration fails, `on_failure(item, error)` gets the batch that went in: it
+    returns the batch to run again (its bad samples removed; possibly empty) or raises. The
+    graph is then rebuilt and every batch still in flight is fed again.
+    """
+
+    def __init__(self, build: Callable[[int], Any], feed: Callable[[Any, Any], None],
+                 fetch: Callable[[Any, Any], Any], is_empty: Callable[[Any], bool],
+                 depth: int) -> None:
+        self.build, self.feed, self.fetch, self.is_empty = build, feed, fetch, is_empty
+        self.depth = max(1, depth)
+        self.graph: Any = None
+        self.built_depth = self.depth
+
+    def run(self, items: Iterator[T], on_failure: Callable[[T, Exception], T]
+            ) -> Iterator[tuple[T, Any]]:
+        pending: deque[list[Any]] = deque()  # [item, fed into the current graph?]
+        try:
+            yield from self._run(iter(items), pending, on_failure)
+        finally:
+            if any(fed for _, fed in pending) or self.built_depth < self.depth:
+                # Abandoned with batches inside (a `break`, close(), an error), or shallow
+                # after a rebuild: a later pass must not get their outputs.
+                self.graph = None
+
+    def close(self) -> None:
+        self.graph = None
+
+    def _run(self, source: Iterator[T], pending: deque[list[Any]],
+             on_failure: Callable[[T, Exception], T]) -> Iterator[tuple[T, Any]]:
+        while True:
+            self._fill(source, pending)
+            if not pending:
+                return
+            head = pending[0][0]
+            if self.is_empty(head):
+                pending.popleft()
+                yield head, None
+                continue
+            if self.graph is None:
+                self._start(pending)
+            try:
+                (out,) = self.graph.outputs()
+                result = self.fetch(out, head)  # before the next run reuses the buffers
+            except RuntimeError as exc:
+                self.graph = None  # a pipeline that failed is not used again
+                pending[0][0] = on_failure(head, exc)
+                for entry in pending:
+                    entry[1] = False
+                continue
+            pending.popleft()
+            yield head, result
+
+    def _fill(self, source: Iterator[T], pending: deque[list[Any]]) -> None:
+        while len(pending) < self.depth and (item := next(source, None)) is not None:
+            entry = [item, False]
+            pending.append(entry)
+            if self.graph is not None and not self.is_empty(item):
+                self.feed(self.graph, item)
+                self.graph.schedule_run()
+                entry[1] = True
+
+    def _start(self, pending: deque[list[Any]]) -> None:
+        """Build the graph and feed what is waiting: its first scheduled run prefetches that
+        many iterations at once."""
+        waiting = [e for e in pending if not self.is_empty(e[0])]
+        self.graph, self.built_depth = self.build(len(waiting)), len(waiting)
+        for entry in waiting:
+            self.feed(self.graph, entry[0])
+            entry[1] = True
+        self.graph.schedule_run()
+
+
+def to_cuda(batch: Any, dtype: Any, cuda_index: int | None, stream: Any) -> Any:
+    """A dense DALI GPU batch copied into a new CUDA tensor, ordered on `stream` (the
+    copier's side stream), before the graph runs again and reuses its buffer."""
+    import torch
+    from nvidia.dali.plugin.pytorch import feed_ndarray
+
+    dense = batch.as_tensor()
+    tensor = torch.empty(dense.shape(), dtype=dtype,
+                         device=torch.device("cuda", cuda_index or 0))
+    feed_ndarray(dense, tensor, cuda_stream=stream)
+    return tensor
+
+
+def reason(exc: Exception) -> str:
+    """The operator's own words from a DALI error (which opens with the graph's traceback)."""
+    text = str(exc)
+    text = text.split("encountered:", 1)[-1].split("C++ context:", 1)[0]
+    return " ".join(text.split())[:200]

@@ -1,0 +1,46 @@
+"""The image loader's options: the shared loader options plus what images need."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pipeline.image.graph import IMAGENET_MEAN, IMAGENET_STD, Layout
+from pipeline.loading.options import GraphOptions, choice, interval, positive
+
+
+@dataclass(frozen=True)
+class ImageConfig(GraphOptions):
+    """Options of `image_loader`; every field is also a keyword argument of it, e.g.
+    `image_loader(src, batch_size=256, size=160, normalize=True, layout="NHWC")`."""
+
+    size: int = 224
+    crop_scale: tuple[float, float] = (0.08, 1.0)
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    crop_fraction: float = 0.875  # eval: the centre crop's share of the shorter side
+    layout: Layout = "NCHW"
+    normalize: bool = False  # float32 normalized with mean/std instead of uint8
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+    max_pixels: int = 64_000_000
+    interp: Literal["linear", "triangular", "cubic"] = "linear"  # the graph's resize filter
+    # Where resize, flip and (with normalize) normalization run after a CPU decode: "torch"
+    # (resize.py, in the decode stage's thread) or "dali" (the graph, on DALI's CPU threads);
+    # "auto": the tuning file's choice, else torch. A GPU loader always resizes in the graph.
+    resize_on: Literal["auto", "torch", "dali"] = "auto"
+    antialias: bool = True
+    fast_idct: bool = False
+    hw_decoder_load: float = 0.65
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        positive(self, "size", "max_pixels")
+        choice(self, "layout", ("NCHW", "NHWC"))
+        choice(self, "interp", ("linear", "triangular", "cubic"))
+        choice(self, "resize_on", ("auto", "torch", "dali"))
+        interval(self, "crop_scale", 0, 1)
+        interval(self, "crop_ratio", 0, float("inf"))
+        if not 0 < self.crop_fraction <= 1:
+            raise ValueError(f"crop_fraction={self.crop_fraction}: a share in (0, 1]")
+        if not 0 <= self.hw_decoder_load <= 1:
+            raise ValueError(f"hw_decoder_load={self.hw_decoder_load}: a share in [0, 1]")

@@ -1,0 +1,73 @@
+"""The DALI decode graph for images; the device is a parameter.
+
+    encoded bytes, crop window (anchor, shape), flip   (external_source, fed per batch)
+      -> decoders.image_slice: region-of-interest decode of the window
+      -> with `resize`: resize to size x size and crop_mirror_normalize (flip, layout)
+
+The window is chosen in Python from the image header (a random-resized crop when training,
+the centre crop when evaluating), so one graph serves both. `device="cpu"` decodes on the CPU
+(`device_id=None`) and leaves resizing to torch (resize.py measured faster there);
+`device="gpu"` decodes with nvJPEG ("mixed", `hw_decoder_load` of it on the hardware decoder)
+and resizes and flips on the GPU. Images leave as uint8; normalization is done on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pipeline import dali
+
+IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+Layout = Literal["NHWC", "NCHW"]
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """What the graph computes. Built once per loader (and again after a decode failure)."""
+
+    size: int
+    device: Literal["cpu", "gpu"]
+    layout: Layout = "NCHW"
+    interp: Literal["linear", "triangular", "cubic"] = "linear"
+    antialias: bool = True
+    fast_idct: bool = False  # libjpeg-turbo's faster, slightly less exact integer IDCT
+    resize: bool = True  # False: the graph only decodes (the CPU path resizes with torch)
+    hw_decoder_load: float = 0.65
+    # (mean, std) in 0..255 units: float32 (x - mean) / std out of the graph; None: uint8
+    normalize: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+
+
+def build(spec: GraphSpec, **options: Any) -> Any:
+    """The built graph (see pipeline.dali.build for `options`)."""
+    return dali.build(lambda: _graph(spec), **options)
+
+
+def _graph(spec: GraphSpec) -> Any:
+    from nvidia.dali import fn, types
+
+    encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
+    anchor = fn.external_source(name="anchor", dtype=types.INT32, ndim=1)
+    shape = fn.external_source(name="shape", dtype=types.INT32, ndim=1)
+    extra: dict[str, Any] = {"use_fast_idct": spec.fast_idct}
+    if spec.device == "gpu":
+        extra["hw_decoder_load"] = spec.hw_decoder_load
+    images = fn.decoders.image_slice(encoded, anchor, shape,
+                                     device="mixed" if spec.device == "gpu" else "cpu",
+                                     output_type=types.RGB, adjust_orientation=False,
+                                     normalized_anchor=False, normalized_shape=False, **extra)
+    if not spec.resize:
+        return images
+    interp = {"linear": types.INTERP_LINEAR, "triangular": types.INTERP_TRIANGULAR,
+              "cubic": types.INTERP_CUBIC}[spec.interp]
+    flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
+    images = fn.resize(images, resize_x=spec.size, resize_y=spec.size, interp_type=interp,
+                       antialias=spec.antialias)
+    norm: dict[str, Any] = {"dtype": types.UINT8}
+    if spec.normalize is not None:
+        norm = {"dtype": types.FLOAT, "mean": list(spec.normalize[0]),
+                "std": list(spec.normalize[1])}
+    return fn.crop_mirror_normalize(images, mirror=flip,
+                                    output_layout="CHW" if spec.layout == "NCHW" else "HWC",
+                                    **norm)

@@ -1,0 +1,48 @@
+"""Resizing decoded images on the CPU with torch's vectorised uint8 kernels.
+
+Measured here (2 cores, photo-like JPEGs, crops of ~300 px to 224): DALI's CPU resize with
+antialiasing cost about as much as the region-of-interest decode itself (0.6-0.8 ms a crop),
+torch's antialiased bilinear uint8 kernel about 0.3 ms. So on the CPU the DALI graph only
+decodes, and this stage resizes, flips and lays out the batch; on a GPU the graph does it all.
+The filter is the same (bilinear, antialiased when shrinking), as in torchvision.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+
+def _resize(hwc: np.ndarray, height: int, width: int) -> torch.Tensor:
+    """(1, 3, height, width) uint8 from an HWC uint8 image, without copying the input."""
+    chw = torch.from_numpy(hwc).permute(2, 0, 1).unsqueeze(0)  # channels-last strides
+    return F.interpolate(chw, size=(height, width), mode="bilinear", antialias=True,
+                         align_corners=False)
+
+
+def batch(images: Sequence[np.ndarray], flips: Sequence[bool], size: int,
+          channels_first: bool, normalize: tuple[Sequence[float], Sequence[float]] | None
+          ) -> torch.Tensor:
+    """Each decoded window resized to size x size and flipped where asked, as one batch:
+    uint8, or float32 (x - mean) / std when `normalize` gives (mean, std) in 0..255 units."""
+    dtype = torch.float32 if normalize else torch.uint8
+    out = torch.empty((len(images), 3, size, size), dtype=dtype)
+    for i, (image, flip) in enumerate(zip(images, flips, strict=True)):
+        resized = _resize(image, size, size)[0]
+        out[i] = resized.flip(-1) if flip else resized
+    if normalize:  # per batch: the stage thread runs torch on one core, this is one pass
+        mean, std = (torch.tensor(v, dtype=torch.float32).view(1, 3, 1, 1) for v in normalize)
+        out.sub_(mean).div_(std)
+    return out if channels_first else out.permute(0, 2, 3, 1).contiguous()
+
+
+def views(tensor_list: Any) -> list[np.ndarray]:
+    """Per-sample numpy views of a CPU DALI TensorList (valid until its pipeline runs again)."""
+    return [np.asarray(tensor_list[i]) for i in range(len(tensor_list))]

@@ -1,0 +1,181 @@
+"""The decode stage of the loaders that decode in a DALI graph (images, point clouds): what
+they share, written once. A modality subclasses `GraphStage` and supplies the graph
+(`_build`, `_feed`, `_fetch`), its own full check of one sample (`_check`), and the last step
+to a batch (`_finish`); its loader subclasses `GraphLoader` (the reader stage's checks).
+
+    reader stage items (EncodedBatch, per-sample columns)
+      -> GraphRunner: graph up to 2 batches ahead, outputs copied out before the next run
+      -> a failed batch is traced to its samples: the modality's own check of each (PIL,
+         numpy), then each alone through a fresh one-sample graph; bad samples are raised or
+         skipped (recorded with the batch) and the rest runs again
+      -> _finish(item, output) -> (batch, reader state, ready event, skips)
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal
+
+from pipeline import dali
+from pipeline.errors import DataError, OnError, SkipLog, handle
+from pipeline.loading.batch import EncodedBatch
+from pipeline.loading.loader import Loader, Produced
+from pipeline.loading.options import GraphOptions
+from pipeline.loading.prefetch import DeviceCopier, one_core_in_this_thread
+from pipeline.loading.readplan import EpochPlan
+from pipeline.loading.shardlist import Source
+
+# (the encoded batch, then per-sample columns aligned with it: labels, windows, parameters)
+Item = tuple[Any, ...]
+
+
+class GraphStage(ABC):
+    """Owns one loader's DALI graph (through a GraphRunner) and its device copier."""
+
+    what = "sample"  # as the one-sample DALI failure names it: "bad-image", "bad-cloud"
+
+    def __init__(self, device: Literal["cpu", "gpu"], cuda_index: int | None,
+                 on_error: OnError) -> None:
+        self.device, self.cuda_index, self.on_error = device, cuda_index, on_error
+        self.runner = dali.GraphRunner(self._build, self._feed, self._fetch,
+                                       lambda item: not len(item[0]), depth=2)
+        self._copier: DeviceCopier | None = None
+
+    def enter_thread(self) -> None:
+        """Per-thread settings for the thread that runs this stage."""
+        if self.device == "gpu":
+            import torch
+
+            torch.cuda.set_device(self.cuda_index)  # new threads start on device 0
+        else:
+            one_core_in_this_thread()
+
+    def run(self, prepared: Iterable[Item], stop: threading.Event) -> Iterator[Produced]:
+        for item, fetched in self.runner.run(iter(prepared), self._on_failure):
+            if stop.is_set():
+                return
+            yield self._finish(item, fetched)
+
+    def close(self) -> None:
+        self.runner.close()
+
+    @property
+    def copier(self) -> DeviceCopier:
+        if self._copier is None:
+            self._copier = self._make_copier()
+        return self._copier
+
+    # -- what a modality supplies ------------------------------------------------------------
+
+    @abstractmethod
+    def _build(self, depth: int, batch_size: int | None = None) -> Any:
+        """A built graph running `depth` batches ahead (batch_size: the loader's if None)."""
+
+    @abstractmethod
+    def _feed(self, graph: Any, item: Item) -> None: ...
+
+    @abstractmethod
+    def _fetch(self, out: Any, item: Item) -> Any:
+        """The graph's output copied out of DALI's buffers, before the graph runs again."""
+
+    @abstractmethod
+    def _check(self, data: bytes) -> None:
+        """Raise DataError when the modality's own decoder refuses one sample's bytes."""
+
+    @abstractmethod
+    def _finish(self, item: Item, fetched: Any) -> Produced: ...
+
+    @abstractmethod
+    def _make_copier(self) -> DeviceCopier: ...
+
+    # -- failures --------------------------------------------------------------------------
+
+    def _on_failure(self, item: Item, exc: Exception) -> Item:
+        """Drop (or raise on) the samples that made the batch fail; re-raise if none did."""
+        bad = self._refused_by_check(item[0]) or self._rejected_by_dali(item)
+        if not bad:
+            raise exc
+        for i in reversed(bad):
+            item[0].drop(i)
+            for column in item[1:]:
+                del column[i]
+        return item
+
+    def _refused_by_check(self, enc: EncodedBatch) -> list[int]:
+        bad = []
+        for i in range(len(enc)):
+            try:
+                self._check(enc.data[i].tobytes())
+            except DataError as err:
+                bad.append(i)
+                self._handle(err, enc, i)
+        return bad
+
+    def _rejected_by_dali(self, item: Item) -> list[int]:
+        """Samples a one-sample graph fails on (DALI refuses what the modality's check read)."""
+        enc = item[0]
+        bad = []
+        for i in range(len(enc)):
+            one = (EncodedBatch([enc.keys[i]], [enc.urls[i]], [enc.data[i]], [enc.labels[i]]),
+                   *([column[i]] for column in item[1:]))
+            graph = self._build(1, batch_size=1)
+            try:
+                self._feed(graph, one)
+                graph.schedule_run()
+                graph.outputs()
+            except RuntimeError as exc:
+                bad.append(i)
+                self._handle(DataError(self.what, f"DALI cannot decode it: "
+                                       f"{dali.reason(exc)}"), enc, i)
+        return bad
+
+    def _handle(self, err: DataError, enc: EncodedBatch, i: int) -> None:
+        skips = SkipLog()
+        handle(err.located(source=enc.urls[i], key=enc.keys[i]), self.on_error, skips)
+        enc.skips.extend(skips.entries)
+
+
+class GraphLoader(Loader):
+    """A loader whose samples go through a reader stage (checks, per-sample parameters) and a
+    GraphStage: the shape of the image and point-cloud loaders. A subclass sets `members`
+    (the extensions it reads) and supplies `_check_one` (a sample's label and parameters, or
+    a DataError) and `_decode_stage`."""
+
+    members: tuple[str, ...] = ()
+
+    def __init__(self, source: Source, cfg: GraphOptions, rank: int, world_size: int) -> None:
+        from pipeline.loading import readers
+
+        self.device, self.cuda_index = readers.resolve_device(cfg.device, self.kind)
+        self._init_from_config(source, cfg, rank, world_size)
+        classes = self.source.classes
+        self.num_classes = cfg.num_classes or (len(classes) if classes else None)
+        self._decoder = self._decode_stage()
+
+    @abstractmethod
+    def _decode_stage(self) -> GraphStage: ...
+
+    @abstractmethod
+    def _check_one(self, enc: EncodedBatch, i: int, epoch: int) -> tuple[int, Any]:
+        """(label, the sample's parameters for the graph); DataError for a bad sample."""
+
+    def _prepared(self, plan: EpochPlan, state: dict[str, Any] | None,
+                  stop: threading.Event) -> Iterator[Item]:
+        from pipeline.loading import readers
+
+        for enc in readers.encoded(self.reader, plan, state, self.on_error, self.members):
+            if stop.is_set():
+                return
+            checked = self._check_each(enc, lambda e, i: self._check_one(e, i, plan.epoch))
+            yield enc, [label for label, _ in checked], [param for _, param in checked]
+
+    def _produce(self, plan: EpochPlan, reader_state: dict[str, Any] | None,
+                 stop: threading.Event) -> Iterator[Produced]:
+        return self._two_stages(lambda s: self._prepared(plan, reader_state, s),
+                                self._decoder, stop)
+
+    def close(self) -> None:
+        super().close()
+        self._decoder.close()

@@ -1,0 +1,277 @@
+"""The `Loader`: one rank's batches, epoch after epoch, resumable, with one API for every
+modality. A modality supplies `_produce(plan, reader_state, stop)`, the batches of one epoch
+each paired with the reader's position after it; the Loader runs it in a background stage,
+counts epochs and batches, and saves and restores the position.
+
+    for epoch in range(epochs):      # each pass over the loader is one epoch; the next pass
+        for batch in loader: ...     # reshuffles (or call set_epoch(e) yourself)
+    state = loader.state_dict()      # mid-epoch: a new loader + load_state_dict continues
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Generator, Iterator
+from typing import Any, TypeVar
+
+from pipeline.errors import DataError, OnError, SkipLog, handle
+from pipeline.loading.batch import EncodedBatch
+from pipeline.loading.options import LoaderOptions
+from pipeline.loading.prefetch import Stage
+from pipeline.loading.readplan import EpochPlan, plan_epoch
+from pipeline.loading.shardlist import Source
+
+log = logging.getLogger(__name__)
+STATE_VERSION = 1
+T = TypeVar("T")
+# (batch, reader state after it, CUDA event the batch is ready at or None, samples skipped
+# on the way to it): skips are committed when the batch is handed out, so that a batch read
+# ahead but never consumed is not counted, and a resumed loader counts each skip once.
+Produced = tuple[Any, dict[str, Any], Any, list[dict[str, str]]]
+
+
+class Loader(ABC):
+    """Iterable over batches on the target device; a context manager; `state_dict()`."""
+
+    kind = "base"
+
+    def __init__(self, source: Source, *, batch_size: int, seed: int, rank: int,
+                 world_size: int, shuffle: bool, shuffle_buffer: int, on_error: OnError,
+                 prefetch: int, reader: str, timeout_s: float | None = None) -> None:
+        self.source, self.batch_size, self.seed = source, batch_size, seed
+        self.rank, self.world_size, self.shuffle = rank, world_size, shuffle
+        self.shuffle_buffer, self.on_error, self.prefetch = shuffle_buffer, on_error, prefetch
+        self.reader, self.timeout_s = reader, timeout_s
+        self.epoch, self._batches_done = 0, 0
+        self._reader_state: dict[str, Any] | None = None
+        self.skips = SkipLog()
+        self._stage: Stage[Produced] | None = None
+        self._closed = False
+        # Set by modalities whose ranks may hold different numbers of batches in an epoch
+        # (packed text): called with "I have a batch" before each one, False at the end;
+        # returns whether every rank has one (see agreement.rank_agreement).
+        self.agree_to_stop: Callable[[bool], bool] | None = None
+        plan_epoch(**self._plan_args(0))  # fail at build time, not mid-run, on a bad split
+
+    def _init_from_config(self, source: Source, cfg: LoaderOptions, rank: int,
+                          world_size: int) -> None:
+        """The construction every modality shares, from its options: pick the reader, and for
+        DALI's check the local shards first (a dropped shard changes the plan)."""
+        from pipeline.loading import readers
+
+        reader = readers.pick_reader(source, cfg.reader, self.kind)
+        early = SkipLog()
+        if reader == "dali":
+            source = readers.check_local_shards(source, cfg.on_error, early)
+        Loader.__init__(self, source, batch_size=cfg.batch_size, seed=cfg.seed, rank=rank,
+                        world_size=world_size, shuffle=cfg.train,
+                        shuffle_buffer=cfg.shuffle_buffer, on_error=cfg.on_error,
+                        prefetch=cfg.prefetch, reader=reader, timeout_s=cfg.timeout_s)
+        if rank == 0:  # a shard dropped before the rank split is counted once, by rank 0
+            self.skips.extend(early.entries)
+
+    # -- epochs ----------------------------------------------------------------------------
+
+    def _plan_args(self, epoch: int) -> dict[str, Any]:
+        return {"source": self.source, "epoch": epoch, "seed": self.seed, "rank": self.rank,
+                "world_size": self.world_size, "shuffle": self.shuffle,
+                "batch_size": self.batch_size, "shuffle_buffer": self.shuffle_buffer}
+
+    def plan(self, epoch: int | None = None) -> EpochPlan:
+        return plan_epoch(**self._plan_args(self.epoch if epoch is None else epoch))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start `epoch` from its beginning on the next iteration (no-op if already there)."""
+        self._not_iterating("set_epoch")
+        if epoch != self.epoch:
+            self.epoch, self._batches_done, self._reader_state = epoch, 0, None
+
+    def __len__(self) -> int:
+        batches = self._batches_per_epoch(self.plan())
+        if batches is None:
+            raise TypeError("this loader's length is unknown: its shards have no sample counts "
+                            "(read a folder with manifest.json)")
+        return batches
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._closed:
+            raise RuntimeError("the loader is closed")
+        if self._stage is not None:
+            raise RuntimeError("the loader is already being iterated; finish or close that "
+                               "iteration first")
+        batches = self._batches_per_epoch(self.plan())
+        if batches is not None and self._batches_done >= batches:
+            # Saved after the epoch's last batch, before the next pass began: start that pass.
+            self.epoch, self._batches_done, self._reader_state = self.epoch + 1, 0, None
+        resumed = self._reader_state is not None
+        yielded = yield from self._pass()
+        if resumed and not yielded and self._reader_state is None and self._batches_done == 0:
+            # Resumed at the very end of an epoch whose length was unknown (packed text): that
+            # pass had nothing left, so this one is the next epoch, as it would have been.
+            yield from self._pass()
+
+    def _pass(self) -> Generator[Any, None, int]:
+        """One pass over the current epoch from the saved position; returns batches yielded."""
+        plan, state = self.plan(), self._reader_state
+        self._report(plan)
+        stage: Stage[Produced] = Stage(lambda stop: self._produce(plan, state, stop),
+                                       depth=self.prefetch, name=f"shardflow-{self.kind}",
+                                       timeout_s=self.timeout_s)
+        self._stage, yielded, voted = stage, 0, False
+        try:
+            cut_short = False
+            for batch, reader_state, ready, skipped in stage:
+                if batch is not None and self.agree_to_stop is not None \
+                        and not self.agree_to_stop(True):
+                    cut_short = voted = True  # another rank has run out: stop with it
+                    break
+                # Skips are committed when their batch is handed out (or, for skips met after
+                # the last batch, with an item that carries no batch and takes no vote).
+                self._reader_state = reader_state
+                self.skips.extend(skipped)
+                if batch is None:
+                    continue
+                if ready is not None:
+                    _wait(ready, batch)
+                self._batches_done, yielded = self._batches_done + 1, yielded + 1
+                yield batch
+            if stage.completed and self.agree_to_stop is not None:
+                voted = True
+                self.agree_to_stop(False)  # the other ranks' next call learns it
+            if cut_short:
+                log.warning("epoch %d: rank %d stops after %d batches, where the shortest rank "
+                            "ran out; the rest of its data is left out this epoch", self.epoch,
+                            self.rank, self._batches_done)
+            if stage.completed or cut_short:  # not when close() ended the pass early
+                self.epoch, self._batches_done, self._reader_state = self.epoch + 1, 0, None
+        except Exception:
+            if self.agree_to_stop is not None and not voted:
+                # This rank is failing: tell the others its data ended, rather than leave them
+                # waiting in the all-reduce until the group's timeout.
+                with contextlib.suppress(Exception):
+                    self.agree_to_stop(False)
+            raise
+        finally:
+            stage.close()
+            self._stage = None
+        return yielded
+
+    def _report(self, plan: EpochPlan) -> None:
+        if plan.dropped and self._batches_done == 0:
+            log.warning("epoch %d: each of %d ranks reads %s samples; %d samples are left out "
+                        "this epoch so that every rank runs the same number of batches",
+                        plan.epoch, plan.world_size, plan.length, plan.dropped)
+
+    def _two_stages(self, prepared: Callable[[threading.Event], Iterator[Any]], decoder: Any,
+                    stop: threading.Event) -> Iterator[Produced]:
+        """The reader stage (`prepared`, in its own thread) feeding `decoder.run` in this one:
+        the shape of the image and point-cloud loaders."""
+        decoder.enter_thread()
+        reader = Stage(prepared, depth=self.prefetch, name=f"shardflow-{self.kind}-reader",
+                       parent_stop=stop)
+        try:
+            yield from decoder.run(reader, stop)
+        finally:
+            reader.close()
+
+    def _check_each(self, enc: EncodedBatch, check: Callable[[EncodedBatch, int], T]
+                    ) -> list[T]:
+        """`check(enc, i)` for every sample of `enc`: those it refuses with a DataError are raised
+        or dropped from `enc` (the skips recorded with it); the results of the rest, aligned
+        with what is left in `enc`."""
+        results: list[T] = []
+        skips = SkipLog()
+        for i in reversed(range(len(enc))):
+            try:
+                results.append(check(enc, i))
+            except DataError as err:
+                handle(err.located(source=enc.urls[i], key=enc.keys[i]), self.on_error, skips)
+                enc.drop(i)
+        enc.skips.extend(reversed(skips.entries))
+        return results[::-1]
+
+    def _batches_per_epoch(self, plan: EpochPlan) -> int | None:
+        """How many batches an epoch yields, when that is known before reading it."""
+        return plan.batches
+
+    @abstractmethod
+    def _produce(self, plan: EpochPlan, reader_state: dict[str, Any] | None,
+                 stop: threading.Event) -> Iterator[Produced]:
+        """The batches of `plan`'s epoch from `reader_state` on (None: from the start)."""
+
+    # -- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch handed out: JSON-compatible, credential-free
+        (shard URLs appear only as a fingerprint), with every skip so far."""
+        return {"version": STATE_VERSION, "kind": self.kind, "source": self.source.describe(),
+                "source_fingerprint": self.source.fingerprint(), "world_size": self.world_size,
+                "rank": self.rank, "seed": self.seed, "reader": self.reader,
+                "batch_size": self.batch_size, "shuffle": self.shuffle,
+                "shuffle_buffer": self.shuffle_buffer, "epoch": self.epoch,
+                "batches": self._batches_done, "reader_state": self._reader_state,
+                "skipped": list(self.skips.entries)}
+
+    _MUST_MATCH = ("version", "kind", "source_fingerprint", "world_size", "rank", "seed",
+                   "reader", "batch_size", "shuffle", "shuffle_buffer")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state`; raises ValueError naming what differs from this loader."""
+        self._not_iterating("load_state_dict")
+        mine = self.state_dict()
+        for field in self._MUST_MATCH:
+            if state.get(field) != mine[field]:
+                what = "the shards (their names or counts)" if field == "source_fingerprint" \
+                    else f"{field}: {state.get(field)!r} in the state, {mine[field]!r} here"
+                raise ValueError(f"loader state does not match this loader; it differs in "
+                                 f"{what}. Build the loader as it was when the state was saved")
+        self.epoch, self._batches_done = int(state["epoch"]), int(state["batches"])
+        self._reader_state = state["reader_state"]
+        self.skips.entries = list(state.get("skipped", []))
+
+    def _not_iterating(self, what: str) -> None:
+        if self._stage is not None:
+            raise RuntimeError(f"{what}() while the loader is being iterated; call it between "
+                               "passes")
+
+    # -- skips and lifetime ----------------------------------------------------------------
+
+    @property
+    def skipped(self) -> list[dict[str, Any]]:
+        """Every skip so far (shard URL, key, reason, detail, samples it stands for)."""
+        return list(self.skips.entries)
+
+    def skipped_samples(self) -> tuple[int, int]:
+        """(samples skipped, skips of unknown size): a shard lost whole stands for its count
+        when manifest.json gives one, else its size is unknown."""
+        return self.skips.samples()
+
+    def skip_counts(self) -> dict[str, int]:
+        return self.skips.counts()
+
+    def close(self) -> None:
+        if self._stage is not None:
+            self._stage.close()
+            self._stage = None
+        self._closed = True
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _wait(ready: Any, batch: Any) -> None:
+    import torch
+
+    stream = torch.cuda.current_stream()
+    stream.wait_event(ready)  # the copy and normalization on the side stream are done
+    for value in vars(batch).values():
+        if isinstance(value, torch.Tensor) and value.is_cuda:
+            # Made on the side stream, used on this one: tell the caching allocator, so it
+            # does not hand the memory to the next batch while this stream still reads it.
+            value.record_stream(stream)

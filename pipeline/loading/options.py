@@ -1,0 +1,85 @@
+"""The options every loader shares, as one frozen dataclass the modality configs build on,
+and the checks each config runs in `__post_init__` (messages name the option and the fix).
+
+    @dataclass(frozen=True)
+    class TextConfig(LoaderOptions):      # batch_size, train, seed, device, on_error, ...
+        seq_len: int = 256
+
+`GraphOptions` adds what the loaders that decode in a DALI graph share (images, point
+clouds): DALI's CPU threads and the number of classes labels must stay below.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pipeline.errors import OnError, check_on_error
+
+ReaderKind = Literal["auto", "dali", "stream"]  # e.g. reader="stream" for remote shards
+Device = Literal["auto", "cpu", "gpu"]  # e.g. device="cpu" on a machine without a GPU
+
+
+def cores() -> int:
+    """CPU cores this process may run on (its affinity, not the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """Options of every loader; each field is also a keyword argument of the loader."""
+
+    batch_size: int
+    train: bool = True  # shuffle and augment; False: a fixed order, no augmentation
+    seed: int = 0
+    device: Device = "auto"  # where batches land ("auto": the GPU when there is one)
+    on_error: OnError = "raise"  # or "skip": drop a bad sample, count and name it
+    prefetch: int = 2  # batches prepared ahead of the consumer, per stage
+    shuffle_buffer: int = 1024  # samples held to shuffle within shards (0: none)
+    reader: ReaderKind = "auto"  # DALI's reader for local indexed shards, else streaming
+    allow_pipe: bool = False  # `pipe:` URLs run a shell command: refused unless allowed
+    timeout_s: float | None = 600.0  # no batch for this long: the loader is hung, raise
+
+    def __post_init__(self) -> None:
+        positive(self, "batch_size", "prefetch")
+        check_on_error(self.on_error)
+        choice(self, "device", ("auto", "cpu", "gpu"))
+        choice(self, "reader", ("auto", "dali", "stream"))
+        if self.shuffle_buffer < 0:
+            raise ValueError(f"shuffle_buffer={self.shuffle_buffer}: use 0 for no shuffling")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s}: seconds > 0, or None to wait "
+                             "forever")
+
+
+@dataclass(frozen=True)
+class GraphOptions(LoaderOptions):
+    """Options of the loaders that decode in a DALI graph (images, point clouds)."""
+
+    threads: int = field(default_factory=cores)  # DALI's CPU threads
+    num_classes: int | None = None  # labels must be below it (default: the manifest's)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        positive(self, "threads")
+        if self.num_classes is not None and self.num_classes < 1:
+            raise ValueError(f"num_classes={self.num_classes}: must be positive (or None)")
+
+
+def positive(cfg: object, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r}: must be a positive integer")
+
+
+def choice(cfg: object, name: str, choices: tuple[str, ...]) -> None:
+    if getattr(cfg, name) not in choices:
+        raise ValueError(f"{name}={getattr(cfg, name)!r}: choose one of {', '.join(choices)}")
+
+
+def interval(cfg: object, name: str, low: float, high: float) -> None:
+    lo, hi = getattr(cfg, name)
+    if not low < lo <= hi <= high:
+        raise ValueError(f"{name}={getattr(cfg, name)}: need {low} < low <= high <= {high}")

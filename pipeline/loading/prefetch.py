@@ -1,0 +1,185 @@
+"""Prefetching: bounded background stages, and host-to-device copies on a side CUDA stream.
+
+A `Stage` runs a generator in its own thread and hands its items over a bounded queue, so a
+slow consumer stops the producer instead of letting memory grow; an exception raised in the
+producer is re-raised in the consumer, and `close()` stops and joins the thread.
+
+On CUDA, a batch is copied from pinned host memory on a side stream (so the copy overlaps the
+training step on the default stream) and normalized there; the consumer's stream waits on an
+event recorded after the copy, before it touches the tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_DONE = object()  # the producer finished
+_STOPPED = object()  # the stage was closed before that
+POLL_S = 0.1  # how often a blocked put/get rechecks whether the stage was closed
+
+
+class _Raised:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class Stage(Generic[T]):
+    """Iterate `produce(stop)` in a thread, `depth` items ahead of the consumer.
+
+    `parent_stop` is the stop event of the stage that consumes this one (if any): a consumer
+    waiting here gives up when either is set, so closing an outer stage never waits on an
+    inner one that is blocked.
+    """
+
+    def __init__(self, produce: Callable[[threading.Event], Iterator[T]], *, depth: int,
+                 name: str, parent_stop: threading.Event | None = None,
+                 timeout_s: float | None = None) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._parent_stop = parent_stop
+        self.completed = False  # True once the producer's last item was consumed
+        self.timeout_s = timeout_s  # a producer silent this long is declared hung
+        self._thread = threading.Thread(target=self._run, args=(produce,), name=name,
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, produce: Callable[[threading.Event], Iterator[T]]) -> None:
+        try:
+            for item in produce(self._stop):
+                if not self._put(item):
+                    return
+            self._put(_DONE)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer thread
+            self._put(_Raised(exc))
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> Iterator[T]:
+        while True:
+            item = self._get()
+            if item is _DONE:
+                self.completed = True
+                return
+            if item is _STOPPED:
+                return
+            if isinstance(item, _Raised):
+                raise item.exc
+            yield item
+
+    def _get(self) -> Any:
+        waited_since = time.monotonic()
+        while True:
+            if self._stop.is_set() or (self._parent_stop and self._parent_stop.is_set()):
+                return _STOPPED  # closed: end quietly, there is no one to report to
+            try:
+                return self._queue.get(timeout=POLL_S)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    return _Raised(RuntimeError(f"{self._thread.name} stopped without a word"))
+                if self.timeout_s and time.monotonic() - waited_since > self.timeout_s:
+                    return _Raised(TimeoutError(
+                        f"{self._thread.name} produced nothing for {self.timeout_s:.0f} s: it "
+                        "is hung (a stalled read or decode); raise the loader's timeout_s if "
+                        "its batches are legitimately that slow"))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the producer and wait for its thread; warn (not hang) if it does not stop: a
+        thread stuck in a read cannot be interrupted, and it is a daemon."""
+        self._stop.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("%s did not stop within %.0f s (blocked in I/O?); it is a daemon "
+                        "thread and ends with the process", self._thread.name, timeout)
+
+
+class DeviceCopier:
+    """Moves host batches to `device`: pinned memory, a side stream, normalization there."""
+
+    def __init__(self, device: Any, mean: tuple[float, ...] | None,
+                 std: tuple[float, ...] | None, channels_first: bool) -> None:
+        import torch
+
+        self.device = torch.device(*device) if isinstance(device, tuple) else torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        shape = (1, -1, 1, 1) if channels_first else (1, 1, 1, -1)
+        self.mean = None if mean is None else torch.tensor(mean, device=self.device).view(shape)
+        self.std = None if std is None else torch.tensor(std, device=self.device).view(shape)
+
+    def pinned(self, array: Any) -> Any:
+        """A host tensor over `array` (numpy or torch), in pinned memory when copying to a
+        GPU (a pinned buffer is what makes the side-stream copy asynchronous)."""
+        import torch
+
+        tensor = array if isinstance(array, torch.Tensor) else torch.from_numpy(array)
+        return tensor.pin_memory() if self.cuda and not tensor.is_cuda else tensor
+
+    def __call__(self, image: Any, label: Any) -> tuple[Any, Any, Any]:
+        """(image, label, ready event or None). Normalizes when mean/std are set."""
+        import torch
+
+        if not self.cuda:
+            return self._normalize(image), label, None
+        assert self.stream is not None
+        with torch.cuda.stream(self.stream):
+            # From pinned memory the copy is asynchronous; a GPU-decoded batch is already here
+            # (written on this stream by DALI's feed_ndarray).
+            image = image.to(self.device, non_blocking=True)
+            label = label.to(self.device, non_blocking=True)
+            image = self._normalize(image)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        return image, label, ready
+
+    def move(self, *tensors: Any) -> tuple[tuple[Any, ...], Any]:
+        """Host tensors to the device on the side stream: (tensors there, ready event or None)."""
+        import torch
+
+        if not self.cuda:
+            return tensors, None
+        assert self.stream is not None
+        with torch.cuda.stream(self.stream):
+            moved = tuple(self.pinned(t).to(self.device, non_blocking=True) for t in tensors)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        return moved, ready
+
+    def _normalize(self, image: Any) -> Any:
+        if self.mean is None or self.std is None:
+            return image
+        return (image.float() - self.mean) / self.std
+
+
+def one_core_in_this_thread() -> None:
+    """Run this thread's torch CPU ops on one core, leaving every other thread as it was.
+
+    A decode stage resizes or voxelizes one small batch at a time; torch's OpenMP workers would
+    then spin between them on the cores DALI decodes on (measured: the loader ran 1.5x
+    slower). torch.set_num_threads(1) would also change the default of threads started later
+    and MKL's process-wide setting, i.e. the training thread. OpenMP's own setting is per
+    thread; it must come after this thread's first parallel op, which initialises the thread's
+    count.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    F.interpolate(torch.zeros(1, 3, 2, 2), size=(1, 1), mode="bilinear", antialias=True)
+    try:
+        ctypes.CDLL(None).omp_set_num_threads(1)
+    except AttributeError:  # torch built without GNU/LLVM OpenMP: nothing spins to stop
+        log.debug("no omp_set_num_threads in this process; decode threads left as they are")

@@ -1,0 +1,135 @@
+"""The shard list: what a source names, in which order each epoch, and which part a rank reads.
+
+    source (folder with manifest.json | glob | brace pattern | list | URL)
+      -> [ShardSpec(url, samples)]            resolve_source(): missing shards reported all at once
+      -> epoch_order(seed, epoch)             a permutation drawn from (seed, epoch) only
+      -> split_ranks(world_size)              balanced by sample counts, disjoint, covering
+      -> even_length()                        every rank reads the same number of samples
+
+Counts come from manifest.json, else from the DALI index beside each local shard; without
+either, a source can be read by one rank only (there is nothing to balance ranks with).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import fsspec
+
+from pipeline.shards.listing import count_from_index, list_shards, preflight
+from pipeline.shards.manifest import MANIFEST, load_manifest
+from pipeline.urls import check_scheme, expand_braces, redact
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    url: str
+    samples: int | None = None  # None: not known before reading
+    sha256: str | None = None  # from manifest.json, when there is one
+
+
+@dataclass(frozen=True)
+class Source:
+    """Resolved shards, plus what the manifest says about them when there is one."""
+
+    shards: tuple[ShardSpec, ...]
+    classes: dict[str, int] | None = None
+    modality: str | None = None
+
+    @property
+    def total(self) -> int | None:
+        counts = [s.samples for s in self.shards if s.samples is not None]
+        return sum(counts) if len(counts) == len(self.shards) else None
+
+    def fingerprint(self) -> str:
+        """A hash of every shard's name, count and checksum (when the manifest gives it) and
+        of the class map: equal for the same dataset, wherever it lies."""
+        import hashlib
+        import json
+
+        # Names, not full paths: a dataset moved to another folder or bucket is the same one.
+        text = "\n".join(f"{s.url.rsplit('/', 1)[-1]} {s.samples} {s.sha256}"
+                         for s in self.shards)
+        text += json.dumps(self.classes, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def describe(self) -> str:
+        """A credential-free name for logs, errors and state dicts."""
+        first = redact(self.shards[0].url) if self.shards else "?"
+        return f"{len(self.shards)} shards from {first}"
+
+
+def resolve_source(source: str | Path | Sequence[str], *, allow_pipe: bool = False) -> Source:
+    """Resolve any accepted form of `source`; FileNotFoundError lists every missing shard."""
+    if isinstance(source, (str, Path)):
+        text = str(source)
+        found = _from_manifest(text)
+        if found is not None:
+            return found
+        urls = list_shards(text) if not text.startswith("pipe:") else [text]
+    else:
+        urls = [u for item in source for u in expand_braces(str(item))]
+    for url in urls:
+        check_scheme(url, allow_pipe=allow_pipe)
+    preflight(urls, str(source))
+    return Source(tuple(ShardSpec(u, count_from_index(u)) for u in urls))
+
+
+def _from_manifest(text: str) -> Source | None:
+    base = text.rstrip("/")
+    if base.endswith(".json"):
+        manifest_url, base = base, base.rsplit("/", 1)[0]
+    else:
+        manifest_url = f"{base}/{MANIFEST}"
+    fs, path = fsspec.core.url_to_fs(manifest_url)
+    if not fs.exists(path):
+        return None
+    m = load_manifest(manifest_url)
+    shards = tuple(ShardSpec(f"{base}/{s.name}", s.samples, s.sha256) for s in m.shards)
+    preflight([s.url for s in shards], text)
+    return Source(shards, m.classes, m.modality)
+
+
+def epoch_order(shards: Sequence[ShardSpec], seed: int, epoch: int,
+                shuffle: bool) -> list[ShardSpec]:
+    """This epoch's shard order: a permutation drawn from (seed, epoch) alone."""
+    order = list(shards)
+    if shuffle:
+        random.Random(f"shards/{seed}/{epoch}").shuffle(order)
+    return order
+
+
+def split_ranks(shards: Sequence[ShardSpec], world_size: int) -> list[list[ShardSpec]]:
+    """Disjoint shard lists, one per rank, covering all shards, balanced by sample count.
+
+    Greedy: each shard in turn goes to the rank holding the fewest samples so far, which keeps
+    ranks within one shard's worth of samples of each other and preserves the epoch order.
+    """
+    if world_size > len(shards):
+        raise ValueError(f"{len(shards)} shards cannot feed {world_size} ranks: every rank needs"
+                         " at least one shard; re-shard with a smaller --max-count or use fewer "
+                         "ranks")
+    if world_size > 1 and any(s.samples is None for s in shards):
+        raise ValueError("splitting shards over ranks needs their sample counts: read a folder "
+                         "with manifest.json (or local shards with .idx files)")
+    ranks: list[list[ShardSpec]] = [[] for _ in range(world_size)]
+    heap = [(0, r) for r in range(world_size)]
+    for shard in shards:
+        load, r = heapq.heappop(heap)
+        ranks[r].append(shard)
+        heapq.heappush(heap, (load + (shard.samples or 0), r))
+    return ranks
+
+
+def even_length(per_rank: Sequence[Sequence[ShardSpec]]) -> tuple[int | None, int]:
+    """Samples every rank reads this epoch (the smallest rank's count), and how many samples
+    all ranks together drop to get there. (None, 0) when counts are unknown (one rank)."""
+    counts = [sum(s.samples or 0 for s in rank) for rank in per_rank]
+    if any(s.samples is None for rank in per_rank for s in rank):
+        return None, 0
+    length = min(counts)
+    return length, sum(counts) - length * len(counts)

@@ -1,0 +1,145 @@
+"""The point-cloud loader's decode stage: DALI graph (pointcloud_graph.py) -> value checks ->
+voxel grid -> host or device batch -> `PointBatch`.
+
+On the CPU the graph's points are copied out of DALI's buffer; on a GPU they are copied from
+it straight into a CUDA tensor on the copier's side stream. Clouds the header could not tell
+bad are found from two small per-sample outputs of the graph (NaN or Inf anywhere in x, y, z;
+every point at one position) and from the points (a normalization that overflowed float32).
+Voxels are computed here, in the loader's decode thread, so they overlap the consumer's step.
+
+A batch that fails in the graph is traced to its samples (loading/graphstage.py), numpy
+(samples/pointcloud_io.py) being this modality's check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Literal
+
+import numpy as np
+
+from pipeline import dali
+from pipeline.errors import DataError
+from pipeline.loading.batch import EncodedBatch, PointBatch
+from pipeline.loading.graphstage import GraphStage
+from pipeline.loading.loader import Produced
+from pipeline.loading.prefetch import DeviceCopier
+from pipeline.pointcloud import graph as pointcloud_graph
+from pipeline.pointcloud import voxelize
+from pipeline.pointcloud.config import PointCloudConfig
+from pipeline.pointcloud.sample import SampleParams
+from pipeline.samples import pointcloud_io
+
+Item = tuple[EncodedBatch, list[int], list[SampleParams]]  # (batch, labels, parameters)
+
+
+class DecodeStage(GraphStage):
+    """Voxels are computed here, in the loader's decode thread, from the graph's points: on the
+    CPU (device="cpu") with torch held to one core in this thread, so they overlap the
+    training step instead of competing for its cores. With device="gpu" the points are
+    already on the GPU, and the same torch code runs there on the copier's side stream:
+    copying them back to the host to bin them would cost more than binning them.
+    """
+
+    what = "bad-cloud"
+
+    def __init__(self, cfg: PointCloudConfig, device: Literal["cpu", "gpu"],
+                 cuda_index: int | None) -> None:
+        self.cfg = cfg
+        self.spec = pointcloud_graph.GraphSpec(device, cfg.normalize,
+                                               cfg.train and cfg.jitter > 0)
+        super().__init__(device, cuda_index, cfg.on_error)
+
+    # -- the graph -------------------------------------------------------------------------
+
+    def _build(self, depth: int, batch_size: int | None = None) -> pointcloud_graph.Outputs:
+        graph = pointcloud_graph.build(self.spec, batch_size=batch_size or self.cfg.batch_size,
+                                       num_threads=self.cfg.threads, device_id=self.cuda_index,
+                                       seed=self.cfg.seed, prefetch_depth=depth)
+        return pointcloud_graph.Outputs(graph)
+
+    def _feed(self, graph: pointcloud_graph.Outputs, item: Item) -> None:
+        enc, _labels, params = item
+        graph.feed_input("encoded", enc.data)
+        graph.feed_input("index", [p.index for p in params])
+        graph.feed_input("angle", [np.array(p.angle, np.float32) for p in params])
+        graph.feed_input("scale", [np.full(3, p.scale, np.float32) for p in params])
+        if self.spec.jitter:
+            graph.feed_input("noise", [p.noise for p in params])
+
+    def _fetch(self, out: Any, item: Item) -> tuple[Any, np.ndarray, np.ndarray]:
+        """(points (B, num_points, 3) float32 tensor, finiteness sums, box extents), copied
+        out before the graph runs again."""
+        import torch
+
+        points, finite, extent = out
+        if self.device == "gpu":
+            tensor = dali.to_cuda(points, torch.float32, self.cuda_index, self.copier.stream)
+        else:
+            tensor = torch.from_numpy(np.array(points.as_tensor()))
+        return tensor, np.array(finite.as_tensor()), np.array(extent.as_tensor())
+
+    def _check(self, data: bytes) -> None:
+        try:
+            pointcloud_io.read_points(data, "npy", max_points=self.cfg.max_points)
+        except pointcloud_io.PointCloudFormatError as exc:
+            raise DataError(exc.reason, str(exc)) from None
+
+    # -- after the graph -------------------------------------------------------------------
+
+    def _finish(self, item: Item, fetched: tuple[Any, np.ndarray, np.ndarray] | None
+                ) -> Produced:
+        import torch
+
+        enc, labels, _params = item
+        stream = self.copier.stream
+        # On a GPU the points are there already; what follows is queued on the copier's side
+        # stream, and the copier's event is recorded after all of it.
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if fetched is None:  # every sample of the batch was skipped
+                points = torch.zeros((0, self.cfg.num_points, 3), dtype=torch.float32,
+                                     device=self.copier.device)
+            else:
+                points = self._drop_bad_values(enc, labels, *fetched)
+            voxels = self._voxels(points)
+        label = torch.tensor(labels, dtype=torch.int64)
+        points, label, ready = self.copier(points, label)
+        return PointBatch(points=points, label=label, keys=list(enc.keys), voxels=voxels), \
+            enc.state, ready, enc.skips
+
+    def _drop_bad_values(self, enc: EncodedBatch, labels: list[int], points: Any,
+                         finite: np.ndarray, extent: np.ndarray) -> Any:
+        """The rows of `points` whose clouds are finite and have an extent; the others are
+        raised or recorded, and removed from `enc` and `labels`."""
+        import torch
+
+        # The output check also catches a normalization that overflowed (a tiny extent).
+        usable = torch.isfinite(points.flatten(1)).all(1).tolist()  # GPU: syncs this stream
+        bad: dict[int, DataError] = {}
+        for i in range(len(enc)):
+            if finite[i] != 0:
+                bad[i] = DataError("non-finite", "x, y or z values are NaN or Inf")
+            elif not extent[i].any():
+                bad[i] = DataError("degenerate", "all points are at one position: zero extent")
+            elif not usable[i]:
+                bad[i] = DataError("non-finite", "normalizing overflowed float32 (an extent "
+                                   f"of {extent[i].tolist()})")
+        if not bad:
+            return points
+        for i, err in bad.items():
+            self._handle(err, enc, i)
+        for i in sorted(bad, reverse=True):
+            enc.drop(i)
+            del labels[i]
+        return points[[i for i in range(len(usable)) if i not in bad]]
+
+    def _make_copier(self) -> DeviceCopier:
+        gpu = self.device == "gpu"
+        return DeviceCopier(("cuda", self.cuda_index) if gpu else "cpu", None, None,
+                            channels_first=True)
+
+    def _voxels(self, points: Any) -> Any:
+        c = self.cfg
+        if c.voxels is None:
+            return None
+        return voxelize.voxelize(points, c.voxels, grid=c.grid, extent=c.extent)

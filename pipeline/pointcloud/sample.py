@@ -1,0 +1,153 @@
+"""The point-cloud reader stage's work on each sample, before the graph: `.npy` header ->
+checks (refuse, or rewrite as plain little-endian float data) -> point count -> the sample's
+parameters (rows kept, angle, scale, jitter) for the graph.
+
+Bad clouds are found here where the header tells: object or other wrong dtype, wrong shape,
+empty or single point, more than max_points, truncated. Nothing is allocated or unpickled.
+
+Everything random is drawn in numpy from (seed, epoch, key) and fed to the graph: the angle,
+the scale, which points are kept and the jitter. DALI's random operators are stateful per
+pipeline, so a resumed loader or a rebuilt graph would draw other values; these do not depend
+on the batch, the rank, the reader or a resume. Evaluation (train=False) keeps evenly spaced
+points (or repeats the cloud to pad it) and does not augment.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.errors import DataError
+from pipeline.loading.rng import sample_rng
+from pipeline.pointcloud.config import AugmentSpec
+
+# numpy refuses .npy headers above 10,000 bytes by default; this covers the magic, the length
+# field and such a header.
+NPY_HEAD_BYTES = 10_240
+
+
+def check_npy(data: np.ndarray, max_points: int) -> tuple[np.ndarray, int]:
+    """(the `.npy` bytes DALI is to decode, their point count): checked from the header
+    alone (DataError with pointcloud_io's reasons), and rewritten as little-endian C-order
+    version 1.0 when they are not (DALI's decoder refuses big-endian data, and needs CUDA for
+    Fortran order)."""
+    if not len(data):
+        raise DataError("missing-field", "no .npy member")
+    head = data[:NPY_HEAD_BYTES].tobytes()
+    version, shape, fortran, dtype, start = _plain_header(head) or _any_header(head)
+    _check_header(shape, dtype, max_points, len(data) - start)
+    if version == (1, 0) and dtype.byteorder != ">" and not (fortran and shape[1] > 1):
+        return data, shape[0]
+    return _repacked(data), shape[0]
+
+
+# A header's version, shape, Fortran order, dtype, and where the data starts.
+Header = tuple[tuple[int, int], tuple[int, ...], bool, np.dtype, int]
+# What np.save writes for a 2-D array of a plain number type. numpy's own header parser (a
+# literal_eval) took 150 us a cloud: as long as DALI took to decode 2,048 points.
+_PLAIN = re.compile(rb"\x93NUMPY\x01\x00..\{'descr': '([<>|](?:f[248]|[iu][1248]))', "
+                    rb"'fortran_order': (False|True), 'shape': \((\d{1,12}), (\d{1,12})\), \} *\n",
+                    re.DOTALL)
+
+
+def _plain_header(head: bytes) -> Header | None:
+    match = _PLAIN.match(head)
+    if match is None or match.end() != 10 + int.from_bytes(head[8:10], "little"):
+        return None
+    descr, fortran, rows, columns = match.groups()
+    return ((1, 0), (int(rows), int(columns)), fortran == b"True", np.dtype(descr.decode()),
+            match.end())
+
+
+def _any_header(head: bytes) -> Header:
+    """numpy's parser, for every header the fast pattern does not take."""
+    fp = io.BytesIO(head)
+    try:
+        version = np.lib.format.read_magic(fp)
+        read = {(1, 0): np.lib.format.read_array_header_1_0,
+                (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+        if read is None:
+            raise ValueError(f"format version {version} is not 1.0 or 2.0")
+        shape, fortran, dtype = read(fp)
+    except ValueError as exc:
+        raise DataError("bad-format", f"not a readable .npy header: {exc}") from None
+    return version, shape, fortran, dtype, fp.tell()
+
+
+def _check_header(shape: tuple[int, ...], dtype: np.dtype, max_points: int, present: int
+                  ) -> None:
+    if dtype.hasobject:
+        raise DataError("object-dtype", f"dtype {dtype} would need pickle; refused")
+    if dtype.names is not None or dtype.subdtype is not None or dtype.kind not in "iuf":
+        raise DataError("bad-dtype", f"dtype {dtype}; expected a real integer or float dtype")
+    if len(shape) != 2 or shape[1] < 3:
+        raise DataError("bad-shape", f"shape {shape}; expected (N, C) with C >= 3 (x, y, z)")
+    if shape[0] == 0:
+        raise DataError("empty", "the cloud has no points")
+    if shape[0] == 1:
+        raise DataError("degenerate", "a single point has no extent")
+    if shape[0] > max_points:
+        raise DataError("too-many-points", f"header declares {shape[0]} points, more than "
+                        f"max_points={max_points}")
+    needed = shape[0] * shape[1] * dtype.itemsize
+    if needed > present:
+        raise DataError("truncated", f"header declares {shape} of {dtype} ({needed} bytes) "
+                        f"but {present} bytes follow")
+
+
+def _repacked(data: np.ndarray) -> np.ndarray:
+    """Big-endian, Fortran-order or version 2.0 `.npy` as the plain form (checked first, so
+    the size is bounded; allow_pickle=False all the same)."""
+    try:
+        array = np.load(io.BytesIO(data.tobytes()), allow_pickle=False)
+    except ValueError as exc:
+        raise DataError("bad-format", f"unreadable .npy data: {exc}") from None
+    out = io.BytesIO()
+    np.save(out, np.ascontiguousarray(array, dtype="<f4"), allow_pickle=False)
+    return np.frombuffer(out.getvalue(), dtype=np.uint8)
+
+
+@dataclass(frozen=True)
+class SampleParams:
+    """What the graph does to one cloud: keep rows `index` (int32, num_points; repeats pad a
+    small cloud), scale by `scale`, turn by `angle` degrees about z, add `noise` (or None)."""
+
+    index: np.ndarray
+    angle: float = 0.0
+    scale: float = 1.0
+    noise: np.ndarray | None = None
+
+
+def sample_params(cfg: AugmentSpec, points: int, key: str, epoch: int) -> SampleParams:
+    """The parameters of the cloud `key` (with `points` rows) in `epoch`: drawn from
+    (seed, epoch, key) when training; evenly spaced rows and no augmentation otherwise."""
+    if not cfg.train:
+        return SampleParams(eval_index(points, cfg.num_points))
+    rng = np.random.default_rng(sample_rng(cfg.seed, epoch, key).getrandbits(64))
+    index = train_index(rng, points, cfg.num_points)
+    angle = float(rng.uniform(-cfg.rotate, cfg.rotate))
+    scale = float(rng.uniform(*cfg.scale))
+    noise = None
+    if cfg.jitter:
+        noise = rng.standard_normal((cfg.num_points, 3), dtype=np.float32) * np.float32(
+            cfg.jitter)
+    return SampleParams(index, angle, scale, noise)
+
+
+def train_index(rng: np.random.Generator, points: int, wanted: int) -> np.ndarray:
+    """`wanted` distinct rows at random, or all rows plus random repeats, shuffled."""
+    if points >= wanted:
+        return rng.choice(points, wanted, replace=False).astype(np.int32)
+    index = np.concatenate([np.arange(points), rng.integers(0, points, wanted - points)])
+    rng.shuffle(index)
+    return index.astype(np.int32)
+
+
+def eval_index(points: int, wanted: int) -> np.ndarray:
+    """Evenly spaced rows; a small cloud repeated whole until `wanted` rows."""
+    if points >= wanted:
+        return (np.arange(wanted, dtype=np.int64) * points // wanted).astype(np.int32)
+    return (np.arange(wanted) % points).astype(np.int32)

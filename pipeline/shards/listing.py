@@ -1,0 +1,97 @@
+"""Listing shards: what a source string names, and whether each named shard is there and
+is a regular file, checked before any reading starts.
+
+    list_shards("shards/train")          a folder's *.tar / *.tar.gz, sorted
+    list_shards("s3://b/train-{000..099}.tar")   brace ranges and globs, any fsspec URL
+    preflight(urls, source)              one error naming every missing shard
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import fsspec
+
+from pipeline.errors import DataError
+from pipeline.urls import check_scheme, expand_braces, is_remote, redact, scrub
+
+
+def list_shards(src: str) -> list[str]:
+    """Shard URLs from a folder, a glob, a brace pattern, or a comma-free single URL."""
+    check_scheme(src)
+    local = Path(src)
+    if "://" not in src and local.is_dir():
+        return [str(p) for p in sorted(local.glob("*.tar")) + sorted(local.glob("*.tar.gz"))]
+    urls = []
+    for url in expand_braces(src):
+        urls.extend(_glob(url) if any(c in url for c in "*?[") else [url])
+    return urls
+
+
+def _glob(url: str) -> list[str]:
+    fs, path = fsspec.core.url_to_fs(url)
+    found = sorted(fs.glob(path))
+    return [fs.unstrip_protocol(p) if "://" in url else p for p in found]
+
+
+def regular_file(path: str, samples: int | None = 1) -> None:
+    """Refuse a local path that is a folder, FIFO, socket or device (links followed): opening
+    a FIFO blocks until a writer comes, which may be never, and a device may never end.
+    `samples`: what refusing it costs (a line file holds an unknown number: None)."""
+    if path.startswith("file://"):
+        path = path[len("file://"):]
+    elif "://" in path:
+        return
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return  # the caller's open says so, in its own words
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) \
+            else "a socket" if stat.S_ISSOCK(mode) else "a device"
+        raise DataError("not-a-regular-file", f"the path is {kind}, not a regular file",
+                        samples=samples)
+
+
+def preflight(urls: list[str], source: str) -> None:
+    """One error listing every missing shard (and one for a source that matches none)."""
+    if not urls:
+        raise FileNotFoundError(f"{scrub(source)}: no shards found")
+    missing = [u for u in urls if not u.startswith("pipe:") and not _exists(u)]
+    if missing:
+        listed = ", ".join(redact(u) for u in missing[:20])
+        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+        raise FileNotFoundError(f"{len(missing)} of {len(urls)} shards are missing: "
+                                f"{listed}{more}")
+    special = [u for u in urls if not u.startswith("pipe:") and not _regular(u)]
+    if special:
+        raise ValueError(f"{len(special)} of {len(urls)} shards are not regular files (a FIFO "
+                         "blocks its reader forever, a device may never end): "
+                         + ", ".join(special[:20]))
+
+
+def _regular(url: str) -> bool:
+    """False for a local FIFO, socket or device (remote URLs pass; links are followed)."""
+    try:
+        regular_file(url)
+    except DataError:
+        return False
+    return True
+
+
+def _exists(url: str) -> bool:
+    fs, path = fsspec.core.url_to_fs(url)
+    return bool(fs.exists(path))
+
+
+def count_from_index(url: str) -> int | None:
+    if is_remote(url) or not url.endswith(".tar"):
+        return None
+    idx = Path(url[: -len(".tar")] + ".idx")
+    if not idx.is_file():  # absent, or a FIFO that would block the open
+        return None
+    with open(idx) as f:
+        head = f.readline().split()
+    return int(head[1]) if len(head) == 2 and head[1].isdigit() else None

@@ -1,0 +1,147 @@
+"""`manifest.json`: what a shard folder holds, with checksums, counts, classes and skips.
+
+Written last and atomically by make_shards, so its presence means the conversion finished.
+With `--part i/n`, each part writes `manifest.part-III-of-NNN.json` and `merge_parts` combines
+them into `manifest.json` once every part is done.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import fsspec
+
+from pipeline.atomic import write_atomic
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+TOOL = "shardflow.make_shards"
+_PART = re.compile(r"^manifest\.part-(\d+)-of-(\d+)\.json$")
+
+
+def tool_version() -> str:
+    from pipeline import __version__
+
+    return __version__
+
+
+def part_manifest_name(index: int, count: int) -> str:
+    return f"manifest.part-{index:03d}-of-{count:03d}.json"
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One finished shard, as recorded in manifest.json."""
+
+    name: str
+    samples: int
+    bytes: int
+    sha256: str
+
+    def to_json(self) -> dict[str, object]:
+        return {"name": self.name, "samples": self.samples, "bytes": self.bytes,
+                "sha256": self.sha256}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, object]) -> ShardInfo:
+        return cls(str(doc["name"]), int(doc["samples"]), int(doc["bytes"]),  # type: ignore[call-overload]
+                   str(doc["sha256"]))
+
+
+@dataclass
+class Manifest:
+    """The JSON document; `shards` in name order, `skipped` each with source and reason."""
+
+    shards: list[ShardInfo]
+    modality: str
+    classes: dict[str, int] | None = None
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    ignored: list[dict[str, str]] = field(default_factory=list)
+    args: dict[str, object] = field(default_factory=dict)
+    tool_version: str = field(default_factory=tool_version)
+
+    @property
+    def total_samples(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "format_version": FORMAT_VERSION, "tool": TOOL, "tool_version": self.tool_version,
+            "modality": self.modality, "total_samples": self.total_samples,
+            "shards": [s.to_json() for s in self.shards], "classes": self.classes,
+            "skipped": self.skipped, "skipped_counts": _counts(self.skipped),
+            "ignored": self.ignored, "args": self.args,
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict[str, object], where: str = "manifest") -> Manifest:
+        try:
+            shards = [ShardInfo.from_json(s) for s in doc["shards"]]  # type: ignore[attr-defined]
+            return cls(shards, str(doc["modality"]), doc.get("classes"),  # type: ignore[arg-type]
+                       list(doc.get("skipped", [])), list(doc.get("ignored", [])),  # type: ignore[call-overload]
+                       dict(doc.get("args", {})), str(doc.get("tool_version", "?")))  # type: ignore[call-overload]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: not a shardflow manifest ({exc!r})") from None
+
+    def save(self, path: Path) -> None:
+        write_atomic(path, (json.dumps(self.to_json(), indent=1) + "\n").encode())
+
+
+def _counts(entries: list[dict[str, str]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for e in entries:
+        out[e["reason"]] = out.get(e["reason"], 0) + 1
+    return dict(sorted(out.items()))
+
+
+def load_manifest(url: str) -> Manifest:
+    """Read `manifest.json` from a folder or URL (anything fsspec opens)."""
+    with fsspec.open(url, "rt", encoding="utf-8") as f:
+        try:
+            doc = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{url}: manifest is not valid JSON ({exc})") from None
+    return Manifest.from_json(doc, url)
+
+
+def merge_parts(out: Path) -> Manifest:
+    """Combine every part manifest in `out` into `manifest.json`; all n parts must be there."""
+    parts = {int(m.group(1)): (int(m.group(2)), p) for p in sorted(out.iterdir())
+             if (m := _PART.match(p.name))}
+    if not parts:
+        raise FileNotFoundError(f"{out}: no part manifests (manifest.part-*-of-*.json)")
+    count = next(iter(parts.values()))[0]
+    missing = sorted(set(range(count)) - set(parts))
+    if missing or any(n != count for n, _ in parts.values()):
+        raise ValueError(f"{out}: parts {missing} of {count} are missing or part counts differ;"
+                         " finish every part before merging")
+    manifests = [load_manifest(str(parts[i][1])) for i in range(count)]
+    merged = _merge(manifests, out)
+    merged.save(out / MANIFEST)
+    return merged
+
+
+def _merge(manifests: list[Manifest], out: Path) -> Manifest:
+    first = manifests[0]
+
+    def job(m: Manifest) -> dict[str, object]:
+        return {k: v for k, v in m.args.items() if k not in ("part", "on_error")}
+
+    for i, m in enumerate(manifests[1:], 1):
+        mine, base = job(m), job(first)
+        differ = sorted(k for k in set(mine) | set(base) if mine.get(k) != base.get(k))
+        if differ or m.modality != first.modality or m.classes != first.classes:
+            raise ValueError(f"{out}: part {i} was converted with other arguments than part 0 "
+                             f"(differ: {differ or 'modality/classes'}); parts must come from "
+                             "one source with the same arguments")
+    args = {k: v for k, v in first.args.items() if k != "part"}
+    return Manifest(
+        shards=sorted((s for m in manifests for s in m.shards), key=lambda s: s.name),
+        modality=first.modality, classes=first.classes,
+        skipped=[e for m in manifests for e in m.skipped],
+        ignored=[e for m in manifests for e in m.ignored],
+        args={**args, "merged_parts": len(manifests)},
+    )

@@ -1,0 +1,218 @@
+"""Verifying shards: checksums, tar structure, keys, DALI index and every sample's content.
+
+Each shard is streamed once: its bytes are hashed as the tar reader consumes them, samples
+are checked as they go by, and each member's size and CRC are kept so that the DALI index can
+then be checked entry by entry against the bytes at the offsets it names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+
+from pipeline import executor
+from pipeline.errors import DataError, SkipLog
+from pipeline.samples.checks import IMAGE_EXTS, TEXT_EXTS, CheckLimits, check_sample
+from pipeline.shards import daliindex
+from pipeline.shards.listing import list_shards, regular_file
+from pipeline.shards.manifest import MANIFEST, Manifest, ShardInfo, load_manifest
+from pipeline.shards.tarread import TarLimits, iter_samples
+from pipeline.urls import beside, redact
+
+REQUIRED = {"image": (IMAGE_EXTS,), "text": (TEXT_EXTS,), "pointcloud": (("npy",),)}
+
+
+class _HashingReader:
+    """A read-only wrapper that hashes and counts every byte read through it."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw, self.sha, self.count = raw, hashlib.sha256(), 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self.sha.update(data)
+        self.count += len(data)
+        return data
+
+    def drain(self) -> None:
+        while self.read(1 << 20):
+            pass
+
+
+@dataclass
+class ShardReport:
+    """What verification found in one shard."""
+
+    url: str
+    samples: int = 0
+    bytes: int = 0
+    sha256: str = ""
+    expected: ShardInfo | None = None
+    problems: list[dict[str, str]] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    limits: CheckLimits = field(default_factory=CheckLimits)
+    tar_limits: TarLimits = field(default_factory=TarLimits)
+    modality: str | None = None
+    num_classes: int | None = None
+
+
+def shard_urls(source: str) -> tuple[list[str], Manifest | None]:
+    """Shard URLs and the manifest, from a folder/URL holding manifest.json or shard URLs."""
+    base = source.rstrip("/")
+    fs, path = fsspec.core.url_to_fs(base)
+    if fs.isdir(path) and fs.exists(f"{path}/{MANIFEST}"):
+        manifest = load_manifest(f"{base}/{MANIFEST}")
+        return [f"{base}/{s.name}" for s in manifest.shards], manifest
+    return list_shards(source), None
+
+
+def verify_shard(url: str, expected: ShardInfo | None, opts: VerifyOptions) -> ShardReport:
+    report = ShardReport(redact(url), expected=expected)
+    skips = SkipLog(announce=False)
+    members: dict[str, tuple[int, int]] = {}
+    try:
+        regular_file(url, samples=None)  # a FIFO named .tar would block the open forever
+        with fsspec.open(url, "rb") as raw:
+            reader = _HashingReader(raw)
+            try:
+                for sample in iter_samples(reader, report.url, limits=opts.tar_limits,  # type: ignore[arg-type]
+                                           on_error="skip", skips=skips):
+                    report.samples += 1
+                    report.keys.append(str(sample["__key__"]))
+                    _check(sample, opts, skips, members)
+            except DataError as err:
+                skips.add(err)
+            reader.drain()
+    except FileNotFoundError:
+        skips.add(DataError("missing-shard", "the shard does not exist", source=report.url))
+        report.problems = skips.entries
+        return report
+    except DataError as err:  # not a regular file
+        skips.add(err.located(source=report.url))
+        report.problems = skips.entries
+        return report
+    report.bytes, report.sha256 = reader.count, reader.sha.hexdigest()
+    _compare(report, expected, skips)
+    _check_index(url, members, skips)
+    report.problems = skips.entries
+    return report
+
+
+def _check(sample: dict[str, object], opts: VerifyOptions, skips: SkipLog,
+           members: dict[str, tuple[int, int]]) -> None:
+    for ext, data in sample.items():
+        if not ext.startswith("__"):
+            members[f"{sample['__key__']}.{ext}"] = (len(data), zlib.crc32(data))  # type: ignore[arg-type]
+    try:
+        check_sample(sample, opts.limits, opts.num_classes)
+        _check_required(sample, opts)
+    except DataError as err:
+        skips.add(err)
+
+
+def _check_required(sample: dict[str, object], opts: VerifyOptions) -> None:
+    groups = list(REQUIRED.get(opts.modality or "", ()))
+    if opts.num_classes is not None:
+        groups.append(("cls",))
+    for group in groups:
+        if not any(ext in sample for ext in group):
+            raise DataError("missing-field", f"no .{' or .'.join(group)} member",
+                            source=str(sample["__url__"]), key=str(sample["__key__"]))
+
+
+def _compare(report: ShardReport, expected: ShardInfo | None, skips: SkipLog) -> None:
+    if expected is None:
+        return
+    for what, got, want in (("sha256", report.sha256, expected.sha256),
+                            ("bytes", report.bytes, expected.bytes),
+                            ("samples", report.samples, expected.samples)):
+        if got != want:
+            skips.add(DataError(f"{what}-mismatch", f"{what} is {got}, the manifest says "
+                                f"{want}: the shard changed after it was written",
+                                source=report.url))
+
+
+def _check_index(url: str, members: dict[str, tuple[int, int]], skips: SkipLog) -> None:
+    """The .idx beside the shard must point at exactly the bytes we read for each member."""
+    idx_url = beside(url, ".idx")
+    fs, path = fsspec.core.url_to_fs(idx_url)
+    try:
+        regular_file(idx_url)  # a FIFO where the .idx belongs would block the read
+    except DataError as err:
+        skips.add(DataError("bad-index", err.detail, source=redact(idx_url)))
+        return
+    if not fs.exists(path):
+        skips.add(DataError("missing-index", "no DALI index (.idx) beside the shard; DALI would "
+                            "scan the whole tar at start-up", source=redact(url)))
+        return
+    try:
+        entries = [e for s in daliindex.parse_index(fs.cat_file(path).decode()) for e in s]
+    except (ValueError, UnicodeDecodeError) as exc:
+        skips.add(DataError("bad-index", str(exc), source=redact(idx_url)))
+        return
+    with fsspec.open(url, "rb") as f:
+        for _ext, offset, size, name in entries:
+            f.seek(offset)
+            if members.get(name) != (size, zlib.crc32(f.read(size))):
+                skips.add(DataError("bad-index", f"index entry for {name!r} does not point at "
+                                    "that member's bytes", source=redact(idx_url)))
+                return
+    if len(entries) != len(members):
+        skips.add(DataError("bad-index", f"index lists {len(entries)} members, the tar holds "
+                            f"{len(members)}", source=redact(idx_url)))
+
+
+def _verify_one(item: tuple[str, ShardInfo | None], opts: VerifyOptions) -> ShardReport:
+    return verify_shard(item[0], item[1], opts)
+
+
+def verify(source: str, *, workers: int = 1, limits: CheckLimits | None = None,
+           timeout_s: float | None = None) -> tuple[list[ShardReport], Manifest | None]:
+    """Verify every shard of `source`; reports come back in shard order. With workers > 1 a
+    shard whose check takes over `timeout_s` is reported hung (executor.WorkerError)."""
+    urls, manifest = shard_urls(source)
+    if not urls:
+        raise FileNotFoundError(f"{redact(source)}: no shards found")
+    expected = manifest.shards if manifest else [None] * len(urls)
+    opts = VerifyOptions(limits or CheckLimits(), TarLimits(),
+                         manifest.modality if manifest else None,
+                         len(manifest.classes) if manifest and manifest.classes else None)
+    items = list(zip(urls, expected, strict=True))
+    reports = list(executor.ordered_map(_verify_one, items, opts, workers, chunk=1,
+                                        timeout_s=timeout_s,
+                                        describe=lambda item: redact(item[0])))
+    _check_keys_across_shards(reports)
+    return reports, manifest
+
+
+def _check_keys_across_shards(reports: list[ShardReport]) -> None:
+    """A key in two shards means two samples a loader cannot tell apart (or one sample twice)."""
+    first: dict[str, str] = {}
+    for report in reports:
+        for key in report.keys:
+            if key in first:
+                report.problems.append({
+                    "source": report.url, "key": key, "reason": "duplicate-key",
+                    "detail": f"key also in {first[key]}"})
+            else:
+                first[key] = report.url
+
+
+def problem_counts(reports: list[ShardReport]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in reports:
+        for p in r.problems:
+            counts[p["reason"]] = counts.get(p["reason"], 0) + 1
+    return dict(sorted(counts.items()))

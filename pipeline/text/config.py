@@ -1,0 +1,34 @@
+"""The text loader's options: the shared loader options plus what token rows need."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pipeline.loading.options import LoaderOptions, choice, positive
+
+Objective = Literal["mlm", "clm"]  # e.g. objective="mlm" for BERT-style masking
+
+
+@dataclass(frozen=True)
+class TextConfig(LoaderOptions):
+    """Options of `text_loader`; every field is also a keyword argument of it.
+    `batch_size` is rows per batch (and documents per read); `train=False` draws the same
+    masks every pass."""
+
+    seq_len: int = 256
+    objective: Objective = "clm"
+    packing: bool = True  # False: one document per row, truncated to seq_len, padded
+    mask_prob: float = 0.15
+    # Longer documents are truncated. Memory: a read holds up to batch_size documents of at
+    # most this many tokens (int32), and about prefetch + 2 reads are in flight.
+    max_doc_bytes: int = 1024 * 1024
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        positive(self, "seq_len", "max_doc_bytes")
+        choice(self, "objective", ("mlm", "clm"))
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len={self.seq_len}: need at least 2 tokens per row")
+        if not 0 < self.mask_prob < 1:
+            raise ValueError(f"mask_prob={self.mask_prob}: a share in (0, 1)")

@@ -1,0 +1,242 @@
+"""The text loader: shards of `.txt` documents -> checks -> tokenizer -> packed (or truncated)
+rows of `seq_len` tokens -> masking ("mlm") or next-token labels ("clm") -> `TextBatch`.
+
+    from pipeline import text_loader
+    with text_loader("shards/text", batch_size=32, seq_len=256, objective="mlm") as loader:
+        for batch in loader:
+            ...  # batch.input_ids, batch.labels, batch.attention_mask: int64 (32, 256)
+
+Two background stages overlap with the training step: the reader stage reads documents,
+checks them (UTF-8, no NUL, not empty; longer than `max_doc_bytes`: truncated, with a
+warning naming shard and key) and tokenizes them a read at a time; the text stage packs,
+masks and copies the batch to the device. No DALI operator tokenizes, so this is CPU work in
+the same queues (DALI's reader still reads local indexed shards).
+
+With packing (the default) a batch is always `batch_size` full rows, except the epoch's last;
+how many batches an epoch has depends on the token count, so `len()` is unknown and ranks
+under torch.distributed agree when to stop (see Loader): the longer ranks leave their last
+tokens out, as the image loader evens out samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.errors import DataError, SkipLog, handle
+from pipeline.loading import readers
+from pipeline.loading.agreement import rank_agreement
+from pipeline.loading.batch import EncodedBatch, TextBatch
+from pipeline.loading.loader import Loader, Produced
+from pipeline.loading.prefetch import DeviceCopier, Stage
+from pipeline.loading.readplan import EpochPlan
+from pipeline.loading.shardlist import Source, resolve_source
+from pipeline.samples.checks import TEXT_EXTS, CheckLimits, check_text
+from pipeline.text import masking, packing
+from pipeline.text.config import Objective, TextConfig
+from pipeline.text.tokenizer import Tokenizer, load_tokenizer
+from pipeline.urls import redact
+
+log = logging.getLogger(__name__)
+
+
+def text_loader(source: str | Path | Sequence[str], *, batch_size: int, seq_len: int = 256,
+                objective: Objective = "clm", tokenizer: str | Path | Tokenizer = "bytes",
+                seed: int = 0, rank: int | None = None, world_size: int | None = None,
+                **options: Any) -> TextLoader:
+    """A resumable loader of token batches from text shards (see `TextConfig`).
+
+    `tokenizer`: "bytes" (built in), a tokenizer.json path (HF tokenizers), or an object
+    with the same methods. `rank`/`world_size` default to torch.distributed's.
+    """
+    cfg = TextConfig(batch_size=batch_size, seq_len=seq_len, objective=objective, seed=seed,
+                     **options)
+    rank, world_size = readers.distributed(rank, world_size)
+    return TextLoader(resolve_source(source), cfg, load_tokenizer(tokenizer), rank, world_size)
+
+
+class TextLoader(Loader):
+    """Batches of token rows on the target device. Build with `text_loader(...)`."""
+
+    kind = "text"
+
+    def __init__(self, source: Source, cfg: TextConfig, tokenizer: Tokenizer, rank: int,
+                 world_size: int) -> None:
+
+        if cfg.objective == "mlm" and tokenizer.mask_id is None:
+            raise ValueError("objective='mlm' needs a mask token; this tokenizer has none "
+                             "(train one with tools/train_tokenizer.py, or use 'bytes')")
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.device, self.cuda_index = readers.resolve_device(cfg.device, self.kind)
+        self._init_from_config(source, cfg, rank, world_size)
+        self.copier = DeviceCopier(("cuda", self.cuda_index) if self.device == "gpu" else "cpu",
+                                   None, None, True)
+        # Documents cut to max_doc_bytes so far, each logged; counted as read (read-ahead and a
+        # resume's re-read included), so a figure to watch, not an exact count.
+        self.truncated_docs = 0
+        if cfg.packing:
+            self.agree_to_stop = rank_agreement(world_size)
+
+    def _batches_per_epoch(self, plan: EpochPlan) -> int | None:
+        # Packed: as many as the epoch's tokens fill, unknown until read. The plan's count
+        # is of reads (batch_size documents each), not of batches.
+        return None if self.cfg.packing else plan.batches
+
+    def __len__(self) -> int:
+        if self.cfg.packing:
+            raise TypeError("a packed text loader's length depends on how many tokens the "
+                            "documents hold; count batches in a pass, or use packing=False")
+        return super().__len__()
+
+    # -- state: what must match besides the shards ---------------------------------------------
+
+    def _text_fields(self) -> dict[str, Any]:
+        c = self.cfg
+        return {"seq_len": c.seq_len, "objective": c.objective, "packing": c.packing,
+                "mask_prob": c.mask_prob, "max_doc_bytes": c.max_doc_bytes,
+                **self.tokenizer.describe()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "text": self._text_fields()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = self._text_fields()
+        theirs = state.get("text") or {}
+        for name, value in mine.items():
+            if theirs.get(name) != value:
+                raise ValueError(f"loader state does not match this loader; it differs in "
+                                 f"{name}: {theirs.get(name)!r} in the state, {value!r} here. "
+                                 "Build the loader as it was when the state was saved")
+        super().load_state_dict(state)
+
+    # -- the reader stage: documents -> tokens ---------------------------------------------------
+
+    def _reads(self, plan: EpochPlan, before: dict[str, Any] | None, stop: threading.Event
+               ) -> Iterator[tuple[Any, dict[str, Any]]]:
+        """(tokenized read, reader state after it); `before` is where the reader starts."""
+        for enc in readers.encoded(self.reader, plan, before, self.on_error, TEXT_EXTS):
+            if stop.is_set():
+                return
+            texts, keys = self._documents(enc)
+            docs = self.tokenizer.encode_batch(texts) if texts else []
+            yield (before, docs, keys, enc.skips), enc.state
+            before = enc.state
+
+    def _documents(self, enc: EncodedBatch) -> tuple[list[str], list[str]]:
+        texts, keys, skips = [], [], SkipLog()
+        for i in range(len(enc)):
+            try:
+                texts.append(self._document(enc.data[i], enc.urls[i], enc.keys[i]))
+                keys.append(enc.keys[i])
+            except DataError as err:
+                handle(err.located(source=enc.urls[i], key=enc.keys[i]), self.on_error, skips)
+        enc.skips.extend(skips.entries)
+        return texts, keys
+
+    def _document(self, raw: np.ndarray, url: str, key: str) -> str:
+        data = raw.tobytes()
+        if not data:
+            raise DataError("empty-text", "no .txt member, or an empty one")
+        limit = self.cfg.max_doc_bytes
+        if len(data) > limit:
+            cut = limit
+            while cut and (data[cut] & 0xC0) == 0x80:  # not inside a UTF-8 character
+                cut -= 1
+            log.warning("%s key %r: a document of %d bytes; only its first %d are used "
+                        "(max_doc_bytes=%d)", redact(url), key, len(data), cut, limit)
+            self.truncated_docs += 1
+            data = data[:cut]
+        return check_text(data, CheckLimits(max_text_bytes=max(len(data), 1)))
+
+    # -- the text stage: pack, mask, to the device ------------------------------------------------
+
+    def _produce(self, plan: EpochPlan, state: dict[str, Any] | None, stop: threading.Event
+                 ) -> Iterator[Produced]:
+        before = state["reader"] if state else None
+        index = int(state["batches"]) if state else 0
+        reads = Stage(lambda s: self._reads(plan, before, s), depth=self.prefetch,
+                      name="shardflow-text-reader", parent_stop=stop)
+        try:
+            if self.cfg.packing:
+                drop = int(state["offset"]) if state else 0
+                yield from self._packed(plan, reads, drop, index, stop)
+            else:
+                yield from self._truncated(plan, reads, index, stop)
+        finally:
+            reads.close()
+
+    def _packed(self, plan: EpochPlan, reads: Stage[Any], drop: int, index: int,
+                stop: threading.Event) -> Iterator[Produced]:
+        packer = packing.Packer(self.cfg.batch_size * self.cfg.seq_len)
+        sep = self.tokenizer.sep_id
+        for n, ((before, docs, keys, skips), after) in enumerate(reads):
+            piece = packing.Piece.of(before, docs, keys, sep, skips)
+            if n == 0 and drop:  # resuming inside this read: its first tokens went out
+                piece.offset, piece.reported = drop, True
+            packer.add(piece, after)
+            while packer.ready() and not stop.is_set():
+                yield self._emit(packer.take(), packer.position(), plan.epoch, index)
+                index += 1
+        while packer.available or packer.pending_skips():  # the epoch's last, short batch
+            cut = packer.take()
+            ids, attention = packing.rows(cut.tokens, self.cfg.seq_len, self.tokenizer.pad_id)
+            yield self._batch_or_skips(ids, attention, cut.keys, cut.skips, packer.position(),
+                                       plan.epoch, index)
+            index += 1
+
+    def _truncated(self, plan: EpochPlan, reads: Stage[Any], index: int,
+                   stop: threading.Event) -> Iterator[Produced]:
+        c = self.cfg
+        for (_before, docs, keys, skips), after in reads:
+            if stop.is_set():
+                return
+            ids, attention, _cut = packing.truncated_rows(docs, c.seq_len,
+                                                          self.tokenizer.pad_id,
+                                                          self.tokenizer.sep_id)
+            item = self._batch_or_skips(ids, attention, keys, skips, (after, 0), plan.epoch,
+                                        index)
+            index += item[0] is not None
+            yield item
+
+    def _emit(self, cut: packing.Cut, position: tuple[dict[str, Any] | None, int],
+              epoch: int, index: int) -> Produced:
+        ids, attention = packing.rows(cut.tokens, self.cfg.seq_len, self.tokenizer.pad_id)
+        return self._batch(ids, attention, cut.keys, cut.skips, position, epoch, index)
+
+    def _batch_or_skips(self, ids: np.ndarray, attention: np.ndarray, keys: list[str],
+                        skips: list[dict[str, str]], position: tuple[dict[str, Any] | None, int],
+                        epoch: int, index: int) -> Produced:
+        """A batch, or with no rows (every document of it skipped) an item that only carries
+        the skips: a batch of 0 rows would be a step one rank skips and the others take."""
+        if not len(ids):
+            state = {"reader": position[0], "offset": position[1], "batches": index}
+            return None, state, None, skips
+        return self._batch(ids, attention, keys, skips, position, epoch, index)
+
+    def _batch(self, ids: np.ndarray, attention: np.ndarray, keys: list[str],
+               skips: list[dict[str, str]], position: tuple[dict[str, Any] | None, int],
+               epoch: int, index: int) -> Produced:
+        import torch
+
+        inputs, labels = self._labels(ids, attention, epoch, index)
+        (inputs_t, labels_t, attention_t), ready = self.copier.move(
+            torch.from_numpy(inputs), torch.from_numpy(labels), torch.from_numpy(attention))
+        state = {"reader": position[0], "offset": position[1], "batches": index + 1}
+        return TextBatch(inputs_t, labels_t, attention_t, keys), state, ready, skips
+
+    def _labels(self, ids: np.ndarray, attention: np.ndarray, epoch: int, index: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+        if self.cfg.objective == "clm":
+            return ids, masking.clm(ids, attention)
+        tok = self.tokenizer
+        # Evaluation draws the same masks every pass, so that its losses compare.
+        rng = masking.batch_rng(self.seed, epoch if self.cfg.train else 0, self.rank, index)
+        assert tok.mask_id is not None
+        return masking.mlm(ids, attention, rng, mask_id=tok.mask_id, normal_ids=tok.normal_ids,
+                           special_ids=tok.special_ids,
+                           prob=self.cfg.mask_prob)

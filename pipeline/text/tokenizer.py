@@ -1,0 +1,169 @@
+"""Tokenizers for the text loader: a built-in byte-level one, and HF `tokenizers` files.
+
+    load_tokenizer("bytes")                # no dependency: one id per UTF-8 byte + 3 specials
+    load_tokenizer("out/tokenizer.json")   # HF tokenizers (pip install shardflow[text])
+
+Both encode a list of documents at once (HF's Rust encoder spreads a batch over its own
+threads) into int32 arrays, without special tokens: the packer adds the separators. Each names
+its pad, separator and mask ids, and which ids are ordinary tokens (what masking may draw).
+`describe()` identifies a tokenizer in loader states and checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+# Special tokens looked up in an HF tokenizer, in order of preference.
+PAD_NAMES = ("[PAD]", "<pad>", "<|pad|>")
+SEP_NAMES = ("[SEP]", "</s>", "<|endoftext|>", "[EOS]", "<eos>")
+MASK_NAMES = ("[MASK]", "<mask>")
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    pad_id: int
+    sep_id: int  # ends every document in a packed row
+    mask_id: int | None  # None: this tokenizer cannot do masked language modelling
+    normal_ids: np.ndarray  # ids that are not special: what a random replacement draws from
+    special_ids: tuple[int, ...]  # never chosen for masking
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
+
+    def decode(self, ids: Any) -> str: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+class ByteTokenizer:
+    """ids 0-255 are the UTF-8 bytes; 256 pad, 257 separator, 258 mask."""
+
+    vocab_size: int = 259
+    pad_id: int = 256
+    sep_id: int = 257
+    mask_id: int | None = 258
+
+    def __init__(self) -> None:
+        self.normal_ids = np.arange(256, dtype=np.int32)
+        self.special_ids: tuple[int, ...] = (self.pad_id, self.sep_id, 258)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+                for t in texts]
+
+    def decode(self, ids: Any) -> str:
+        data = bytes(int(i) for i in np.asarray(ids).ravel() if 0 <= int(i) < 256)
+        return data.decode("utf-8", errors="replace")
+
+    def describe(self) -> dict[str, Any]:
+        return {"tokenizer": "bytes", "vocab_size": self.vocab_size}
+
+
+class HFTokenizer:
+    """A `tokenizer.json` of HF tokenizers; needs pad and separator tokens in its vocabulary."""
+
+    def __init__(self, path: str | Path) -> None:
+        try:
+            from tokenizers import Tokenizer as _HF
+        except ImportError:
+            raise ImportError("HF tokenizers are an optional extra: pip install "
+                              "'shardflow[text]' (or use tokenizer='bytes')") from None
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such tokenizer file (want a tokenizer.json "
+                                    "made by tools/train_tokenizer.py or HF tokenizers)")
+        data = path.read_bytes()
+        try:
+            self._tok = _HF.from_str(data.decode("utf-8"))
+        except Exception as exc:  # noqa: BLE001 - the library raises plain Exception
+            raise ValueError(f"{path}: not a tokenizers file ({exc})") from None
+        self.sha256 = hashlib.sha256(data).hexdigest()
+        self.vocab_size = self._tok.get_vocab_size()
+        self.pad_id = self._special(path, PAD_NAMES, "pad")
+        self.sep_id = self._special(path, SEP_NAMES, "separator")
+        found = [self._tok.token_to_id(n) for n in MASK_NAMES]
+        self.mask_id = next((i for i in found if i is not None), None)
+        # Added tokens (pad, separator, mask, any other) are never drawn as random tokens.
+        special = {int(i) for i in self._tok.get_added_tokens_decoder()}
+        special |= {self.pad_id, self.sep_id} | ({self.mask_id} if self.mask_id is not None
+                                                 else set())
+        self.normal_ids = np.array([i for i in range(self.vocab_size) if i not in special],
+                                   dtype=np.int32)
+        self.special_ids: tuple[int, ...] = tuple(sorted(special))
+        # "[SEP]" written in a document is text, not a separator: the data never makes
+        # special tokens (no injected document boundaries or mask tokens).
+        self._tok.encode_special_tokens = True
+
+    def _special(self, path: Path, names: tuple[str, ...], what: str) -> int:
+        for name in names:
+            token_id = self._tok.token_to_id(name)
+            if token_id is not None:
+                return int(token_id)
+        raise ValueError(f"{path}: the tokenizer has no {what} token (looked for "
+                         f"{', '.join(names)}); train one with tools/train_tokenizer.py")
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        encodings = self._tok.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+
+    def decode(self, ids: Any) -> str:
+        return str(self._tok.decode([int(i) for i in np.asarray(ids).ravel()]))
+
+    def describe(self) -> dict[str, Any]:
+        return {"tokenizer": "hf", "vocab_size": self.vocab_size, "sha256": self.sha256}
+
+
+def load_tokenizer(spec: str | Path | Tokenizer) -> Tokenizer:
+    """'bytes', a path to a tokenizer.json, or a tokenizer object (returned as is)."""
+    if isinstance(spec, (str, Path)):
+        return ByteTokenizer() if str(spec) == "bytes" else HFTokenizer(spec)
+    for name in ("encode_batch", "pad_id", "sep_id", "vocab_size", "normal_ids", "special_ids",
+                 "describe"):
+        if not hasattr(spec, name):
+            raise TypeError(f"tokenizer {spec!r} has no {name!r}: pass 'bytes', a "
+                            "tokenizer.json path, or an object like ByteTokenizer")
+    return spec
+
+
+SPECIALS = ["[PAD]", "[SEP]", "[MASK]"]
+
+
+def train_bpe(texts: Iterable[str], out: Path, vocab_size: int) -> None:
+    """Train a byte-level BPE (exact round trip, no unknown tokens) with the special tokens
+    the text loader looks for, and write its tokenizer.json atomically."""
+    try:
+        from tokenizers import Tokenizer as _HF
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+    except ImportError:
+        raise ImportError("training a tokenizer needs HF tokenizers: pip install "
+                          "'shardflow[text]'") from None
+    from pipeline.atomic import write_atomic
+
+    if vocab_size < 256 + len(SPECIALS):
+        raise ValueError(f"vocab_size={vocab_size}: a byte-level BPE needs at least "
+                         f"{256 + len(SPECIALS)} (the 256 bytes and the special tokens)")
+    tok = _HF(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    write_atomic(out, tok.to_str().encode("utf-8"))
+
+
+def byte_unigram_entropy(texts: Iterable[str]) -> float:
+    """Nats per token of a corpus under the byte tokenizer's unigram distribution (one
+    separator per document included): what a language model must beat to have learned
+    anything beyond letter frequencies."""
+    counts, docs = np.zeros(256, dtype=np.int64), 0
+    for text in texts:
+        counts += np.bincount(np.frombuffer(text.encode("utf-8"), np.uint8), minlength=256)
+        docs += 1
+    every = np.append(counts, docs).astype(np.float64)
+    p = every[every > 0] / every.sum()
+    return float(-(p * np.log(p)).sum())
