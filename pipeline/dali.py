@@ -109,15 +109,23 @@ class GraphRunner:
 
 
 def to_cuda(batch: Any, dtype: Any, cuda_index: int | None, stream: Any) -> Any:
-    """A dense DALI GPU batch copied into a new CUDA tensor, ordered on `stream` (the
-    copier's side stream), before the graph runs again and reuses its buffer."""
+    """A dense DALI GPU batch copied into a new CUDA tensor on `stream` (the copier's side
+    stream; see the stream contract in pipeline/loading/delivery.py)."""
     import torch
     from nvidia.dali.plugin.pytorch import feed_ndarray
 
     dense = batch.as_tensor()
-    tensor = torch.empty(dense.shape(), dtype=dtype,
-                         device=torch.device("cuda", cuda_index or 0))
-    feed_ndarray(dense, tensor, cuda_stream=stream)
+    with torch.cuda.stream(stream):
+        # Allocated on the side stream, where it is written: a block allocated on the
+        # decode thread's default stream could be memory the training step still reads.
+        tensor = torch.empty(dense.shape(), dtype=dtype,
+                             device=torch.device("cuda", cuda_index or 0))
+        feed_ndarray(dense, tensor, cuda_stream=stream)
+        copied = torch.cuda.Event()
+        copied.record(stream)
+    # DALI refills this buffer once the next output is asked for: wait (this thread only)
+    # until our copy out of it is done. A device-to-device copy: microseconds.
+    copied.synchronize()
     return tensor
 
 

@@ -97,10 +97,13 @@ class SkipLog:
     def counts(self) -> dict[str, int]:
         return dict(sorted(Counter(e["reason"] for e in self.entries).items()))
 
-    def samples(self) -> tuple[int, int]:
-        """(samples skipped, entries whose size is unknown: whole shards without a count)."""
-        sizes = [entry_samples(e) for e in self.entries]
-        return sum(n for n in sizes if n is not None), sum(n is None for n in sizes)
+    def samples(self) -> int:
+        """Samples skipped, over the entries whose size is known (see `unknown_size`)."""
+        return sum(n for e in self.entries if (n := entry_samples(e)) is not None)
+
+    def unknown_size(self) -> int:
+        """Entries whose size is unknown: whole shards (or their rest) without a count."""
+        return sum(entry_samples(e) is None for e in self.entries)
 
     def __len__(self) -> int:
         return len(self.entries)

@@ -29,12 +29,33 @@ def gpu_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def dali_available() -> bool:
+    from pipeline.loading.readers import dali_importable
+
+    return dali_importable()
+
+
+def needs_dali(item: pytest.Item) -> bool:
+    """Marked `dali`, or parametrized over reader="dali" / backend="dali" (DALI's reader or
+    graph by name): such a test runs only where nvidia.dali imports."""
+    params = getattr(item, "callspec", None)
+    named = params.params if params is not None else {}
+    return item.get_closest_marker("dali") is not None or \
+        "dali" in (named.get("reader"), named.get("backend"))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The no-DALI run (PYTHONPATH=tests/nodali, see the Makefile) skips DALI's own tests.
+    if not dali_available():
+        no_dali = pytest.mark.skip(reason="needs nvidia.dali (it does not import here)")
+        for item in items:
+            if needs_dali(item):
+                item.add_marker(no_dali)
     if gpu_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (no GPU on this machine)")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:  # the marker, not a parameter id
             item.add_marker(skip)
 
 
@@ -158,7 +179,9 @@ def read_wds(out: Path) -> list[dict]:
 
 def read_dali(out: Path, exts: list[str]) -> list[list[bytes]]:
     """Every sample's members (as bytes, in `exts` order) read by DALI's webdataset reader on
-    the CPU, using the .idx files beside the shards."""
+    the CPU, using the .idx files beside the shards. Without DALI (the no-DALI run) the test
+    is skipped here, after what it checked before."""
+    pytest.importorskip("nvidia.dali", reason="DALI's own reader: nvidia.dali does not import")
     from nvidia.dali import fn, pipeline_def
 
     tars = [str(p) for p in shard_paths(out)]

@@ -464,19 +464,28 @@ def test_verify_lists_every_missing_shard(tmp_path):
         assert f"{tmp_path / n}: the shard does not exist [missing-shard]" in proc.stdout
 
 
-def test_gzip_shard_read_and_gz_member_copied_not_expanded(tmp_path):
+def test_gzip_shard_read_and_gz_member_expanded_within_the_limit(tmp_path):
+    """A `.gz` member is expanded (as webdataset's decoder does), never past the member limit:
+    beyond it the sample is refused, naming shard and key, and nothing larger is allocated."""
     bomb = gzip.compress(b"\0" * 4_000_000, mtime=0)  # 4 MB of zeros in about 4 KB
     src = tmp_path / "src"
     src.mkdir()
     (src / "zipped.tar.gz").write_bytes(gzip.compress(tar_bytes(
-        [("z-a.txt", b"inside gzip"), ("z-a.blob.gz", bomb), ("z-b.txt", b"two")]), mtime=0))
+        [("z-a.txt", b"inside gzip"), ("z-a.blob.gz", bomb),
+         ("z-b.txt.gz", gzip.compress(b"two", mtime=0))]), mtime=0))
     samples, _, err = read_shard((src / "zipped.tar.gz").read_bytes(), "zipped.tar.gz")
     assert err is None and [s["__key__"] for s in samples] == ["z-a", "z-b"]
-    proc = make("shards", src, tmp_path / "out", "--max-member-size", "64KiB")
+    assert samples[0]["blob"] == b"\0" * 4_000_000 and samples[1]["txt"] == b"two"
+    proc = make("shards", src, tmp_path / "raise", "--max-member-size", "64KiB")
+    assert proc.returncode == 1 and "zipped.tar.gz key 'z-a'" in proc.stderr
+    assert "[member-too-large]" in proc.stderr and "z-a.blob.gz" in proc.stderr
+    proc = make("shards", src, tmp_path / "out", "--max-member-size", "64KiB", "--on-error",
+                "skip")
     assert proc.returncode == 0, proc.stderr
-    got = output(tmp_path / "out")
-    assert got["z-a"]["blob.gz"] == bomb and got["z-a"]["txt"] == b"inside gzip"
-    assert load_manifest(tmp_path / "out")["total_samples"] == 2
+    assert {k: s["txt"] for k, s in output(tmp_path / "out").items()} == {"z-b": b"two"}
+    m = load_manifest(tmp_path / "out")
+    assert m["total_samples"] == 1
+    assert [(e["key"], e["reason"]) for e in m["skipped"]] == [("z-a", "member-too-large")]
     assert sum(p.stat().st_size for p in (tmp_path / "out").glob("*.tar")) < 100_000
 
 

@@ -16,6 +16,7 @@ from conftest import QuietHandler, http_server, jpeg_bytes, make_image_folder, r
 from pipeline import image_loader
 from pipeline.builtin import make_image_folder as builtin_images
 from pipeline.errors import DataError
+from pipeline.image.graph import IMAGENET_MEAN, IMAGENET_STD
 
 OPTS = {"size": 32, "threads": 1, "shuffle_buffer": 16}
 
@@ -48,7 +49,9 @@ def http_url(shards: Path):
 def test_batches_hold_decoded_images_labels_and_keys(shards):
     threads = torch.get_num_threads()
     with image_loader(shards, batch_size=16, device="cpu", **OPTS) as loader:
-        assert len(loader) == 4 and loader.reader == "dali"
+        # DALI's reader for local indexed shards; the portable backend (no DALI) streams.
+        assert len(loader) == 4
+        assert loader.reader == ("dali" if loader.backend == "dali" else "stream")
         keys, images, labels = epoch(loader)
     assert sorted(keys) == sorted(set(keys)) and len(keys) == 60
     assert [tuple(i.shape) for i in images] == [(16, 3, 32, 32)] * 3 + [(12, 3, 32, 32)]
@@ -58,6 +61,7 @@ def test_batches_hold_decoded_images_labels_and_keys(shards):
     assert torch.get_num_threads() == threads  # the loader leaves the consumer's torch alone
 
 
+@pytest.mark.dali
 def test_local_dali_stream_and_http_give_the_same_epoch(shards, http_url):
     def run(source, reader):
         with image_loader(source, batch_size=16, train=False, device="cpu", reader=reader,
@@ -153,6 +157,14 @@ def test_nhwc_float_normalized_and_eval_center_crop(shards):
     batch = next(iter(loader))
     assert batch.image.shape == (10, 32, 32, 3) and batch.image.dtype == torch.float32
     assert -3 < batch.image.mean() < 3 and batch.image.std() > 0.2
+    # The same centre crops as the uint8 NCHW batch (checked against PIL in
+    # test_eval_crop_is_the_centre_square_pil_makes), laid out NHWC, normalized per channel.
+    with image_loader(shards, batch_size=10, device="cpu", train=False, **OPTS) as plain:
+        raw = next(iter(plain))
+    assert raw.keys == batch.keys
+    mean, std = (torch.tensor(v).view(1, 1, 1, 3) for v in (IMAGENET_MEAN, IMAGENET_STD))
+    expected = (raw.image.permute(0, 2, 3, 1).float() - mean) / std
+    torch.testing.assert_close(batch.image, expected, atol=1.5 / 58, rtol=0)  # 1.5 of 255
 
 
 def _bad_shards(tmp_path: Path, corrupt: dict[str, bytes]) -> Path:
@@ -231,6 +243,7 @@ def test_missing_label_bad_bytes_and_pixel_bomb_are_caught_before_decode(tmp_pat
     assert loader.skip_counts() == {"bad-image": 1, "missing-field": 1, "too-many-pixels": 1}
 
 
+@pytest.mark.dali  # the up-front check is DALI's reader's (the streaming one finds it mid-read)
 def test_truncated_shard_is_refused_up_front_or_skipped_whole(tmp_path):
     src = make_image_folder(tmp_path / "src", classes=2, per_class=4)
     out = tmp_path / "out"
@@ -271,6 +284,38 @@ def test_gpu_mixed_decode_gives_batches_on_the_device(shards):
         batch = next(iter(loader))
     assert batch.image.is_cuda and batch.image.dtype == torch.float32
     assert batch.image.shape == (16, 3, 32, 32) and batch.label.is_cuda
+    # The same images as the CPU decode (nvJPEG and the GPU resize against libjpeg and
+    # torch's): a mean |difference| per image under 3 levels of 255 (eval: centre crops).
+    make = functools.partial(image_loader, shards, batch_size=16, train=False, normalize=True,
+                             use_tuning=False, **OPTS)
+    with make(device="cuda", decode="gpu") as gpu, make(device="cpu") as cpu:
+        assert gpu.decode == "gpu" and cpu.decode == "cpu"
+        on_gpu = [(b.keys, b.image.cpu(), b.label.cpu()) for b in gpu]
+        on_cpu = [(b.keys, b.image, b.label) for b in cpu]
+    to_levels = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    for (keys, image, label), (cpu_keys, cpu_image, cpu_label) in zip(on_gpu, on_cpu,
+                                                                      strict=True):
+        assert keys == cpu_keys and torch.equal(label, cpu_label)
+        levels = ((image - cpu_image) * to_levels).abs().mean((1, 2, 3))
+        assert (levels < 3).all(), dict(zip(keys, levels.tolist(), strict=True))
+
+
+@pytest.mark.gpu
+def test_cuda_batches_decoded_on_the_cpu_are_the_cpu_batches(shards):
+    """device="cuda", decode="cpu": the CPU loader's work, copied through the pinned ring;
+    uint8, so every batch of the epoch is exactly the device="cpu" batch."""
+    make = functools.partial(image_loader, shards, batch_size=8, seed=4, use_tuning=False,
+                             **OPTS)
+    with make(device="cuda", decode="cpu") as cuda, make(device="cpu") as cpu:
+        assert (cuda.device, cuda.decode) == (f"cuda:{torch.cuda.current_device()}", "cpu")
+        copied = [(b.keys, b.image, b.label) for b in cuda]
+        made = [(b.keys, b.image, b.label) for b in cpu]
+    assert len(copied) == len(made) == 8
+    for (keys, image, label), (cpu_keys, cpu_image, cpu_label) in zip(copied, made,
+                                                                      strict=True):
+        assert image.is_cuda and label.is_cuda and image.dtype == torch.uint8
+        assert keys == cpu_keys
+        assert torch.equal(image.cpu(), cpu_image) and torch.equal(label.cpu(), cpu_label)
 
 
 @pytest.mark.parametrize("reader", ["dali", "stream"])
@@ -289,17 +334,28 @@ def test_break_then_continue_is_the_same_as_one_pass(shards, reader):
         assert torch.equal(a.image, b.image)
 
 
-def test_close_during_iteration_stops_quietly_and_leaves_no_thread(shards):
+def test_close_during_iteration_stops_quietly_and_leaves_no_thread(shards, caplog):
+    """close() stops and joins the producer threads before it returns (Stage.close: a stop
+    event their queue waits poll every 0.1 s; it gives up, with a warning, after 5 s), and
+    a consumer's next wait sees the stop before the queue: no batch comes after close()."""
     before = threading.active_count()
     loader = image_loader(shards, batch_size=4, device="cpu", **OPTS)
-    seen = 0
+    seen, after_close = 0, None
     for _ in loader:
         seen += 1
         if seen == 2:
+            queued = loader._stage._queue  # the batches prepared ahead of this consumer
+            with queued.not_empty:  # notified by every put: wait until the queue is full
+                assert queued.not_empty.wait_for(
+                    lambda q=queued: q._qsize() >= q.maxsize, timeout=60)
             loader.close()
-    assert seen <= 2 + OPTS["shuffle_buffer"]  # ended, without an error
-    assert threading.active_count() == before
+            after_close = threading.active_count()
+    assert seen == 2  # ended at once, without an error, though batches were queued
+    assert after_close == before and threading.active_count() == before
+    assert "did not stop" not in caplog.text  # joined, not abandoned after the timeout
     assert loader.epoch == 0  # a pass cut short does not count as an epoch
+    with pytest.raises(RuntimeError, match="closed"):
+        iter(loader).__next__()
 
 
 def test_eval_batch_is_the_centre_crop_of_the_image(shards):
@@ -317,6 +373,49 @@ def test_eval_batch_is_the_centre_crop_of_the_image(shards):
         window = img[w.y: w.y + w.height, w.x: w.x + w.width]
         expected = resize.batch([np.ascontiguousarray(window)], [False], 32, True, None)[0]
         assert (batch.image[i].float() - expected.float()).abs().mean() < 4
+
+
+def _pil_centre_crop(data: bytes, size: int, fraction: float, shift: int = 0) -> torch.Tensor:
+    """The reference, by PIL alone: the centred square of `fraction` of the shorter side
+    (moved `shift` pixels right), resized to size x size, bilinear and antialiased."""
+    import io
+
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(data)).convert("RGB")
+    side = round(min(img.size) * fraction)
+    left, top = (img.width - side) // 2 + shift, (img.height - side) // 2
+    img = img.crop((left, top, left + side, top + side))
+    img = img.resize((size, size), Image.Resampling.BILINEAR)
+    return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1).float()
+
+
+@pytest.mark.parametrize("resize_on, fraction", [
+    ("torch", 0.875), pytest.param("dali", 0.6, marks=pytest.mark.dali)])
+def test_eval_crop_is_the_centre_square_pil_makes(tmp_path, resize_on, fraction):
+    """Noise JPEGs of several shapes (landscape, portrait, square, odd sides): every eval
+    image against PIL's centre crop of the same bytes. Measured mean |difference| per image
+    (0..255): at most 0.08 (torch resize) and 0.48 (the graph's); the same crop one pixel
+    to the right differs by 12 or more."""
+    from pipeline.shards.writer import ShardWriter
+
+    shapes = [(60, 40), (40, 64), (48, 48), (75, 50), (33, 47), (64, 37)]
+    data = {f"img{i:02d}": jpeg_bytes(i, size=s) for i, s in enumerate(shapes * 2)}
+    writer = ShardWriter(tmp_path, "train", max_count=100, max_size=10**8)
+    for key, jpeg in data.items():
+        writer.write({"__key__": key, "jpg": jpeg, "cls": b"0"})
+    writer.finish()
+    seen = []
+    with image_loader([str(tmp_path / "train-000000.tar")], batch_size=5, train=False,
+                      device="cpu", size=24, crop_fraction=fraction, threads=1,
+                      resize_on=resize_on, use_tuning=False) as loader:
+        for batch in loader:
+            for key, image in zip(batch.keys, batch.image.float(), strict=True):
+                seen.append(key)
+                same = (image - _pil_centre_crop(data[key], 24, fraction)).abs().mean()
+                moved = (image - _pil_centre_crop(data[key], 24, fraction, 1)).abs().mean()
+                assert same < 1.5 < moved, (key, float(same), float(moved))
+    assert sorted(seen) == sorted(data)
 
 
 def _damaged_middle(tmp_path: Path) -> Path:
@@ -370,8 +469,10 @@ def test_fetch_failures_never_show_url_secrets(tmp_path, monkeypatch):
         with pytest.raises(DataError) as info:
             epoch(image_loader([url], batch_size=2, device="cpu", **OPTS))
         loader = image_loader([url], batch_size=2, device="cpu", on_error="skip", **OPTS)
-        epoch(loader)
-    text = str(info.value) + json.dumps(loader.skipped) + json.dumps(loader.state_dict())
+        with pytest.raises(DataError, match="every sample of epoch 0 was skipped") as empty:
+            epoch(loader)  # the only shard was lost: an error, not an empty epoch
+    text = str(info.value) + str(empty.value) + json.dumps(loader.skipped) + \
+        json.dumps(loader.state_dict())
     assert "fetch-failed" in text and "SECRET" not in text
     assert "failed 4 times" in str(info.value)  # the first try and three retries
 
@@ -426,6 +527,7 @@ def test_a_dropped_download_is_resumed_and_nothing_is_lost(shards, monkeypatch):
     assert not loader.skipped
 
 
+@pytest.mark.dali  # hangs DALI's reader
 def test_a_hung_reader_is_reported_within_the_timeout(shards, monkeypatch):
     from pipeline.loading import reader_dali
 
@@ -465,6 +567,7 @@ def test_a_state_saved_after_the_epochs_last_batch_resumes_with_the_next_epoch(s
         assert epoch(resumed)[0] == want and resumed.epoch == 2
 
 
+@pytest.mark.dali  # resize_on="dali" is the graph's resize
 @pytest.mark.parametrize("train, normalize, layout, tolerance", [
     (False, False, "NCHW", 1.5), (True, True, "NHWC", 0.03)])
 def test_resize_in_the_graph_or_in_torch_gives_the_same_images(shards, train, normalize, layout,

@@ -59,7 +59,8 @@ def by_key(batches) -> dict[str, torch.Tensor]:
 def test_eval_round_trip_gives_each_cloud_normalized_with_its_label(shards, clouds):
     with pointcloud_loader(shards, batch_size=10, train=False, num_points=POINTS,
                            **OPTS) as loader:
-        assert len(loader) == 4 and loader.reader == "dali"
+        assert len(loader) == 4  # DALI's reader for local indexed shards; portable streams
+        assert loader.reader == ("dali" if loader.backend == "dali" else "stream")
         batches = epoch(loader)
     assert [tuple(b.points.shape) for b in batches] == [(10, POINTS, 3)] * 3 + [(6, POINTS, 3)]
     assert batches[0].points.dtype == torch.float32 and batches[0].voxels is None
@@ -295,6 +296,7 @@ def test_other_dtypes_byte_orders_and_layouts_decode_to_the_same_points(tmp_path
         np.testing.assert_allclose(got[key].numpy(), expected, atol=1e-5, err_msg=key)
 
 
+@pytest.mark.dali  # a failure inside DALI's graph (numpy decodes big-endian data itself)
 def test_a_graph_failure_is_traced_to_its_sample(tmp_path, monkeypatch):
     # Big-endian data is normally rewritten before DALI, whose decoder refuses it; without
     # that rewrite the batch fails inside DALI and must be traced to the sample.
@@ -355,10 +357,17 @@ def train(data: Path, out: Path, *args: object) -> dict:
 
 @pytest.mark.parametrize("model", ["pointnet", "voxnet"])
 def test_train_tool_runs_both_models_under_bf16(train_shards, tmp_path, model, one_thread):
-    summary = train(train_shards, tmp_path / "run", "--model", model, "--steps", 6,
-                    "--batch-size", 8, "--grid", 12, "--precision", "bf16")
-    assert summary["steps"] == 6 and summary["precision"] == "bf16"
-    assert summary["skipped_samples"] == 0 and 0 <= summary["accuracy"] <= 1
+    # Measured here over seeds 0-2: accuracy 0.54-0.66, eval loss 1.08-1.23, last logged
+    # loss 0.54-0.76 of the first (2 cores, native bf16; most of the time is start-up).
+    summary = train(train_shards, tmp_path / "run", "--model", model, "--steps", 80,
+                    "--batch-size", 16, "--grid", 12, "--precision", "bf16")
+    assert summary["steps"] == 80 and summary["precision"] == "bf16"
+    assert summary["skipped_samples"] == 0
+    assert summary["accuracy"] > 0.35, summary  # 6 classes: chance is 1/6
+    assert summary["eval_loss"] < 1.5, summary  # chance: ln 6 = 1.79
+    losses = [json.loads(line)["loss"]
+              for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 8 and losses[-1] < 0.85 * losses[0], losses
 
 
 @pytest.mark.parametrize("model", ["pointnet", "voxnet"])

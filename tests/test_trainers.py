@@ -4,6 +4,7 @@ a SIGKILL in the middle of a run."""
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 import shutil
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +24,7 @@ from pipeline.loading.shardlist import resolve_source
 from trainers import checkpoint
 from trainers.image_task import ImageClassification
 from trainers.loop import TrainConfig, Trainer
-from trainers.precision import Precision, resolve_precision
+from trainers.precision import Precision, cpu_has_native_bf16, resolve_precision
 from trainers.run import fit
 
 CPU = torch.device("cpu")
@@ -74,9 +76,110 @@ def test_a_diverged_run_aborts_with_a_clear_message():
 
 
 @pytest.mark.gpu
-def test_fp16_on_cuda_uses_the_scaler():
-    p = Precision("fp16", torch.device("cuda"))
-    assert p.scaler is not None and p.name == "fp16"
+@pytest.mark.parametrize("offload", [False, True], ids=["GradScaler", "HostScaler"])
+def test_fp16_on_cuda_skips_counts_and_rescales_an_overflowed_step(tmp_path, offload):
+    """A planted overflow (the loss times inf for one step): the step is skipped (parameters
+    unchanged), counted on the precision, the scale halves; the next clean step applies."""
+    from pipeline.loading.batch import ImageBatch
+    from trainers.task import StepOutput
+
+    cuda = torch.device("cuda")
+    torch.manual_seed(0)
+    task = ImageClassification(10, device=cuda)
+    cfg = TrainConfig(run_dir=tmp_path, steps=4, warmup=0, precision="fp16",
+                      offload_optimizer=offload)
+    trainer = Trainer(task, loader=None, cfg=cfg, device=cuda, fingerprint={})
+    p = trainer.precision
+    assert p.name == "fp16" and (p.scaler is None) == offload == (p.host_scaler is not None)
+
+    def scale() -> float:
+        return p.host_scaler.scale if p.host_scaler else p.scaler.get_scale()  # type: ignore
+
+    batches = [ImageBatch(b.image.to(cuda), b.label.to(cuda), b.keys) for b in _batches(2)]
+    before, first_scale = [t.detach().clone() for t in task.model.parameters()], scale()
+    real_forward = task.forward
+    task.forward = lambda batch: StepOutput(real_forward(batch).loss * float("inf"))
+    trainer.micro_step(batches[0])
+    assert trainer.step == 1 and p.skipped_steps == 1 and trainer.bad_steps == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, task.model.parameters(), strict=True))
+    assert scale() == first_scale / 2
+    task.forward = real_forward
+    trainer.micro_step(batches[1])
+    assert p.skipped_steps == 1 and scale() == first_scale / 2  # no growth after one step
+    changed = [not torch.equal(a, b) for a, b in zip(before, task.model.parameters(),
+                                                     strict=True)]
+    assert all(changed), "the clean step after the skipped one must update every parameter"
+    assert all(torch.isfinite(t).all() for t in task.model.parameters())
+
+
+def _host_scaled(values: list[list[float]]) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
+    params = [torch.nn.Parameter(torch.zeros(len(v))) for v in values]
+    for param, v in zip(params, values, strict=True):
+        param.grad = torch.tensor(v)
+    return params, [param.grad for param in params]  # type: ignore[misc]
+
+
+def test_host_scaler_unscales_halves_on_overflow_and_doubles_after_clean_steps():
+    from trainers.precision import HostScaler
+
+    s = HostScaler(init_scale=1024.0, growth_interval=3)
+    params, grads = _host_scaled([[2048.0, -4096.0], [512.0]])
+    s.unscale_(grads)
+    assert torch.equal(grads[0], torch.tensor([2.0, -4.0])) and grads[1].item() == 0.5
+    s.update(True)
+    s.update(True)
+    assert (s.scale, s.growth_tracker) == (1024.0, 2)
+    for planted in (float("inf"), float("nan")):
+        params, grads = _host_scaled([[1.0, planted], [3.0]])
+        s.unscale_(grads)
+        norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))  # the loop's check
+        s.update(bool(torch.isfinite(norm)))
+    assert (s.scale, s.growth_tracker) == (256.0, 0)  # halved twice, growth count reset
+    s.update(True)
+    s.update(True)
+    assert s.scale == 256.0  # two clean steps: not yet (the count restarted at the overflow)
+    state = s.state_dict()
+    again = HostScaler(growth_interval=3)
+    again.load_state_dict(state)
+    assert again.state_dict() == state
+    for scaler in (s, again):
+        scaler.update(True)
+    assert s.scale == again.scale == 512.0 and s.growth_tracker == again.growth_tracker == 0
+
+
+def test_host_scaled_overflows_are_counted_on_the_precision():
+    from trainers.precision import HostScaler
+
+    p = Precision("fp32", CPU)
+    p.host_scaler = HostScaler(init_scale=8.0)
+    p.host_update(False)
+    p.host_update(True)
+    p.host_update(False)
+    assert p.skipped_steps == 2 and p.host_scaler.scale == 2.0
+    assert p.state_dict()["skipped_steps"] == 2
+
+
+def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_measured_cost(monkeypatch, caplog):
+    from trainers import precision
+
+    measured: list[int] = []
+
+    def cost(repeats: int = 5) -> float:
+        measured.append(repeats)
+        return 137.0
+
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(precision, "emulated_bf16_cost", cost)
+    with caplog.at_level(logging.INFO, logger="trainers.precision"):
+        assert Precision("bf16", CPU).name == "bf16"  # allowed, with the warning
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and measured
+        assert "137x slower than fp32" in warnings[0].getMessage()
+        caplog.clear()
+        assert resolve_precision("auto", CPU) == "fp32"
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert "precision auto -> fp32" in caplog.text
+    assert 0 < precision.emulated_bf16_cost(repeats=1) < float("inf")  # the real measurement
 
 
 # -- learning and the tool -------------------------------------------------------------------
@@ -193,6 +296,8 @@ def test_torchrun_two_gloo_ranks_see_disjoint_samples_and_agree(shards, tmp_path
          "--grad-compression", "fp16", "--log-keys", "--quiet"],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # The compression hook ran (logged once, by rank 0: the others log warnings only).
+    assert proc.stderr.count("DDP gradients all-reduced in fp16") == 1, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 12
     assert len(set(summary["parameter_digests"])) == 1, "ranks hold different parameters"
@@ -215,10 +320,14 @@ def _batches(n: int = 4) -> list:
                   torch.randint(0, 10, (8,), generator=g), [f"k{i}"] * 8) for i in range(n)]
 
 
-def _train_steps(tmp_path: Path, name: str, **cfg: object) -> dict[str, torch.Tensor]:
+def _train_steps(tmp_path: Path, name: str, watch: Any = None,
+                 **cfg: object) -> dict[str, torch.Tensor]:
+    """Four steps on fixed batches; `watch(model)` is called before the first."""
     torch.manual_seed(0)
     task = ImageClassification(10, device=CPU,
                                activation_checkpointing=bool(cfg.pop("ckpt", False)))
+    if watch is not None:
+        watch(task.model)
     config = TrainConfig(run_dir=tmp_path / name, steps=4, warmup=1, precision="fp32", **cfg)
     trainer = Trainer(task, loader=None, cfg=config, device=CPU, fingerprint={})
     for batch in _batches():
@@ -233,11 +342,111 @@ def test_offloaded_optimizer_step_matches_the_on_device_step(tmp_path):
         assert torch.allclose(value.float(), offloaded[name].float(), atol=1e-6), name
 
 
+def test_offloaded_masters_and_state_live_on_the_host_and_reach_the_model_by_push(tmp_path):
+    from trainers.offload import OffloadedOptimizer
+
+    torch.manual_seed(0)
+    task = ImageClassification(10, device=CPU)
+    cfg = TrainConfig(run_dir=tmp_path, steps=4, warmup=1, precision="fp32",
+                      offload_optimizer=True)
+    trainer = Trainer(task, loader=None, cfg=cfg, device=CPU, fingerprint={})
+    batches = _batches(3)
+    for batch in batches[:2]:
+        trainer.micro_step(batch)
+    opt = trainer.optimizer
+    assert isinstance(opt, OffloadedOptimizer)
+    params = [p for p in task.model.parameters() if p.requires_grad]
+    model_storage = {p.untyped_storage().data_ptr() for p in params}
+    assert len(opt.master) == len(params)
+    for p, m in zip(params, opt.master, strict=True):
+        assert m.device.type == "cpu" and m.dtype == torch.float32 and m.shape == p.shape
+        assert m.untyped_storage().data_ptr() not in model_storage
+        assert torch.equal(m, p.detach())  # pushed after the step
+    # The inner optimizer steps the masters, and only them; its state is keyed by them.
+    assert [id(t) for g in opt.param_groups for t in g["params"]] == [id(m) for m in opt.master]
+    assert {id(t) for t in opt.inner.state} == {id(m) for m in opt.master}
+    for m in opt.master:
+        moments = [v for k, v in opt.inner.state[m].items() if k != "step"]
+        assert moments and all(v.device.type == "cpu" and v.dtype == torch.float32
+                               and v.untyped_storage().data_ptr() not in model_storage
+                               for v in moments)
+    # The model changes only through push_params: a step without the push leaves it alone.
+    masters, before = [m.detach().clone() for m in opt.master], [p.detach().clone()
+                                                                   for p in params]
+    real_push, opt.push_params = opt.push_params, lambda: None  # type: ignore[method-assign]
+    trainer.micro_step(batches[2])
+    assert not all(torch.equal(a, m) for a, m in zip(masters, opt.master, strict=True))
+    assert all(torch.equal(a, p) for a, p in zip(before, params, strict=True))
+    real_push()
+    assert all(torch.equal(m, p) for m, p in zip(opt.master, params, strict=True))
+    with torch.no_grad():
+        params[0].add_(1.0)  # the working copy is not the master
+    assert not torch.equal(params[0], opt.master[0])
+
+
+def _count_block_calls(model: torch.nn.Module, calls: list[int]) -> None:
+    """Count every call of the model's residual blocks (pre-hooks: a recompute that stops
+    early, once it has the tensors backward needs, still starts the block's forward)."""
+    from trainers.models import _Block
+
+    blocks = [m for m in model.modules() if isinstance(m, _Block)]
+    assert len(blocks) == 4
+    for block in blocks:
+        block.register_forward_pre_hook(lambda module, args: calls.append(1))
+
+
 def test_activation_checkpointing_gives_the_same_training(tmp_path):
-    plain = _train_steps(tmp_path, "plain")
-    recomputed = _train_steps(tmp_path, "ckpt", ckpt=True)
+    calls: dict[str, list[int]] = {"plain": [], "ckpt": []}
+    plain = _train_steps(tmp_path, "plain",
+                         watch=lambda m: _count_block_calls(m, calls["plain"]))
+    recomputed = _train_steps(tmp_path, "ckpt", ckpt=True,
+                              watch=lambda m: _count_block_calls(m, calls["ckpt"]))
     for name, value in plain.items():
         assert torch.allclose(value.float(), recomputed[name].float(), atol=1e-5), name
+    # 4 steps x 4 blocks: each block runs once per step, and again in backward when its
+    # activations were not kept.
+    assert len(calls["plain"]) == 16 and len(calls["ckpt"]) == 32
+
+
+_HOST_SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__")
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["on-device", "offloaded"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.skipif(
+    not cpu_has_native_bf16(), reason="this CPU emulates bf16"))])
+def test_a_micro_step_reads_nothing_back_and_an_optimizer_step_at_most_once(
+        tmp_path, monkeypatch, precision, offload):
+    """Calls that read a tensor's value on the host (a device sync on a GPU), counted per
+    micro-step with grad_accum=4. Not counted: torch.optim's `_get_value`, which reads the
+    step counters the (non-capturable) optimizers keep on the host, on CUDA too."""
+    from torch.optim.optimizer import _get_value
+
+    host_counter = _get_value.__code__
+    counted: list[str] = []
+    for name in _HOST_SYNCS:
+        real = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _real=real, _name=name, **kwargs):
+            if sys._getframe(1).f_code is not host_counter:
+                counted.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    torch.manual_seed(0)
+    task = ImageClassification(10, device=CPU)
+    cfg = TrainConfig(run_dir=tmp_path, steps=2, warmup=1, precision=precision, grad_accum=4,
+                      offload_optimizer=offload)
+    trainer = Trainer(task, loader=None, cfg=cfg, device=CPU, fingerprint={})
+    per_micro_step = []
+    for batch in _batches(8):
+        counted.clear()
+        loss = trainer.micro_step(batch)
+        per_micro_step.append((list(counted), loss is not None))
+    monkeypatch.undo()
+    assert [stepped for _, stepped in per_micro_step] == [False, False, False, True] * 2
+    for reads, stepped in per_micro_step:
+        assert len(reads) <= (1 if stepped else 0), per_micro_step
+    assert trainer.step == 2 and trainer.bad_steps == 0
 
 
 def test_compiled_model_trains_and_checkpoints_load_into_a_plain_one(shards, tmp_path):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 from conftest import make_image_folder, run_tool
 
 from pipeline.bench.core import Timings, alternate
@@ -53,8 +56,10 @@ def test_gpu_check_says_there_is_no_gpu_and_exits_0():
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: tools/gpu_check.py would run the real checks")
-    proc = run_tool("gpu_check")
-    assert proc.returncode == 0 and "no CUDA device here" in proc.stdout
+    proc = run_tool("gpu_check", "--json", Path(tempfile.mkdtemp()) / "gpu.json")
+    # a CPU-only torch build is told apart from a CUDA build that sees no GPU
+    build = "CPU-only build" if torch.version.cuda is None else "no GPU is visible"
+    assert proc.returncode == 0 and "no CUDA here" in proc.stdout and build in proc.stdout
 
 
 def test_tuning_file_round_trip_and_what_auto_takes_from_it(tmp_path, caplog):
@@ -68,11 +73,14 @@ def test_tuning_file_round_trip_and_what_auto_takes_from_it(tmp_path, caplog):
     assert load(path) == Tuning("cpu", "stream", 1, 3, 1234.5, [{"reader": "stream"}],
                                 load(path).machine, load(path).measured)
     with caplog.at_level(logging.INFO):
-        tuned = apply({"device": "auto", "prefetch": 2}, path)
-    assert tuned == {"device": "cpu", "reader": "stream", "threads": 1, "prefetch": 2}
+        tuned = apply("image", {"device": "auto", "prefetch": 2}, path, dali_readable=True)
+    # the file's device is where decoding ran: the decode option
+    assert tuned == {"device": "auto", "decode": "cpu", "reader": "stream", "threads": 1,
+                     "prefetch": 2}
     assert "from the tuning file" in caplog.text  # the choice and its source are logged
-    explicit = apply({"device": "cpu", "reader": "dali", "threads": 2, "prefetch": 2}, path)
-    assert explicit == {"device": "cpu", "reader": "dali", "threads": 2, "prefetch": 2}
+    explicit = apply("image", {"decode": "cpu", "reader": "dali", "threads": 2, "prefetch": 2},
+                     path, dali_readable=True)
+    assert explicit == {"decode": "cpu", "reader": "dali", "threads": 2, "prefetch": 2}
     # the hardware decoder's share is a GPU choice: kept in the file, applied to GPU loaders
     gpu = Tuning("gpu", "dali", 2, 4, 5000.0, [], hw_decoder_load=0.9)
     assert gpu.choices()["hw_decoder_load"] == 0.9
@@ -80,9 +88,29 @@ def test_tuning_file_round_trip_and_what_auto_takes_from_it(tmp_path, caplog):
     # where resize/flip/normalize run is a CPU choice, filled in only where left "auto"
     cpu = tmp_path / "cpu.json"
     Tuning("cpu", "dali", 2, 4, 1.0, resize_on="dali").save(cpu)
-    assert apply({"device": "auto"}, cpu)["resize_on"] == "dali"
-    assert apply({"device": "auto", "resize_on": "torch"}, cpu)["resize_on"] == "torch"
+    assert apply("image", {}, cpu, dali_readable=True)["resize_on"] == "dali"
+    assert apply("image", {"resize_on": "torch"}, cpu, dali_readable=True)["resize_on"] == \
+        "torch"
     assert "resize_on" not in gpu.choices()
+
+
+def test_a_tuned_choice_applies_only_where_it_is_possible(tmp_path, caplog):
+    import logging
+
+    from pipeline.loading.tuning import Tuning, apply
+
+    path = tmp_path / "tuning.json"
+    Tuning("gpu", "dali", 2, 4, 5000.0, hw_decoder_load=0.9).save(path)
+    with caplog.at_level(logging.INFO):
+        remote = apply("image", {}, path, dali_readable=False)
+    assert "reader" not in remote and "streaming reader reads them" in caplog.text
+    # GPU decoding is not applied to a loader whose batches stay on the CPU
+    assert "decode" not in apply("image", {"device": "cpu"}, path, dali_readable=True)
+    assert apply("image", {"device": "auto"}, path, dali_readable=True)["decode"] == "gpu"
+    # other modalities take what applies to them: text has no decoder and no DALI threads
+    assert apply("text", {}, path, dali_readable=True) == {"reader": "dali", "prefetch": 4}
+    cloud = apply("pointcloud", {}, path, dali_readable=True)
+    assert cloud == {"decode": "gpu", "reader": "dali", "threads": 2, "prefetch": 4}
 
 
 def test_a_tuning_file_from_another_machine_is_ignored(tmp_path):
@@ -106,3 +134,9 @@ def test_image_loader_uses_the_tuning_file_unless_told_not_to(tmp_path):
     assert tuned.cfg.resize_on == "dali" and len(next(iter(tuned)).keys) == 2
     plain = image_loader(tmp_path / "o", batch_size=2, tuning_file=path, use_tuning=False)
     assert plain.reader == "dali"
+    # a tuned reader='dali' never breaks shards DALI cannot read (no .idx): streaming reader
+    Tuning("cpu", "dali", 1, 3, 100.0).save(path)
+    for idx in (tmp_path / "o").glob("*.idx"):
+        idx.unlink()
+    with image_loader(tmp_path / "o", batch_size=2, tuning_file=path) as unindexed:
+        assert unindexed.reader == "stream" and len(next(iter(unindexed)).keys) == 2

@@ -31,6 +31,7 @@ from pipeline.bench import image as bi
 from pipeline.bench.core import alternate, cpu_seconds, loader_figures
 from pipeline.builtin import make_photo_corpus
 from pipeline.convert import ConvertConfig, convert
+from pipeline.loading.readers import dali_importable, resolve_backend
 
 # Ours (uint8 out, normalized later on the accelerator) against each baseline; the last is
 # the canonical recipe users run today, normalizing to float in the workers.
@@ -48,11 +49,17 @@ def build_corpus(work: Path, images: int, batch: int, threads: int,
     return bi.Corpus(folder, work / "shards", images, batch, threads)
 
 
-def contenders(c: bi.Corpus) -> dict[str, Any]:
-    return {"shardflow": bi.Ours(c), "torchvision-style uint8": bi.TorchvisionStyle(c),
-            "webdataset + PIL": bi.WebdatasetPil(c), "DALI by hand": bi.DaliByHand(c),
-            "DALI decode only": bi.DaliByHand(c, decode_only=True),
-            "shardflow float": bi.Ours(c, normalize=True),
+def contenders(c: bi.Corpus, backend: str = "auto") -> dict[str, Any]:
+    """Every contender; `backend` is shardflow's (the portable one is always run beside it).
+    The DALI baselines only where nvidia.dali imports."""
+    runs = {"shardflow": bi.Ours(c, backend=backend),
+            "shardflow portable": bi.Ours(c, backend="portable"),
+            "torchvision-style uint8": bi.TorchvisionStyle(c),
+            "webdataset + PIL": bi.WebdatasetPil(c)}
+    if dali_importable():
+        runs.update({"DALI by hand": bi.DaliByHand(c),
+                     "DALI decode only": bi.DaliByHand(c, decode_only=True)})
+    return {**runs, "shardflow float": bi.Ours(c, normalize=True, backend=backend),
             "torchvision-style float": bi.TorchvisionStyle(c, normalize=True)}
 
 
@@ -60,23 +67,27 @@ def report(c: bi.Corpus, timings: Any, runs: dict[str, Any], args: argparse.Name
            ) -> dict[str, Any]:
     rate = {name: timings.rate(name, c.images) for name in runs}
     ratios = {f"shardflow/{short}": round(timings.ratio("shardflow", name), 3)
-              for name, short in BASELINES.items()}
+              for name, short in BASELINES.items() if name in runs}
+    ratios["shardflow portable/tv"] = round(
+        timings.ratio("shardflow portable", "torchvision-style uint8"), 3)
     ratios["shardflow float/torchvision-style float"] = round(
         timings.ratio("shardflow float", "torchvision-style float"), 3)
     return {
         "images": c.images, "batch_size": c.batch_size, "threads": c.threads,
+        "backend": runs["shardflow"].loader.backend,  # what "shardflow" ran ("auto" resolved)
         "repeats": args.repeats, "torchvision": runs["torchvision-style uint8"].flavour,
         "images_per_s": {k: round(v, 1) for k, v in rate.items()}, "ratios": ratios,
         "cpu_s_per_image": {k: round(statistics.median(timings.cpu[k]) / c.images, 5)
                             for k in runs},
         # time to first batch, overlap, memory per epoch (see pipeline/bench.py)
-        **loader_figures(lambda: bi.Ours(c).loader, args.epochs),
+        **loader_figures(lambda: bi.Ours(c, backend=args.backend).loader, args.epochs),
     }
 
 
 def print_table(r: dict[str, Any]) -> str:
     lines = [f"{r['images']} photo-like JPEGs, batch {r['batch_size']}, {r['threads']} threads,"
-             f" median of {r['repeats']} (torchvision: {r['torchvision']})", "",
+             f" median of {r['repeats']} (torchvision: {r['torchvision']}; shardflow: the "
+             f"{r['backend']} backend)", "",
              "| loader | images/s | CPU-s/image |", "|---|---|---|"]
     lines += [f"| {k} | {v} | {r['cpu_s_per_image'][k]} |" for k, v in r["images_per_s"].items()]
     lines += ["", "| ratio | value |", "|---|---|"]
@@ -93,14 +104,20 @@ def tune(c: bi.Corpus, args: argparse.Namespace) -> None:
 
     from pipeline.loading.tuning import Tuning, default_path
 
-    devices = ["cpu", "gpu"] if torch.cuda.is_available() else ["cpu"]
-    configs = [{"device": d, "reader": r, "threads": t, "prefetch": p} for d in devices
-               for r in ("dali", "stream") for t in (c.threads, c.threads + 1) for p in (2, 4)]
+    # Where decoding runs, for batches that land where training will run: the GPU if any.
+    # The portable backend has fewer choices: it streams and decodes on the CPU, in torch.
+    dali = resolve_backend(args.backend, "image") == "dali"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    decodes = ["cpu", "gpu"] if device == "cuda" and dali else ["cpu"]
+    configs = [{"device": device, "decode": d, "reader": r, "threads": t, "prefetch": p,
+                "backend": args.backend}
+               for d in decodes for r in (("dali", "stream") if dali else ("stream",))
+               for t in (c.threads, c.threads + 1) for p in (2, 4)]
     # On a GPU, the share of JPEGs sent to the hardware decoder (the rest: CUDA + CPU Huffman);
     # on the CPU, where resize, flip and normalize run: torch in the decode stage, or the graph
     configs = [{**cfg, "hw_decoder_load": h, "resize_on": on} for cfg in configs
-               for h in ((0.0, 0.65, 0.9) if cfg["device"] == "gpu" else (None,))
-               for on in ((None,) if cfg["device"] == "gpu" else ("torch", "dali"))]
+               for h in ((0.0, 0.65, 0.9) if cfg["decode"] == "gpu" else (None,))
+               for on in ((None,) if cfg["decode"] == "gpu" or not dali else ("torch", "dali"))]
     configs = [{k: v for k, v in cfg.items() if v is not None} for cfg in configs]
     runs = {json.dumps(cfg): bi.Ours(c, **cfg) for cfg in configs}
     timings = alternate({key: ours.epoch for key, ours in runs.items()}, repeats=args.repeats)
@@ -110,7 +127,7 @@ def tune(c: bi.Corpus, args: argparse.Namespace) -> None:
         print(row)
     best = table[0]
     path = args.tuning_file or default_path()
-    Tuning(best["device"], best["reader"], best["threads"], best["prefetch"],
+    Tuning(best["decode"], best["reader"], best["threads"], best["prefetch"],
            best["images_per_s"], table, hw_decoder_load=best.get("hw_decoder_load"),
            resize_on=best.get("resize_on")).save(path)
     print(f"fastest: {best}; written to {path}")
@@ -232,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
                    "to the tuning file that image_loader's automatic choices use")
     p.add_argument("--tuning-file", type=Path, default=None,
                    help="where --tune writes (default ~/.cache/shardflow/tuning.json)")
+    p.add_argument("--backend", choices=("auto", "dali", "portable"), default="auto",
+                   help="shardflow's backend (and --tune's); 'shardflow portable' always runs "
+                   "beside it; auto: DALI where it imports")
     p.add_argument("--modality", choices=("image", "text", "pointcloud"), default="image")
     p.add_argument("--source", type=Path, default=None,
                    help="benchmark this data instead of the built-in corpus: an image folder "
@@ -250,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         tune(corpus, args)
         shutil.rmtree(args.work, ignore_errors=True)
         return 0
-    runs = contenders(corpus)
+    runs = contenders(corpus, args.backend)
     timings = alternate({k: v.epoch for k, v in runs.items()}, repeats=args.repeats,
                         cpu_clock=cpu_seconds)
     result = report(corpus, timings, runs, args)

@@ -56,6 +56,13 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def device_name(text: str) -> str:
+    """--device: auto, cpu, cuda, cuda:N (gpu: the older spelling of cuda)."""
+    if not re.fullmatch(r"auto|cpu|gpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: choose auto, cpu, cuda or cuda:N")
+    return text
+
+
 def setup_logging(quiet: bool) -> None:
     logging.basicConfig(level=logging.ERROR if quiet else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

@@ -81,9 +81,9 @@ def load_images(shards: Path) -> None:
         for batch in loader:
             seen += len(batch)
         rate = seen / (time.perf_counter() - start)
-    print(f"image loader ({loader.device}, {loader.reader} reader): batches of "
-          f"{tuple(batch.image.shape)} {batch.image.dtype}; first batch after {first:.2f} s; "
-          f"{rate:.0f} images/s over an epoch of {seen}")
+    print(f"image loader ({loader.device}, {loader.backend} backend, {loader.reader} reader): "
+          f"batches of {tuple(batch.image.shape)} {batch.image.dtype}; first batch after "
+          f"{first:.2f} s; {rate:.0f} images/s over an epoch of {seen}")
 
 
 def train_images(out: Path) -> None:

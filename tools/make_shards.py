@@ -139,6 +139,16 @@ def print_summary(m: Manifest, out: Path, seconds: float) -> None:
           f"in {seconds:.1f} s ({size / 1e6 / max(seconds, 1e-9):.1f} MB/s)")
     if m.classes:
         print(f"classes: {len(m.classes)}")
+    elif m.labels:
+        print(f"labels (no class map): {m.labels.to_json()['distinct']} distinct, "
+              f"{m.labels.ranges[0][0]}..{m.labels.ranges[-1][1]}")
+    if m.reencoded:
+        print("repaired images the loaders would refuse: " + ", ".join(
+            f"{reason}={n}" for reason, n in m.reencoded.items())
+            + " (counted under 'reencoded' in manifest.json)")
+    if m.offset_clouds:
+        print(f"{m.offset_clouds} point clouds far from the origin stored relative to an "
+              "offset (member .offset.npy; the loader returns it as batch.offset)")
     counts = m.to_json()["skipped_counts"]
     if counts:
         print(f"skipped {len(m.skipped)} inputs: " + ", ".join(

@@ -18,7 +18,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from cliutil import positive_int, run_main, setup_logging
+from cliutil import device_name, positive_int, run_main, setup_logging
 from tqdm import tqdm
 
 from pipeline.loading.shardlist import resolve_source
@@ -39,7 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="image: small-resnet (default) or a torchvision name; text: set by "
                    "--objective; pointcloud: pointnet (default) or voxnet")
     p.add_argument("--precision", choices=("auto", "bf16", "fp16", "fp32"), default="auto")
-    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    p.add_argument("--device", type=device_name, default="auto",
+                   help="where batches land and the model trains: auto, cpu, cuda or cuda:N")
+    p.add_argument("--decode", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="where decoding and augmentation run (cpu with --device cuda: CPU "
+                   "workers feed the GPU through pinned memory)")
     p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--size", type=positive_int, default=224, help="image side after cropping")
     p.add_argument("--objective", choices=("mlm", "clm"), default="clm",
@@ -47,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=positive_int, default=128, help="text: tokens per row")
     p.add_argument("--tokenizer", default="bytes",
                    help="text: 'bytes' (built in) or a tokenizer.json (HF tokenizers)")
+    add_data_fallbacks(p)
     p.add_argument("--num-points", type=positive_int, default=1024,
                    help="pointcloud: points per cloud (sampled or padded)")
     p.add_argument("--grid", type=positive_int, default=24,
@@ -66,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-error", choices=("raise", "skip"), default="raise")
     p.add_argument("--reader", choices=("auto", "dali", "stream"), default="auto",
                    help="DALI's reader (local indexed shards) or the streaming one")
+    p.add_argument("--backend", choices=("auto", "dali", "portable"), default="auto",
+                   help="what decodes: DALI, or the portable backend (PIL/numpy + torch, no "
+                   "DALI needed); auto: DALI where it imports")
     p.add_argument("--offload-optimizer", action="store_true",
                    help="keep master weights and optimizer state in host memory")
     p.add_argument("--activation-checkpointing", action="store_true",
@@ -76,6 +84,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-keys", action="store_true", help="write each step's keys to keys.jsonl")
     p.add_argument("--quiet", action="store_true")
     return p
+
+
+def add_data_fallbacks(p: argparse.ArgumentParser) -> None:
+    """What to use where the data says nothing: no class map, no pad token."""
+    p.add_argument("--num-classes", type=positive_int, default=None,
+                   help="image, pointcloud: classes when the manifest has no class map or "
+                   "label statistics (labels 0..N-1)")
+    p.add_argument("--pad-token", default=None,
+                   help="text: the token that pads rows, for a tokenizer.json without a pad "
+                   "token (default there: its end-of-text / separator token)")
 
 
 def run(trainer: Any, evaluation: Any, held_out: str, steps: int, quiet: bool

@@ -7,7 +7,9 @@ GPUs, gloo on the CPU. Gradient compression uses torch's own DDP communication h
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+log = logging.getLogger(__name__)
 Compression = Literal["none", "fp16", "bf16"]
 
 
@@ -67,8 +70,24 @@ def wrap(model: nn.Module, info: DistInfo, device: torch.device,
                          "on the CPU (gloo) use fp16 or none")
     hooks = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
     if compression in hooks:
-        ddp.register_comm_hook(None, hooks[compression])
+        ddp.register_comm_hook(None, _announced(hooks[compression], compression))
     return ddp
+
+
+def _announced(hook: Any, compression: str) -> Any:
+    """`hook`, logging at INFO the first time it runs: the run's proof that its gradients
+    really travel compressed (a hook that is never called changes nothing, silently)."""
+    first = [True]
+
+    @functools.wraps(hook)  # DDP reads the hook's name and signature
+    def compressed(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if first[0]:
+            first[0] = False
+            log.info("DDP gradients all-reduced in %s (compression hook running; first "
+                     "bucket: %d values)", compression, bucket.buffer().numel())
+        return hook(state, bucket)
+
+    return compressed
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -26,6 +26,10 @@ class ImageClassification(Classification):
         self.std = torch.tensor(STD, device=self.device).view(1, 3, 1, 1)
 
     def _inputs(self, batch: Any) -> torch.Tensor:
+        if batch.label is None:  # called before any use of the labels, in training and eval
+            raise ValueError("image classification needs labels, but this batch has none: "
+                             "its loader was built with labels=False (image-only or caption "
+                             "shards); build it with labels=True from shards with .cls labels")
         image = batch.image
         if image.dtype == torch.uint8:  # the loader sends uint8 (4x fewer bytes): normalize here
             image = (image.float() - self.mean) / self.std

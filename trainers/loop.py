@@ -22,7 +22,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from pipeline.loading.agreement import rank_agreement
+from pipeline.loading.agreement import rank_vote
 from trainers import checkpoint
 from trainers.distributed import DistInfo, gather, sum_over_ranks, unwrap
 from trainers.offload import OffloadedOptimizer
@@ -79,15 +79,18 @@ class TrainConfig:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> Any:
-    """AdamW or SGD over the model's parameters, or over host copies when offloading."""
-    def build(params: Any) -> torch.optim.Optimizer:
+    """AdamW or SGD over the model's parameters, or over host copies when offloading (then
+    a foreach host implementation: one vectorised pass over all master weights)."""
+    def build(params: Any, host: bool = False) -> torch.optim.Optimizer:
+        foreach = True if host else None  # None: torch's own choice for the device
         if cfg.optimizer == "sgd":
             return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
-                                   weight_decay=cfg.weight_decay)
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+                                   weight_decay=cfg.weight_decay, foreach=foreach)
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                 foreach=foreach)
 
     if cfg.offload_optimizer:
-        return OffloadedOptimizer(model, build)
+        return OffloadedOptimizer(model, lambda masters: build(masters, host=True))
     return build(model.parameters())
 
 
@@ -120,7 +123,8 @@ class Trainer:
         self.task, self.loader, self.cfg, self.device = task, loader, cfg, device
         self.dist = dist or DistInfo()
         self.optimizer = make_optimizer(task.model, cfg)
-        self.precision = Precision(cfg.precision, device, cfg.max_nonfinite)
+        self.precision = Precision(cfg.precision, device, cfg.max_nonfinite,
+                                   offloaded=cfg.offload_optimizer)
         # What a checkpoint must match to continue this run (checked before anything loads).
         self.fingerprint = {**fingerprint, **task.describe(), "precision": self.precision.name,
                             "world_size": self.dist.world_size, "optimizer": cfg.optimizer,
@@ -130,11 +134,14 @@ class Trainer:
         self.step, self.micro = 0, 0
         self.bad_steps = 0  # optimizer steps skipped for non-finite gradients (bf16/fp32)
         self.summary_so_far: dict[str, Any] = {}
-        self.micro_losses: list[torch.Tensor] = []
+        self.micro_losses: list[torch.Tensor] = []  # on the device until a log step reads them
+        self.last_loss: torch.Tensor | None = None
         self.wait_s = self.compute_s = 0.0
         self.samples = 0
-        # Under DDP: whether every rank's batch has samples (a CPU all-reduce; see run.py)
-        self.all_have_data = rank_agreement(self.dist.world_size)
+        # Under DDP, each micro-step's vote (a CPU all-reduce; see run.py): whether every
+        # rank's batch has samples, and rank 0's checkpoint clock.
+        self.vote = rank_vote(self.dist.world_size)
+        self.clock_late = False
         self.dropped_for_sync = 0
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         if self.dist.is_main:
@@ -175,7 +182,8 @@ class Trainer:
         return True
 
     def save(self, summary: dict[str, Any] | None = None) -> None:
-        if self.precision.nonfinite_in_a_row:
+        last = self.last_loss  # read here (a sync at checkpoints only), not every step
+        if self.precision.nonfinite_in_a_row or (last is not None and not bool(last.isfinite())):
             return  # never replace good checkpoints by ones taken while losses are not finite
         state = self.state_dict()  # on every rank: it gathers
         state["summary"] = summary or {}
@@ -189,9 +197,10 @@ class Trainer:
         return self.cfg.lr * warmup_cosine(self.step, warmup=self.cfg.warmup,
                                            total=self.cfg.steps)
 
-    def micro_step(self, batch: Any) -> float | None:
+    def micro_step(self, batch: Any) -> torch.Tensor | None:
         """Forward and backward of one batch; the optimizer steps every `grad_accum`.
-        Returns the loss when the optimizer stepped (for logging), else None."""
+        Returns the mean loss over the micro-batches when the optimizer stepped, as a device
+        tensor (read on the host only at log steps), else None. No host sync here."""
         self.task.model.train()
         with self.precision.forward_context():
             out = self.task.forward(batch)
@@ -200,10 +209,8 @@ class Trainer:
         self.micro_losses.append(out.loss.detach())
         if self.micro % self.cfg.grad_accum:
             return None
-        # One host-device sync per optimizer step, for the mean over the micro-batches.
-        loss = float(torch.stack(self.micro_losses).float().mean())
-        self.micro_losses = []
-        self.precision.check_loss(loss)
+        loss = torch.stack(self.micro_losses).float().mean()
+        self.micro_losses, self.last_loss = [], loss
         self._optimizer_step()
         return loss
 
@@ -211,26 +218,49 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self._lr()
         if isinstance(self.optimizer, OffloadedOptimizer):
-            self.optimizer.pull_grads()
-        self.precision.unscale(self.optimizer)
-        # The parameters the optimizer steps (host copies when offloading); the norm is the
-        # same on every rank after DDP's all-reduce, so every rank decides alike below.
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.clip or float("inf"))
-        if self.precision.scaler is not None or bool(torch.isfinite(norm)):
-            self.precision.step(self.optimizer)  # fp16: the scaler skips non-finite steps
+            self._offloaded_step(self.optimizer)
         else:
-            self.bad_steps += 1  # bf16/fp32: a NaN step would ruin every weight
+            self._device_step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
 
+    def _device_step(self) -> None:
+        self.precision.unscale(self.optimizer)
+        # The norm is the same on every rank after DDP's all-reduce: every rank decides alike.
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.clip or float("inf"))
+        if self.precision.scaler is not None:
+            self.precision.step(self.optimizer, norm)  # the scaler's one sync: skip on overflow
+        elif bool(torch.isfinite(norm)):  # the step's one host sync: a NaN step would ruin
+            self.optimizer.step()          # every weight (bf16/fp32)
+        else:
+            self.bad_steps += 1
+
+    def _offloaded_step(self, optimizer: OffloadedOptimizer) -> None:
+        """Unscale and clip on the device, before the gradients leave it (offload.py)."""
+        grads = optimizer.device_grads()
+        self.precision.unscale(optimizer, grads)
+        norm = torch.nn.utils.clip_grad_norm_(optimizer.params, self.cfg.clip or float("inf"))
+        optimizer.pull_grads()
+        # The step's one host sync: the flag, and the gradient copies queued before it.
+        finite = bool(torch.isfinite(norm))
+        if self.precision.host_scaler is not None:
+            self.precision.host_update(finite)
+        if finite:
+            optimizer.step()
+        elif self.precision.host_scaler is None:
+            self.bad_steps += 1
+
     def due_for_checkpoint(self) -> bool:
         """Every `checkpoint_every` steps, at the end, or when `checkpoint_minutes` passed on
-        any rank (agreed by all ranks, since saving is collective)."""
+        rank 0's clock (shared with every rank in the step's vote, since saving is collective:
+        no extra all-reduce per step)."""
         if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
             return True
-        late = time.monotonic() - self.last_save > 60 * self.cfg.checkpoint_minutes
-        return sum_over_ranks([float(late)], self.dist)[0] > 0
+        return self.clock_late if self.vote is not None else self.late()
+
+    def late(self) -> bool:
+        return time.monotonic() - self.last_save > 60 * self.cfg.checkpoint_minutes
 
     # -- evaluation ----------------------------------------------------------------------------
 

@@ -26,11 +26,24 @@ Progress = Callable[[dict[str, Any]], None]
 
 
 class _Window:
-    """Counters between two logging steps."""
+    """Counters between two logging steps. The steps' losses stay on the device until
+    `read` fetches them all at once: one host sync per log step (or checkpoint), not per
+    step; a run that diverges is stopped there (Precision.check_loss)."""
 
     def __init__(self) -> None:
         self.start, self.samples, self.wait = time.perf_counter(), 0, 0.0
+        self.pending: list[Any] = []  # device tensors of the steps not read yet
         self.losses: list[float] = []
+
+    def read(self, trainer: Trainer) -> None:
+        if self.pending:
+            import torch
+
+            values = torch.stack(self.pending).tolist()  # the host sync
+            self.pending = []
+            for value in values:
+                trainer.precision.check_loss(value)
+            self.losses.extend(values)
 
     def record(self, step: int, lr: float, skipped: int) -> dict[str, Any]:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
@@ -48,7 +61,7 @@ def fit(trainer: Trainer, *, eval_loader: Any = None, held_out: str = "none",
         log.info("the run in %s already finished (step %d); nothing to do", cfg.run_dir,
                  resumed_at)
         return trainer.summary_so_far
-    window, last_loss = _Window(), float("nan")
+    window, last_loss = _Window(), None
     while trainer.step < cfg.steps:
         waited_from, useful, batches = time.perf_counter(), 0, 0
         for batch in trainer.loader:
@@ -72,7 +85,7 @@ def fit(trainer: Trainer, *, eval_loader: Any = None, held_out: str = "none",
     return _finish(trainer, eval_loader, held_out, last_loss, started, resumed_at)
 
 
-def _one(trainer: Trainer, batch: Any, window: _Window) -> float | None:
+def _one(trainer: Trainer, batch: Any, window: _Window) -> Any:
     started = time.perf_counter()
     try:
         return _train_on(trainer, batch, window)
@@ -80,7 +93,8 @@ def _one(trainer: Trainer, batch: Any, window: _Window) -> float | None:
         trainer.compute_s += time.perf_counter() - started
 
 
-def _train_on(trainer: Trainer, batch: Any, window: _Window) -> float | None:
+def _train_on(trainer: Trainer, batch: Any, window: _Window) -> Any:
+    """The loss tensor when the optimizer stepped, else None."""
     if trainer.cfg.log_keys:
         log_line(trainer.cfg.run_dir / "keys.jsonl", {
             "rank": trainer.dist.rank, "step": trainer.step, "micro": trainer.micro,
@@ -91,7 +105,7 @@ def _train_on(trainer: Trainer, batch: Any, window: _Window) -> float | None:
     trainer.samples += len(batch)
     loss = trainer.micro_step(batch)
     if loss is not None:
-        window.losses.append(loss)
+        window.pending.append(loss)
     return loss
 
 
@@ -100,9 +114,12 @@ def _everyone_has_data(trainer: Trainer, batch: Any) -> bool:
     under DDP every rank must then skip the step, since one rank's backward without the
     others' would pair its gradient all-reduce with their next one. The rest of the ranks'
     samples of that step are then not trained on: counted, and logged."""
-    if trainer.all_have_data is None:
+    if trainer.vote is None:
         return bool(len(batch))
-    if trainer.all_have_data(bool(len(batch))):
+    # Rank 0's checkpoint clock rides along: the others send 1, so the minimum is rank 0's.
+    late = int(trainer.late()) if trainer.dist.is_main else 1
+    all_have, trainer.clock_late = (bool(v) for v in trainer.vote([int(bool(len(batch))), late]))
+    if all_have:
         return True
     if len(batch):
         trainer.dropped_for_sync += len(batch)
@@ -114,12 +131,14 @@ def _everyone_has_data(trainer: Trainer, batch: Any) -> bool:
 
 def _after_step(trainer: Trainer, window: _Window, progress: Progress | None) -> _Window:
     if trainer.due_for_checkpoint():
+        window.read(trainer)  # a diverged run is stopped before it replaces good checkpoints
         trainer.save({"final_loss": window.losses[-1] if window.losses else None})
     if trainer.step % trainer.cfg.log_every and trainer.step != trainer.cfg.steps:
         return window
+    window.read(trainer)
     # Every rank reaches this step: sum samples and skips over ranks, rank 0 writes.
     window.samples, skipped = (int(v) for v in sum_over_ranks(
-        [window.samples, trainer.loader.skipped_samples()[0]], trainer.dist))
+        [window.samples, trainer.loader.skipped_samples()], trainer.dist))
     if not trainer.dist.is_main:
         return _Window()
     record = window.record(trainer.step, trainer.optimizer.param_groups[0]["lr"], skipped)
@@ -129,18 +148,21 @@ def _after_step(trainer: Trainer, window: _Window, progress: Progress | None) ->
     return _Window()
 
 
-def _finish(trainer: Trainer, eval_loader: Any, held_out: str, last_loss: float,
+def _finish(trainer: Trainer, eval_loader: Any, held_out: str, last_loss: Any,
             started: float, resumed_at: int | None) -> dict[str, Any]:
     wall = time.perf_counter() - started
+    last_loss = float("nan") if last_loss is None else float(last_loss)
     metrics = trainer.evaluate(eval_loader) if eval_loader is not None else {}
     digests = gather(parameter_digest(trainer.task.model), trainer.dist)
     samples, skipped, unknown = sum_over_ranks(
-        [trainer.samples, *trainer.loader.skipped_samples()], trainer.dist)
+        [trainer.samples, trainer.loader.skipped_samples(),
+         trainer.loader.skipped_of_unknown_size()], trainer.dist)
     summary = {
         "steps": trainer.step, "final_loss": last_loss, **metrics,
         "samples_per_s": samples / max(wall, 1e-9), "wall_s": wall,
         "data_wait": trainer.wait_s / max(wall, 1e-9),
         "device": str(trainer.device), "precision": trainer.precision.name,
+        "backend": getattr(trainer.loader, "backend", None),  # "dali" or "portable"
         "held_out": held_out, "resumed_at_step": resumed_at,
         "skipped_samples": int(skipped), "skipped_shards_of_unknown_size": int(unknown),
         "nonfinite_skipped_steps": trainer.bad_steps,

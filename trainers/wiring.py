@@ -13,7 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import fsspec
+
 from pipeline.loading.shardlist import Source, resolve_source
+from pipeline.shards.manifest import MANIFEST, LabelStats, load_manifest
 from pipeline.urls import redact
 
 HOLD_OUT_EVERY = 10
@@ -27,9 +30,11 @@ class TaskOptions:
     data: str
     batch_size: int = 64
     seed: int = 0
-    device: str = "auto"
+    device: str = "auto"  # where batches land and the model trains
+    decode: str = "auto"  # where decoding and augmentation run
     on_error: str = "raise"
     reader: str = "auto"
+    backend: str = "auto"  # "dali", "portable" (no DALI) or "auto"
     model: str | None = None
     size: int = 224  # image side after cropping
     objective: str = "clm"
@@ -38,6 +43,8 @@ class TaskOptions:
     num_points: int = 1024
     grid: int = 24
     activation_checkpointing: bool = False
+    num_classes: int | None = None  # when the manifest has no class map or label statistics
+    pad_token: str | None = None  # text: the padding token of a tokenizer.json without one
 
 
 def split_eval(source: Source, eval_data: str | None) -> tuple[Source, Source, str]:
@@ -72,20 +79,44 @@ def device_of(loader: Any) -> Any:
     """The torch device a loader's batches land on."""
     import torch
 
-    return torch.device("cuda", loader.cuda_index) if loader.device == "gpu" else \
-        torch.device("cpu")
+    return torch.device(loader.device)
 
 
 def _classes(opts: TaskOptions, train: Source) -> int:
-    if not train.classes:
-        raise ValueError(f"{redact(opts.data)}: its manifest has no classes; {opts.task} "
-                         "training needs labelled shards")
-    return len(train.classes)
+    """The class count: the class map's size, else the largest label + 1 from the manifest's
+    label statistics, else --num-classes. A --num-classes given beside them must agree: equal
+    to the class map, at least the largest label + 1 (more: classes absent from this data)."""
+    known, where = None, ""
+    if train.classes:
+        known, where = len(train.classes), f"its class map ({len(train.classes)} classes)"
+    elif (stats := _label_stats(opts.data)) is not None:
+        known = stats.ranges[-1][1] + 1
+        where = f"its label statistics (labels up to {known - 1})"
+    given = opts.num_classes
+    if given is None:
+        if known is None:
+            raise ValueError(f"{redact(opts.data)}: its manifest has no class map and no label "
+                             f"statistics; pass --num-classes N (labels 0..N-1) for {opts.task} "
+                             "training, or convert the shards again with tools/make_shards.py")
+        return known
+    if known is not None and (given < known or (train.classes and given != known)):
+        raise ValueError(f"--num-classes {given} disagrees with {redact(opts.data)}: "
+                         f"{where}; drop the flag or fix its value")
+    return given
+
+
+def _label_stats(data: str) -> LabelStats | None:
+    """The label statistics of the manifest `data` names (a folder or a .json), if any."""
+    base = data.rstrip("/")
+    url = base if base.endswith(".json") else f"{base}/{MANIFEST}"
+    fs, path = fsspec.core.url_to_fs(url)
+    return load_manifest(url).labels if fs.isfile(path) else None
 
 
 def _shared(opts: TaskOptions) -> dict[str, Any]:
     return {"batch_size": opts.batch_size, "seed": opts.seed, "device": opts.device,
-            "on_error": opts.on_error, "reader": opts.reader}
+            "decode": opts.decode, "on_error": opts.on_error, "reader": opts.reader,
+            "backend": opts.backend}
 
 
 def _image(opts: TaskOptions, train: Source, held: Source, rank: int, world: int
@@ -112,7 +143,7 @@ def _text(opts: TaskOptions, train: Source, held: Source, rank: int, world: int
     if opts.model:
         raise ValueError("--model is for image and pointcloud tasks; text models follow "
                          "--objective (mlm: encoder, clm: decoder)")
-    tokenizer = load_tokenizer(opts.tokenizer)
+    tokenizer = load_tokenizer(opts.tokenizer, pad_token=opts.pad_token)
     common = {**_shared(opts), "seq_len": opts.seq_len, "objective": opts.objective}
     loader = TextLoader(train, TextConfig(train=True, **common), tokenizer, rank, world)
     evaluation = TextLoader(held, TextConfig(train=False, **common), tokenizer, 0, 1) \

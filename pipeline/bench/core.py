@@ -100,10 +100,10 @@ def loader_figures(make: Callable[[], Any], epochs: int) -> dict[str, Any]:
             rss.append(round(rss_mb(), 1))
     finally:
         loader.close()
-    import resource
-
     return {"time_to_first_batch_s": round(first, 3), "overlap": round(overlap, 3),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3, 1),
+            # ru_maxrss is in KiB on Linux; the RSS samples are in MB (1e6 bytes)
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6,
+                                 1),
             "rss_mb_after_each_epoch": rss,
             "rss_growth_mb_per_epoch": round((rss[-1] - rss[0]) / max(len(rss) - 1, 1), 2)}
 

@@ -111,7 +111,7 @@ class _PilTransform:
         import torch
         from PIL import Image
 
-        img = img.convert("RGB")
+        img = upright(img).convert("RGB")
         w = augment.random_resized_crop(random.Random(), img.width, img.height, SCALE, RATIO)
         img = img.crop((w.x, w.y, w.x + w.width, w.y + w.height))
         img = img.resize((self.size, self.size), Image.Resampling.BILINEAR)
@@ -125,17 +125,28 @@ class _PilTransform:
         return (out.float() / 255 - mean) / std
 
 
+def upright(img: Any) -> Any:
+    """`img` turned by its EXIF orientation, in place (PIL's exif_transpose). Our loader does
+    it by default, so the PIL baselines do the same work and give the same pixels."""
+    from PIL import ImageOps
+
+    ImageOps.exif_transpose(img, in_place=True)
+    return img
+
+
 def transform(size: int, normalize: bool) -> tuple[Any, str]:
-    """torchvision's transforms when it is installed, else the same work in plain PIL."""
+    """torchvision's transforms when it is installed, else the same work in plain PIL; both
+    turn photos upright first (`upright`), as our loader and DALI's decoders do."""
     try:
         from torchvision import transforms as v1
         from torchvision.transforms import v2
     except ImportError:
         return _PilTransform(size, normalize), "PIL re-implementation (no torchvision)"
     if normalize:
-        return v1.Compose([v1.RandomResizedCrop(size), v1.RandomHorizontalFlip(), v1.ToTensor(),
+        return v1.Compose([upright, v1.RandomResizedCrop(size), v1.RandomHorizontalFlip(),
+                           v1.ToTensor(),
                            v1.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]), "v1"
-    return v2.Compose([v2.RandomResizedCrop(size), v2.RandomHorizontalFlip(),
+    return v2.Compose([upright, v2.RandomResizedCrop(size), v2.RandomHorizontalFlip(),
                        v2.PILToTensor()]), "v2"
 
 

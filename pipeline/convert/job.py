@@ -34,13 +34,14 @@ from pipeline.convert.sources import (
 from pipeline.errors import DataError, SkipLog, handle
 from pipeline.samples.checks import (
     IMAGE_EXTS,
+    OFFSET_EXT,
     POINTCLOUD_EXTS,
     TEXT_EXTS,
     CheckLimits,
-    check_sample,
+    repair_sample,
 )
 from pipeline.shards.listing import list_shards, preflight
-from pipeline.shards.manifest import Manifest, ShardInfo
+from pipeline.shards.manifest import LabelStats, Manifest, ShardInfo
 from pipeline.shards.tarread import TarLimits, iter_samples
 from pipeline.shards.writer import ShardWriter
 from pipeline.urls import redact
@@ -146,10 +147,9 @@ def run_task(task: InputItem | dict[str, object] | DataError, work: _Work
         return [task]
     if isinstance(task, dict):
         try:
-            check_sample(task, work.limits)
+            return [repair_sample(task, work.limits)]
         except DataError as err:
             return [err]
-        return [task]
     return build_samples(task, work.limits, work.text, work.max_file_bytes)
 
 
@@ -186,6 +186,7 @@ class _Job:
         self.total: int | None = None
         self.written = sum(int(s["samples"]) for s in journal.shards)  # type: ignore[call-overload]
         self.bytes = sum(int(s["bytes"]) for s in journal.shards)  # type: ignore[call-overload]
+        self.tally = _Tally.resume(journal)
 
     def run(self, tasks: Iterable[InputItem | dict[str, object] | DataError], work: _Work) -> None:
         start_task, start_result = self.journal.position
@@ -206,6 +207,7 @@ class _Job:
         if not self.writer.fits(item):
             self._finish_shard(position)
         self.writer.write(item)
+        self.tally.add(item)  # after _finish_shard: the journal it saved excludes this item
         self.written += 1
         if self.progress:
             self.progress(self.written, self.bytes + self.writer.open_bytes, self.total)
@@ -218,6 +220,7 @@ class _Job:
         self.journal.shards.append(info.to_json())
         self.journal.position = list(position)
         self.journal.skipped = list(self.skips.entries)
+        self.tally.save(self.journal)
         self.journal.save(self.cfg.out)
 
     def finish(self, plan: Plan) -> Manifest:
@@ -227,10 +230,47 @@ class _Job:
         if self.cfg.kind == "shards":
             modality = _modality_of(self.cfg.out, shards)
         manifest = Manifest(shards, modality, plan.classes, list(self.skips.entries),
-                            plan.ignored, self.cfg.job_args())
+                            plan.ignored, self.cfg.job_args(), reencoded=self.tally.reencoded,
+                            offset_clouds=self.tally.offset_clouds,
+                            labels=self.tally.label_stats())
         manifest.save(self.cfg.out / self.cfg.manifest_name)
         (self.cfg.out / JOURNAL).unlink(missing_ok=True)
         return manifest
+
+
+class _Tally:
+    """What the manifest says about the samples written besides their count: image repairs
+    per reason, clouds stored with an offset, and the distinct labels."""
+
+    def __init__(self, reencoded: dict[str, int], offset_clouds: int,
+                 labels: set[int] | None) -> None:
+        self.reencoded, self.offset_clouds = reencoded, offset_clouds
+        self.labels = labels  # None: unknown (resumed from a journal that did not record them)
+
+    @classmethod
+    def resume(cls, journal: Journal) -> _Tally:
+        if journal.labels is not None:
+            labels: set[int] | None = set(LabelStats(tuple(
+                (a, b) for a, b in journal.labels)).values())
+        else:
+            labels = None if journal.shards else set()
+        return cls(dict(journal.reencoded), journal.offset_clouds, labels)
+
+    def add(self, sample: dict[str, object]) -> None:
+        for reason in sample.get("__repairs__", ()):  # type: ignore[attr-defined]
+            self.reencoded[reason] = self.reencoded.get(reason, 0) + 1
+        self.offset_clouds += OFFSET_EXT in sample
+        if self.labels is not None and isinstance(label := sample.get("cls"), bytes):
+            self.labels.add(int(label))  # checked: an ASCII integer >= 0
+
+    def save(self, journal: Journal) -> None:
+        journal.reencoded, journal.offset_clouds = dict(self.reencoded), self.offset_clouds
+        stats = self.label_stats()
+        journal.labels = None if self.labels is None else \
+            [list(r) for r in stats.ranges] if stats else []
+
+    def label_stats(self) -> LabelStats | None:
+        return LabelStats.of(self.labels) if self.labels else None
 
 
 def _expected_samples(tasks: Iterable[object]) -> int | None:

@@ -28,6 +28,12 @@ class Journal:
     shards: list[dict[str, object]] = field(default_factory=list)
     position: list[int] = field(default_factory=lambda: [0, 0])  # [task, result within task]
     skipped: list[dict[str, str]] = field(default_factory=list)
+    # What the finished shards hold, for the manifest: image repairs per reason, clouds
+    # stored with an offset, the labels as ranges. A journal written before these were
+    # recorded lacks them: labels None then means unknown (see _Job).
+    reencoded: dict[str, int] = field(default_factory=dict)
+    offset_clouds: int = 0
+    labels: list[list[int]] | None = None
 
     def save(self, out: Path) -> None:
         write_atomic(out / JOURNAL, json.dumps(asdict(self)).encode())
@@ -53,7 +59,7 @@ def prepare_out(cfg: ConvertConfig) -> Journal:
     elif foreign := _foreign_shards(out, cfg):
         raise FileExistsError(f"{out} already holds shards ({foreign[0].name} and "
                               f"{len(foreign) - 1} more); pass --overwrite to replace them")
-    return Journal(cfg.job_args())
+    return Journal(cfg.job_args(), labels=[])
 
 
 def _resume(out: Path, cfg: ConvertConfig) -> Journal:

@@ -297,11 +297,12 @@ def _read_file(path: str, max_bytes: int) -> bytes:
 def _one_sample(task: InputItem, data: bytes, limits: checks.CheckLimits) -> Sample:
     sample: Sample = {"__key__": task.key}
     if task.mode == "image":
-        fmt = checks.check_image(data, limits)
-        ext = checks.KEEP_FORMATS.get(fmt)
-        sample[ext or "png"] = data if ext else checks.reencode_png(data)
+        image = checks.prepare_image(data, limits)
+        sample[image.ext] = image.data
+        if image.repairs:  # counted by the job into the manifest's `reencoded`
+            sample["__repairs__"] = image.repairs
     elif task.mode == "points":
-        sample["npy"] = checks.check_points(data, _ext(task.path), limits)
+        sample.update(checks.cloud_members(data, _ext(task.path), limits))
     else:
         checks.check_text(data, limits)
         sample["txt"] = data

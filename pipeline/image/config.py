@@ -7,6 +7,7 @@ from typing import Literal
 
 from pipeline.image.graph import IMAGENET_MEAN, IMAGENET_STD, Layout
 from pipeline.loading.options import GraphOptions, choice, interval, positive
+from pipeline.samples.checks import IMAGE_EXTS, PICKLE_EXTS
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,15 @@ class ImageConfig(GraphOptions):
     antialias: bool = True
     fast_idct: bool = False
     hw_decoder_load: float = 0.65
+    # Turn photos upright by their EXIF orientation tag (JPEG APP1, PNG eXIf); False: the
+    # pixels as stored, the tag ignored.
+    exif_orientation: bool = True
+    # False: image-only shards (no .cls, e.g. captions); every batch.label is None.
+    labels: bool = True
+    # Other members passed through to batch.extras by extension, e.g. ("txt", "json"):
+    # txt/text -> str (UTF-8 checked), json -> json.loads' object, anything else -> bytes.
+    extras: tuple[str, ...] = ()
+    max_extra_bytes: int = 1 << 20  # per extra member: larger is a data error
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -44,3 +54,24 @@ class ImageConfig(GraphOptions):
             raise ValueError(f"crop_fraction={self.crop_fraction}: a share in (0, 1]")
         if not 0 <= self.hw_decoder_load <= 1:
             raise ValueError(f"hw_decoder_load={self.hw_decoder_load}: a share in [0, 1]")
+        positive(self, "max_extra_bytes")
+        check_extras(self.extras)
+        object.__setattr__(self, "extras", tuple(self.extras))  # a list is taken too
+
+
+def check_extras(extras: object) -> None:
+    """Extensions to pass through: strings, once each, none the loader reads otherwise."""
+    if isinstance(extras, str) or not isinstance(extras, (tuple, list)) or \
+            not all(isinstance(e, str) and e.strip(".") for e in extras):
+        raise ValueError(f"extras={extras!r}: a tuple of member extensions, e.g. "
+                         "('txt', 'json')")
+    for ext in extras:
+        last = ext.rsplit(".", 1)[-1].lower()
+        if last in IMAGE_EXTS or last == "cls":
+            raise ValueError(f"extras={extras!r}: .{ext} is read by the loader itself (the "
+                             "image, or the label with labels=True); leave it out")
+        if last in PICKLE_EXTS:
+            raise ValueError(f"extras={extras!r}: .{ext} is a pickle; shardflow never passes "
+                             "pickles on")
+    if len(set(extras)) != len(extras):
+        raise ValueError(f"extras={extras!r}: an extension is named twice")

@@ -5,11 +5,12 @@ and normalizes with torch (resize.py), or, with resize_on="dali", the graph does
 CPU threads; on a GPU the graph resizes and flips and the batch is copied from DALI's buffer
 straight into a CUDA tensor on the copier's side stream, normalized there. A batch that fails
 to decode is traced to its samples (loading/graphstage.py), PIL being this modality's check.
+`ImageStage` is what this stage shares with the portable backend's (portable.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -19,35 +20,92 @@ from pipeline.image import resize
 from pipeline.image.augment import CropParams
 from pipeline.image.config import ImageConfig
 from pipeline.loading.batch import EncodedBatch, ImageBatch
-from pipeline.loading.graphstage import GraphStage
+from pipeline.loading.delivery import DeviceCopier
+from pipeline.loading.graphstage import BackendStage, GraphStage
 from pipeline.loading.loader import Produced
-from pipeline.loading.prefetch import DeviceCopier
+from pipeline.loading.readers import Placement
 from pipeline.samples.checks import CheckLimits, check_image
 
-Item = tuple[EncodedBatch, list[int], list[CropParams]]  # (batch, labels, windows)
+# (batch, labels (None each with labels=False), windows)
+Item = tuple[EncodedBatch, list[int | None], list[CropParams]]
 
 
-class DecodeStage(GraphStage):
+class ImageStage(BackendStage):
+    """What the image decode stages share on either backend (the DALI graph's below, the
+    portable one in portable.py): PIL as the check, the windows resized on the CPU by
+    resize.py, the batch with its labels and extras, the copier to the device."""
+
     what = "bad-image"
 
-    def __init__(self, cfg: ImageConfig, device: Literal["cpu", "gpu"],
-                 cuda_index: int | None) -> None:
+    def _setup(self, cfg: ImageConfig, placement: Placement) -> None:
         self.cfg = cfg
+        # uint8 crosses the bus: a batch bound for a GPU is normalized there, by the copier.
+        self.host_normalizes = cfg.normalize and placement.target == "cpu"
+        self.limits = CheckLimits(max_pixels=cfg.max_pixels)
+
+    def _resized(self, images: list[np.ndarray], windows: list[CropParams]) -> Any:
+        """Decoded windows (HWC uint8, as stored) as the batch tensor: resized, turned
+        upright, flipped, laid out (and normalized for the CPU)."""
+        c = self.cfg
+        norm = (c.mean, c.std) if self.host_normalizes else None
+        return resize.batch(images, [w.flip for w in windows], c.size, c.layout == "NCHW",
+                            norm, [(w.transpose, w.vflip) for w in windows])
+
+    def _check(self, data: bytes) -> None:
+        check_image(data, self.limits)  # PIL decodes it fully
+
+    # -- to the device ----------------------------------------------------------------------
+
+    def _make_copier(self) -> DeviceCopier:
+        c, cuda = self.cfg, self.placement.target == "cuda"
+        norm = c.normalize and cuda  # for the CPU, resize.py or the graph normalized
+        return DeviceCopier(("cuda", self.cuda_index) if cuda else "cpu",
+                            c.mean if norm else None, c.std if norm else None,
+                            c.layout == "NCHW", slots=self.prefetch + 2)
+
+    def _finish(self, item: Item, images: Any) -> Produced:
+        import torch
+
+        enc, labels, _windows = item
+        if images is None:  # every sample of the batch was skipped
+            images = self._empty()
+        # labels=False: an empty tensor rides along where the labels would (the copier takes
+        # a tensor there), and the batch says None.
+        label = torch.tensor(labels if self.cfg.labels else [], dtype=torch.int64)
+        image, label, ready = self.copier(images, label)
+        extras = {ext: list(enc.extras.get(ext, [])) for ext in self.cfg.extras}
+        batch = ImageBatch(image=image, label=label if self.cfg.labels else None,
+                           keys=list(enc.keys), extras=extras or None)
+        return batch, enc.state, ready, enc.skips
+
+    def _empty(self) -> Any:
+        import torch
+
+        c = self.cfg
+        shape = (0, 3, c.size, c.size) if c.layout == "NCHW" else (0, c.size, c.size, 3)
+        return torch.zeros(shape, dtype=torch.float32 if self.host_normalizes else torch.uint8)
+
+
+class DecodeStage(ImageStage, GraphStage):
+    """The DALI backend's image stage: the graph decodes each window (and, on a GPU or with
+    resize_on="dali", resizes and flips it)."""
+
+    def __init__(self, cfg: ImageConfig, placement: Placement) -> None:
+        self._setup(cfg, placement)
         # "auto" reaching here (no tuning file said otherwise) is torch: measured faster on
         # the CPU (resize.py); a GPU graph always resizes.
-        self.graph_resizes = device == "gpu" or cfg.resize_on == "dali"
-        self.limits = CheckLimits(max_pixels=cfg.max_pixels)
-        super().__init__(device, cuda_index, cfg.on_error)
+        self.graph_resizes = placement.decode == "gpu" or cfg.resize_on == "dali"
+        super().__init__(placement, cfg.on_error, cfg.prefetch)
 
     # -- the graph -------------------------------------------------------------------------
 
     def _spec(self) -> image_graph.GraphSpec:
         c = self.cfg
         return image_graph.GraphSpec(
-            size=c.size, device=self.device, layout=c.layout, interp=c.interp,
+            size=c.size, device=self.decode, layout=c.layout, interp=c.interp,
             antialias=c.antialias, fast_idct=c.fast_idct, resize=self.graph_resizes,
-            hw_decoder_load=c.hw_decoder_load,
-            normalize=(c.mean, c.std) if c.normalize and self.device == "cpu" else None)
+            hw_decoder_load=c.hw_decoder_load, exif_orientation=c.exif_orientation,
+            normalize=(c.mean, c.std) if self.host_normalizes else None)
 
     def _build(self, depth: int, batch_size: int | None = None) -> Any:
         return image_graph.build(self._spec(), batch_size=batch_size or self.cfg.batch_size,
@@ -61,10 +119,13 @@ class DecodeStage(GraphStage):
         graph.feed_input("shape", [np.array([w.width, w.height], np.int32) for w in windows])
         if self.graph_resizes:  # else resize.py flips
             graph.feed_input("flip", [np.array(int(w.flip), np.int32) for w in windows])
+        if self.graph_resizes and self.cfg.exif_orientation:  # else resize.py turns them
+            graph.feed_input("orient", [np.array(image_graph.orient_matrix(
+                w.transpose, w.vflip, self.cfg.size), np.float32) for w in windows])
 
     def _fetch(self, out: Any, item: Item) -> Any:
         """The graph's output as a batch tensor, copied before the graph runs again."""
-        if self.device == "gpu":
+        if self.decode == "gpu":
             import torch
 
             return dali.to_cuda(out, torch.uint8, self.cuda_index, self.copier.stream)
@@ -72,37 +133,4 @@ class DecodeStage(GraphStage):
             import torch
 
             return torch.from_numpy(np.array(out.as_array()))
-        c, windows = self.cfg, item[2]
-        norm = (c.mean, c.std) if c.normalize else None
-        return resize.batch(resize.views(out), [w.flip for w in windows], c.size,
-                            c.layout == "NCHW", norm)
-
-    def _check(self, data: bytes) -> None:
-        check_image(data, self.limits)  # PIL decodes it fully
-
-    # -- to the device ----------------------------------------------------------------------
-
-    def _make_copier(self) -> DeviceCopier:
-        c, gpu = self.cfg, self.device == "gpu"
-        norm = c.normalize and gpu  # on the CPU, resize.py or the graph normalized
-        return DeviceCopier(("cuda", self.cuda_index) if gpu else "cpu",
-                            c.mean if norm else None, c.std if norm else None,
-                            c.layout == "NCHW")
-
-    def _finish(self, item: Item, images: Any) -> Produced:
-        import torch
-
-        enc, labels, _windows = item
-        if images is None:  # every sample of the batch was skipped
-            images = self._empty()
-        label = torch.tensor(labels, dtype=torch.int64)
-        image, label, ready = self.copier(self.copier.pinned(images), label)
-        return ImageBatch(image=image, label=label, keys=list(enc.keys)), enc.state, ready, \
-            enc.skips
-
-    def _empty(self) -> Any:
-        import torch
-
-        c = self.cfg
-        shape = (0, 3, c.size, c.size) if c.layout == "NCHW" else (0, c.size, c.size, 3)
-        return torch.zeros(shape, dtype=torch.float32 if c.normalize else torch.uint8)
+        return self._resized(resize.views(out), item[2])

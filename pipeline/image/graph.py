@@ -2,7 +2,9 @@
 
     encoded bytes, crop window (anchor, shape), flip   (external_source, fed per batch)
       -> decoders.image_slice: region-of-interest decode of the window
-      -> with `resize`: resize to size x size and crop_mirror_normalize (flip, layout)
+      -> with `resize`: resize to size x size, turn upright by the EXIF orientation (an exact
+         nearest-neighbour warp of the square: transpose, vertical flip) and
+         crop_mirror_normalize (horizontal flip, layout)
 
 The window is chosen in Python from the image header (a random-resized crop when training,
 the centre crop when evaluating), so one graph serves both. `device="cpu"` decodes on the CPU
@@ -37,6 +39,9 @@ class GraphSpec:
     hw_decoder_load: float = 0.65
     # (mean, std) in 0..255 units: float32 (x - mean) / std out of the graph; None: uint8
     normalize: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    # With `resize`: an "orient" input (per sample, the 2x3 matrix of `orient_matrix`) turns
+    # the square output upright; the decoder's own adjust_orientation stays off (augment.py).
+    exif_orientation: bool = True
 
 
 def build(spec: GraphSpec, **options: Any) -> Any:
@@ -64,6 +69,11 @@ def _graph(spec: GraphSpec) -> Any:
     flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
     images = fn.resize(images, resize_x=spec.size, resize_y=spec.size, interp_type=interp,
                        antialias=spec.antialias)
+    if spec.exif_orientation:
+        turn = fn.external_source(name="orient", dtype=types.FLOAT, ndim=2)
+        # `matrix` as an argument input: a CPU input, whichever device the warp runs on.
+        images = fn.warp_affine(images, matrix=turn, size=[spec.size, spec.size],
+                                interp_type=types.INTERP_NN)
     norm: dict[str, Any] = {"dtype": types.UINT8}
     if spec.normalize is not None:
         norm = {"dtype": types.FLOAT, "mean": list(spec.normalize[0]),
@@ -71,3 +81,15 @@ def _graph(spec: GraphSpec) -> Any:
     return fn.crop_mirror_normalize(images, mirror=flip,
                                     output_layout="CHW" if spec.layout == "NCHW" else "HWC",
                                     **norm)
+
+
+def orient_matrix(transpose: bool, vflip: bool, size: int) -> list[list[float]]:
+    """warp_affine's destination -> source map (pixel-corner coordinates) of a size x size
+    image transposed, then flipped vertically. Pixel centres land on pixel centres, so the
+    nearest-neighbour warp moves pixels exactly (checked against numpy in the tests)."""
+    rows = [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]
+    if vflip:  # undo the flip: y -> size - y
+        rows = [rows[0], [0.0, -1.0, float(size)]]
+    if transpose:  # then the transpose: swap the source coordinates
+        rows = [rows[1], rows[0]]
+    return rows

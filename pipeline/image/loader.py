@@ -1,6 +1,7 @@
 """The image loader: shards -> (DALI or streaming reader) -> checks and crop windows ->
 DALI decode graph -> resize/flip (CPU: torch, or the graph with resize_on="dali"; GPU: in the
-graph) -> `ImageBatch(image, label, keys)`.
+graph) -> `ImageBatch(image, label, keys)`. Without DALI (backend="portable"), PIL decodes
+each window in a thread pool and torch resizes (portable.py); the rest is the same.
 
     from pipeline import image_loader
     with image_loader("shards/train", batch_size=256) as loader:
@@ -15,6 +16,7 @@ key) when training, the centre crop when evaluating, so memory is bounded by the
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,14 +25,16 @@ from typing import Any
 from pipeline.errors import DataError, OnError
 from pipeline.image import augment
 from pipeline.image.config import ImageConfig
-from pipeline.image.decode import DecodeStage
+from pipeline.image.decode import DecodeStage, ImageStage
+from pipeline.image.portable import PortableImageStage
 from pipeline.loading import readers, tuning
 from pipeline.loading.batch import EncodedBatch
 from pipeline.loading.graphstage import GraphLoader
 from pipeline.loading.options import Device
 from pipeline.loading.rng import sample_rng
-from pipeline.loading.shardlist import Source, resolve_source
+from pipeline.loading.shardlist import Source
 from pipeline.samples.checks import IMAGE_EXTS, check_label
+from pipeline.shards.daliindex import parse_index
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +48,15 @@ def image_loader(source: str | Path | Sequence[str], *, batch_size: int, train: 
 
     `source`: a folder with manifest.json, a glob, a brace pattern, a list of URLs, or any
     fsspec URL. `rank`/`world_size` default to torch.distributed's when it is initialised.
-    Choices left automatic (device, reader, threads, prefetch, resize_on) come from the tuning
+    Choices left automatic (decode, reader, threads, prefetch, resize_on) come from the tuning
     file of `tools/bench_loader.py --tune` when one was measured on this machine (tuning.py).
     """
-    if use_tuning:
-        options = tuning.apply({"device": device, **options}, tuning_file)
-        device = options.pop("device")
-    cfg = ImageConfig(batch_size=batch_size, train=train, seed=seed, device=device,
-                      on_error=on_error, **options)
+    resolved, options = tuning.source_and_options(
+        "image", source, {"device": device, **options}, tuning_file, use_tuning)
+    cfg = ImageConfig(batch_size=batch_size, train=train, seed=seed, on_error=on_error,
+                      **options)
     rank, world_size = readers.distributed(rank, world_size)
-    return ImageLoader(resolve_source(source, allow_pipe=cfg.allow_pipe), cfg, rank,
-                       world_size)
+    return ImageLoader(resolved, cfg, rank, world_size)
 
 
 class ImageLoader(GraphLoader):
@@ -66,22 +68,93 @@ class ImageLoader(GraphLoader):
     def __init__(self, source: Source, cfg: ImageConfig, rank: int, world_size: int
                  ) -> None:
         self.cfg = cfg
+        self.extras = cfg.extras
         super().__init__(source, cfg, rank, world_size)
+        if cfg.labels and self.reader == "dali":  # indexed shards say up front what they hold
+            _refuse_unlabelled(self.source)
 
-    def _decode_stage(self) -> DecodeStage:
-        return DecodeStage(self.cfg, self.device, self.cuda_index)
+    def _decode_stage(self) -> ImageStage:
+        if self.backend == "dali":
+            return DecodeStage(self.cfg, self.placement)
+        if self.cfg.resize_on == "dali":
+            raise ValueError("resize_on='dali' resizes in the DALI graph, but this loader runs "
+                             "the portable backend (no DALI): use resize_on='torch' or 'auto'")
+        return PortableImageStage(self.cfg, self.placement)
 
     # -- the reader stage ------------------------------------------------------------------
 
-    def _check_one(self, enc: EncodedBatch, i: int, epoch: int) -> tuple[int, Any]:
-        if enc.labels[i] is None:
-            raise DataError("missing-field", "no .cls member")
+    def _check_one(self, enc: EncodedBatch, i: int, epoch: int) -> tuple[int | None, Any]:
+        if self.cfg.labels and enc.labels[i] is None:
+            raise DataError("missing-field", "no .cls member (for shards without labels, "
+                            "such as captions, pass labels=False)")
         if not len(enc.data[i]):
             raise DataError("missing-field", "no .jpg/.png member")
-        label = check_label(enc.labels[i] or b"", self.num_classes)
-        width, height = augment.check_pixels(enc.data[i].tobytes(), self.cfg.max_pixels)
+        label = check_label(enc.labels[i] or b"", self.num_classes) if self.cfg.labels \
+            else None
+        for ext in self.extras:  # parsed here, so that a bad one is raised or skipped by key
+            enc.extras[ext][i] = parse_extra(ext, enc.extras[ext][i], self.cfg.max_extra_bytes)
+        return label, self._window(enc.data[i].tobytes(), enc.keys[i], epoch)
+
+    def _window(self, data: bytes, key: str, epoch: int) -> augment.CropParams:
+        """The sample's crop, drawn in the upright frame (the EXIF orientation applied unless
+        exif_orientation=False), as the stored-frame window to decode and its turns."""
+        header = augment.check_header(data, self.cfg.max_pixels)
+        orientation = header.orientation if self.cfg.exif_orientation else 1
+        width, height = augment.ImageHeader(header.width, header.height,
+                                            orientation).upright_size()
         if not self.cfg.train:
-            return label, augment.center_crop(width, height, self.cfg.crop_fraction)
-        rng = sample_rng(self.seed, epoch, enc.keys[i])
-        return label, augment.random_resized_crop(rng, width, height, self.cfg.crop_scale,
-                                                  self.cfg.crop_ratio)
+            window = augment.center_crop(width, height, self.cfg.crop_fraction)
+        else:
+            window = augment.random_resized_crop(sample_rng(self.seed, epoch, key), width,
+                                                 height, self.cfg.crop_scale,
+                                                 self.cfg.crop_ratio)
+        return augment.to_stored(window, orientation, header.width, header.height)
+
+
+def _refuse_unlabelled(source: Source) -> None:
+    """ValueError when no sample of any shard has a `.cls` member, from the .idx files: the
+    loader was asked for labels the shards do not hold. Stops at the first labelled shard."""
+    for shard in source.shards:
+        with open(shard.url[: -len(".tar")] + ".idx") as f:
+            try:
+                samples = parse_index(f.read())
+            except ValueError:
+                return  # a bad index is reader_dali's to report, naming the shard
+        if any(entry[0] == "cls" for sample in samples for entry in sample):
+            return
+    raise ValueError(f"labels=True, but no sample of the {len(source.shards)} shards of "
+                     f"{source.describe()} has a .cls label; pass labels=False to read "
+                     "image-only or caption shards (batch.label is then None)")
+
+
+_TEXT_EXTS = ("txt", "text", "transcript")  # as webdataset's decoders read them
+_JSON_EXTS = ("json", "jsn")
+
+
+def parse_extra(ext: str, data: bytes | None, max_bytes: int) -> Any:
+    """An extra member as the batch carries it: text as str (strict UTF-8, no NUL), JSON
+    parsed (json.loads only: data is never evaluated), anything else as bytes."""
+    if data is None:
+        raise DataError("missing-field", f"no .{ext} member (asked for by extras)")
+    if len(data) > max_bytes:
+        raise DataError("extra-too-large", f".{ext} member has {len(data)} bytes, more than "
+                        f"max_extra_bytes={max_bytes}")
+    last = ext.rsplit(".", 1)[-1].lower()
+    if last not in _TEXT_EXTS + _JSON_EXTS:
+        return bytes(data)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError("bad-utf8", f".{ext} member is not valid UTF-8 at byte {exc.start}"
+                        ) from None
+    if last in _TEXT_EXTS:
+        if "\x00" in text:
+            raise DataError("nul-byte", f".{ext} member holds a NUL byte at character "
+                            f"{text.index(chr(0))}")
+        return text
+    try:
+        return json.loads(text)
+    except RecursionError:  # "[[[[..." deeper than Python's stack
+        raise DataError("bad-json", f".{ext} member nests too deeply to parse") from None
+    except ValueError as exc:  # JSONDecodeError, and integers of more than 4300 digits
+        raise DataError("bad-json", f".{ext} member is not JSON: {exc}") from None

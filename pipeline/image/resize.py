@@ -28,19 +28,31 @@ def _resize(hwc: np.ndarray, height: int, width: int) -> torch.Tensor:
 
 
 def batch(images: Sequence[np.ndarray], flips: Sequence[bool], size: int,
-          channels_first: bool, normalize: tuple[Sequence[float], Sequence[float]] | None
-          ) -> torch.Tensor:
+          channels_first: bool, normalize: tuple[Sequence[float], Sequence[float]] | None,
+          turns: Sequence[tuple[bool, bool]] | None = None) -> torch.Tensor:
     """Each decoded window resized to size x size and flipped where asked, as one batch:
-    uint8, or float32 (x - mean) / std when `normalize` gives (mean, std) in 0..255 units."""
+    uint8, or float32 (x - mean) / std when `normalize` gives (mean, std) in 0..255 units.
+    `turns`: per image (transpose, vertical flip), applied before the horizontal flip: what
+    turns a window decoded as stored upright (EXIF orientation, see augment.to_stored)."""
     dtype = torch.float32 if normalize else torch.uint8
     out = torch.empty((len(images), 3, size, size), dtype=dtype)
     for i, (image, flip) in enumerate(zip(images, flips, strict=True)):
-        resized = _resize(image, size, size)[0]
-        out[i] = resized.flip(-1) if flip else resized
+        transpose, vflip = turns[i] if turns is not None else (False, False)
+        out[i] = _orient(_resize(image, size, size)[0], transpose, vflip, flip)
     if normalize:  # per batch: the stage thread runs torch on one core, this is one pass
         mean, std = (torch.tensor(v, dtype=torch.float32).view(1, 3, 1, 1) for v in normalize)
         out.sub_(mean).div_(std)
     return out if channels_first else out.permute(0, 2, 3, 1).contiguous()
+
+
+def _orient(chw: torch.Tensor, transpose: bool, vflip: bool, hflip: bool) -> torch.Tensor:
+    # On the square output, not the window: the same pixels (both axes resize to `size` with
+    # the same symmetric filter, so transposing and flipping commute with the resize), at the
+    # cost of one size x size image at most.
+    if transpose:
+        chw = chw.transpose(1, 2)
+    dims = [dim for dim, on in ((1, vflip), (2, hflip)) if on]
+    return chw.flip(dims) if dims else chw
 
 
 def views(tensor_list: Any) -> list[np.ndarray]:

@@ -26,12 +26,17 @@ class EncodedBatch:
     labels: list[bytes | None]  # raw `.cls` members; None where the sample has none
     state: dict[str, Any] = field(default_factory=dict)
     skips: list[dict[str, str]] = field(default_factory=list)  # dropped on the way here
+    # Members asked for besides data and label, by extension: a column aligned with `keys`
+    # of the raw bytes (None where the sample has none), which the loader's check replaces
+    # by each one's parsed value (str, a JSON object...).
+    extras: dict[str, list[Any]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def drop(self, index: int) -> None:
-        for column in (self.keys, self.urls, self.data, self.labels):
+        columns: list[list[Any]] = [self.keys, self.urls, self.data, self.labels]
+        for column in columns + list(self.extras.values()):
             del column[index]
 
 
@@ -40,14 +45,18 @@ class ImageBatch:
     """A batch on the target device. `keys` lets a user audit exactly what was read.
 
     `image` is uint8 (N, C, H, W) or (N, H, W, C) as configured, or float32 when normalized;
-    `label` is int64 (N,). Under on_error="skip" a batch can be smaller than batch_size, or
-    even empty (N == 0) when every sample in it was bad: every rank still runs the same
-    number of batches, so a training step must accept (and may skip) an empty batch.
+    `label` is int64 (N,), or None from a loader built with labels=False; `extras` maps each
+    extension asked for (extras=("txt", "json")) to N values: str for text, the parsed
+    object for JSON, bytes otherwise (None when none were asked for). Under on_error="skip"
+    a batch can be smaller than batch_size, or even empty (N == 0) when every sample in it
+    was bad: every rank still runs the same number of batches, so a training step must
+    accept (and may skip) an empty batch.
     """
 
     image: Any  # torch.Tensor
-    label: Any  # torch.Tensor
+    label: Any  # torch.Tensor, or None (labels=False)
     keys: list[str]
+    extras: dict[str, list[Any]] | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -75,12 +84,17 @@ class TextBatch:
 @dataclass
 class PointBatch:
     """Clouds on the target device: `points` float32 (N, num_points, C), `label` int64 (N,),
-    `voxels` float32 (N, ...) when the loader was asked for a grid, else None."""
+    `voxels` float32 (N, ...) when the loader was asked for a grid, else None. `offset` is
+    float64 (N, 3): what make_shards took from the x, y, z of a cloud far from the origin
+    (geographic coordinates) to keep float32 precise, zeros for the others. The points are
+    relative to it: with normalize=False and no augmentation, points[..., :3] (as float64)
+    + offset[:, None] are the file's coordinates."""
 
     points: Any  # torch.Tensor
     label: Any
     keys: list[str]
     voxels: Any = None
+    offset: Any = None  # torch.Tensor float64 (N, 3)
 
     def __len__(self) -> int:
         return len(self.keys)

@@ -2,6 +2,7 @@
 they share, written once. A modality subclasses `GraphStage` and supplies the graph
 (`_build`, `_feed`, `_fetch`), its own full check of one sample (`_check`), and the last step
 to a batch (`_finish`); its loader subclasses `GraphLoader` (the reader stage's checks).
+`BackendStage` is what this stage shares with the portable backend's (portablestage.py).
 
     reader stage items (EncodedBatch, per-sample columns)
       -> GraphRunner: graph up to 2 batches ahead, outputs copied out before the next run
@@ -16,14 +17,17 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
-from typing import Any, Literal
+from typing import Any
 
 from pipeline import dali
 from pipeline.errors import DataError, OnError, SkipLog, handle
+from pipeline.loading import readers
 from pipeline.loading.batch import EncodedBatch
+from pipeline.loading.delivery import DeviceCopier
 from pipeline.loading.loader import Loader, Produced
 from pipeline.loading.options import GraphOptions
-from pipeline.loading.prefetch import DeviceCopier, one_core_in_this_thread
+from pipeline.loading.prefetch import one_core_in_this_thread
+from pipeline.loading.readers import Placement
 from pipeline.loading.readplan import EpochPlan
 from pipeline.loading.shardlist import Source
 
@@ -31,26 +35,65 @@ from pipeline.loading.shardlist import Source
 Item = tuple[Any, ...]
 
 
-class GraphStage(ABC):
-    """Owns one loader's DALI graph (through a GraphRunner) and its device copier."""
+class BackendStage(ABC):
+    """What a decode stage shares on either backend (this module's DALI graph, or
+    portablestage.py's thread pool): placement, per-thread settings, the device copier, a bad
+    sample raised or recorded with its batch. `run` turns the reader stage's items into
+    (batch, reader state, ready event, skips); `close` releases what it holds."""
 
-    what = "sample"  # as the one-sample DALI failure names it: "bad-image", "bad-cloud"
+    what = "sample"  # as a decoder's refusal names it: "bad-image", "bad-cloud"
 
-    def __init__(self, device: Literal["cpu", "gpu"], cuda_index: int | None,
-                 on_error: OnError) -> None:
-        self.device, self.cuda_index, self.on_error = device, cuda_index, on_error
-        self.runner = dali.GraphRunner(self._build, self._feed, self._fetch,
-                                       lambda item: not len(item[0]), depth=2)
+    def __init__(self, placement: Placement, on_error: OnError, prefetch: int) -> None:
+        self.placement, self.on_error, self.prefetch = placement, on_error, prefetch
+        # Where decoding runs ("cpu": a DALI graph with device_id=None) and the batches' CUDA
+        # index, if any.
+        self.decode, self.cuda_index = placement.decode, placement.cuda_index
         self._copier: DeviceCopier | None = None
 
     def enter_thread(self) -> None:
         """Per-thread settings for the thread that runs this stage."""
-        if self.device == "gpu":
+        if self.placement.target == "cuda":
             import torch
 
             torch.cuda.set_device(self.cuda_index)  # new threads start on device 0
-        else:
+        if self.decode == "cpu":
             one_core_in_this_thread()
+
+    @abstractmethod
+    def run(self, prepared: Iterable[Item], stop: threading.Event) -> Iterator[Produced]: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @property
+    def copier(self) -> DeviceCopier:
+        if self._copier is None:
+            self._copier = self._make_copier()
+        return self._copier
+
+    @abstractmethod
+    def _check(self, data: bytes) -> None:
+        """Raise DataError when the modality's own decoder refuses one sample's bytes."""
+
+    @abstractmethod
+    def _finish(self, item: Item, fetched: Any) -> Produced: ...
+
+    @abstractmethod
+    def _make_copier(self) -> DeviceCopier: ...
+
+    def _handle(self, err: DataError, enc: EncodedBatch, i: int) -> None:
+        skips = SkipLog()
+        handle(err.located(source=enc.urls[i], key=enc.keys[i]), self.on_error, skips)
+        enc.skips.extend(skips.entries)
+
+
+class GraphStage(BackendStage):
+    """Owns one loader's DALI graph (through a GraphRunner) and its device copier."""
+
+    def __init__(self, placement: Placement, on_error: OnError, prefetch: int) -> None:
+        super().__init__(placement, on_error, prefetch)
+        self.runner = dali.GraphRunner(self._build, self._feed, self._fetch,
+                                       lambda item: not len(item[0]), depth=2)
 
     def run(self, prepared: Iterable[Item], stop: threading.Event) -> Iterator[Produced]:
         for item, fetched in self.runner.run(iter(prepared), self._on_failure):
@@ -60,12 +103,6 @@ class GraphStage(ABC):
 
     def close(self) -> None:
         self.runner.close()
-
-    @property
-    def copier(self) -> DeviceCopier:
-        if self._copier is None:
-            self._copier = self._make_copier()
-        return self._copier
 
     # -- what a modality supplies ------------------------------------------------------------
 
@@ -79,16 +116,6 @@ class GraphStage(ABC):
     @abstractmethod
     def _fetch(self, out: Any, item: Item) -> Any:
         """The graph's output copied out of DALI's buffers, before the graph runs again."""
-
-    @abstractmethod
-    def _check(self, data: bytes) -> None:
-        """Raise DataError when the modality's own decoder refuses one sample's bytes."""
-
-    @abstractmethod
-    def _finish(self, item: Item, fetched: Any) -> Produced: ...
-
-    @abstractmethod
-    def _make_copier(self) -> DeviceCopier: ...
 
     # -- failures --------------------------------------------------------------------------
 
@@ -131,41 +158,42 @@ class GraphStage(ABC):
                                        f"{dali.reason(exc)}"), enc, i)
         return bad
 
-    def _handle(self, err: DataError, enc: EncodedBatch, i: int) -> None:
-        skips = SkipLog()
-        handle(err.located(source=enc.urls[i], key=enc.keys[i]), self.on_error, skips)
-        enc.skips.extend(skips.entries)
-
 
 class GraphLoader(Loader):
     """A loader whose samples go through a reader stage (checks, per-sample parameters) and a
-    GraphStage: the shape of the image and point-cloud loaders. A subclass sets `members`
-    (the extensions it reads) and supplies `_check_one` (a sample's label and parameters, or
-    a DataError) and `_decode_stage`."""
+    GraphStage (or, on the portable backend, a PortableStage): the shape of the image and
+    point-cloud loaders. A subclass sets `members` (the extensions it reads) and supplies
+    `_check_one` (a sample's label and parameters, or a DataError) and `_decode_stage` (for
+    `self.backend`). `extras`: further members the readers carry along (EncodedBatch.extras),
+    for `_check_one` to check and parse."""
 
     members: tuple[str, ...] = ()
+    extras: tuple[str, ...] = ()
 
     def __init__(self, source: Source, cfg: GraphOptions, rank: int, world_size: int) -> None:
-        from pipeline.loading import readers
-
-        self.device, self.cuda_index = readers.resolve_device(cfg.device, self.kind)
+        # The portable backend decodes on the CPU only (decode="gpu" is refused there).
+        portable = readers.resolve_backend(cfg.backend, self.kind, cfg.decode) == "portable"
+        self.placement = readers.resolve_placement(cfg.device, cfg.decode, self.kind,
+                                                   gpu_decode=not portable)
+        self.device, self.decode = self.placement.device, self.placement.decode
+        self.cuda_index = self.placement.cuda_index
         self._init_from_config(source, cfg, rank, world_size)
         classes = self.source.classes
         self.num_classes = cfg.num_classes or (len(classes) if classes else None)
         self._decoder = self._decode_stage()
 
     @abstractmethod
-    def _decode_stage(self) -> GraphStage: ...
+    def _decode_stage(self) -> BackendStage: ...
 
     @abstractmethod
-    def _check_one(self, enc: EncodedBatch, i: int, epoch: int) -> tuple[int, Any]:
-        """(label, the sample's parameters for the graph); DataError for a bad sample."""
+    def _check_one(self, enc: EncodedBatch, i: int, epoch: int) -> tuple[int | None, Any]:
+        """(label, or None when the loader reads no labels; the sample's parameters for the
+        graph); DataError for a bad sample."""
 
     def _prepared(self, plan: EpochPlan, state: dict[str, Any] | None,
                   stop: threading.Event) -> Iterator[Item]:
-        from pipeline.loading import readers
-
-        for enc in readers.encoded(self.reader, plan, state, self.on_error, self.members):
+        for enc in readers.encoded(self.reader, plan, state, self.on_error, self.members,
+                                   self.extras):
             if stop.is_set():
                 return
             checked = self._check_each(enc, lambda e, i: self._check_one(e, i, plan.epoch))

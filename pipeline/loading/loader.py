@@ -14,6 +14,7 @@ import contextlib
 import logging
 import threading
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, TypeVar
 
@@ -40,8 +41,10 @@ class Loader(ABC):
 
     def __init__(self, source: Source, *, batch_size: int, seed: int, rank: int,
                  world_size: int, shuffle: bool, shuffle_buffer: int, on_error: OnError,
-                 prefetch: int, reader: str, timeout_s: float | None = None) -> None:
+                 prefetch: int, reader: str, timeout_s: float | None = None,
+                 backend: str = "dali") -> None:
         self.source, self.batch_size, self.seed = source, batch_size, seed
+        self.backend = backend  # "dali" or "portable", resolved; a state is tied to it
         self.rank, self.world_size, self.shuffle = rank, world_size, shuffle
         self.shuffle_buffer, self.on_error, self.prefetch = shuffle_buffer, on_error, prefetch
         self.reader, self.timeout_s = reader, timeout_s
@@ -62,14 +65,17 @@ class Loader(ABC):
         DALI's check the local shards first (a dropped shard changes the plan)."""
         from pipeline.loading import readers
 
-        reader = readers.pick_reader(source, cfg.reader, self.kind)
+        _check_modality(source, self.kind)
+        backend = readers.resolve_backend(cfg.backend, self.kind, cfg.decode)
+        reader = readers.pick_reader(source, cfg.reader, self.kind, backend)
         early = SkipLog()
         if reader == "dali":
             source = readers.check_local_shards(source, cfg.on_error, early)
         Loader.__init__(self, source, batch_size=cfg.batch_size, seed=cfg.seed, rank=rank,
                         world_size=world_size, shuffle=cfg.train,
                         shuffle_buffer=cfg.shuffle_buffer, on_error=cfg.on_error,
-                        prefetch=cfg.prefetch, reader=reader, timeout_s=cfg.timeout_s)
+                        prefetch=cfg.prefetch, reader=reader, timeout_s=cfg.timeout_s,
+                        backend=backend)
         if rank == 0:  # a shard dropped before the rank split is counted once, by rank 0
             self.skips.extend(early.entries)
 
@@ -117,7 +123,7 @@ class Loader(ABC):
         """One pass over the current epoch from the saved position; returns batches yielded."""
         plan, state = self.plan(), self._reader_state
         self._report(plan)
-        stage: Stage[Produced] = Stage(lambda stop: self._produce(plan, state, stop),
+        stage: Stage[Produced] = Stage(lambda stop: self._checked(plan, state, stop),
                                        depth=self.prefetch, name=f"shardflow-{self.kind}",
                                        timeout_s=self.timeout_s)
         self._stage, yielded, voted = stage, 0, False
@@ -158,6 +164,16 @@ class Loader(ABC):
             stage.close()
             self._stage = None
         return yielded
+
+    def _checked(self, plan: EpochPlan, state: dict[str, Any] | None,
+                 stop: threading.Event) -> Iterator[Produced]:
+        """`_produce`, refusing a whole epoch of skipped samples (checked on passes that start
+        at the epoch's beginning: a resumed pass has not seen what came before its state)."""
+        produced = self._produce(plan, state, stop)
+        if state is not None:
+            return produced
+        where = f" on rank {self.rank}" if self.world_size > 1 else ""
+        return _not_all_skipped(produced, f"epoch {plan.epoch}{where}")
 
     def _report(self, plan: EpochPlan) -> None:
         if plan.dropped and self._batches_done == 0:
@@ -209,20 +225,26 @@ class Loader(ABC):
         (shard URLs appear only as a fingerprint), with every skip so far."""
         return {"version": STATE_VERSION, "kind": self.kind, "source": self.source.describe(),
                 "source_fingerprint": self.source.fingerprint(), "world_size": self.world_size,
-                "rank": self.rank, "seed": self.seed, "reader": self.reader,
+                "rank": self.rank, "seed": self.seed, "backend": self.backend,
+                "reader": self.reader,
                 "batch_size": self.batch_size, "shuffle": self.shuffle,
                 "shuffle_buffer": self.shuffle_buffer, "epoch": self.epoch,
                 "batches": self._batches_done, "reader_state": self._reader_state,
                 "skipped": list(self.skips.entries)}
 
+    # backend before reader: a portable loader streams, and the backend is what to change.
     _MUST_MATCH = ("version", "kind", "source_fingerprint", "world_size", "rank", "seed",
-                   "reader", "batch_size", "shuffle", "shuffle_buffer")
+                   "backend", "reader", "batch_size", "shuffle", "shuffle_buffer")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`; raises ValueError naming what differs from this loader."""
         self._not_iterating("load_state_dict")
         mine = self.state_dict()
+        # States saved before there was a portable backend were DALI's: they lack the field.
+        state = {"backend": "dali", **state}
         for field in self._MUST_MATCH:
+            if field == "backend" and state[field] != mine[field]:
+                raise ValueError(_other_backend(state[field], mine[field]))
             if state.get(field) != mine[field]:
                 what = "the shards (their names or counts)" if field == "source_fingerprint" \
                     else f"{field}: {state.get(field)!r} in the state, {mine[field]!r} here"
@@ -244,10 +266,16 @@ class Loader(ABC):
         """Every skip so far (shard URL, key, reason, detail, samples it stands for)."""
         return list(self.skips.entries)
 
-    def skipped_samples(self) -> tuple[int, int]:
-        """(samples skipped, skips of unknown size): a shard lost whole stands for its count
-        when manifest.json gives one, else its size is unknown."""
+    def skipped_samples(self) -> int:
+        """Samples skipped so far, so that `read + skipped_samples() == total`: a shard lost
+        whole stands for its count when manifest.json gives one. Skips of unknown size (a
+        shard without a count) are left out here: see `skipped_of_unknown_size()`."""
         return self.skips.samples()
+
+    def skipped_of_unknown_size(self) -> int:
+        """Skips whose sample count is unknown (shards, or their rest, without a count in
+        manifest.json); while this is nonzero, `read + skipped_samples()` falls short."""
+        return self.skips.unknown_size()
 
     def skip_counts(self) -> dict[str, int]:
         return self.skips.counts()
@@ -265,13 +293,57 @@ class Loader(ABC):
         self.close()
 
 
+def _other_backend(saved: str, here: str) -> str:
+    return (f"loader state was saved by the {saved!r} backend and this loader uses {here!r}: "
+            "a state is tied to its backend (the backends decode within resampling noise of "
+            "each other, and read with different readers), so resuming on the other would not "
+            f"continue exactly. Build the loader with backend={saved!r}"
+            + (" (install nvidia-dali-cuda120 where it is missing)" if saved == "dali" else ""))
+
+
+_LOADER_OF = {"image": "image_loader", "text": "text_loader", "pointcloud": "pointcloud_loader"}
+
+
+def _check_modality(source: Source, kind: str) -> None:
+    """Shards of another modality are refused at build: read, every sample would fail alone
+    as a missing member, which does not say that the loader is the wrong one."""
+    if source.modality in _LOADER_OF and kind in _LOADER_OF and source.modality != kind:
+        raise ValueError(f"these shards hold {source.modality} (manifest.json's modality), not "
+                         f"{kind}: read them with {_LOADER_OF[source.modality]}")
+
+
 def _wait(ready: Any, batch: Any) -> None:
+    """The consumer's side of the stream contract (pipeline/loading/delivery.py)."""
     import torch
 
-    stream = torch.cuda.current_stream()
-    stream.wait_event(ready)  # the copy and normalization on the side stream are done
-    for value in vars(batch).values():
-        if isinstance(value, torch.Tensor) and value.is_cuda:
-            # Made on the side stream, used on this one: tell the caching allocator, so it
-            # does not hand the memory to the next batch while this stream still reads it.
-            value.record_stream(stream)
+    tensors = [v for v in vars(batch).values() if isinstance(v, torch.Tensor) and v.is_cuda]
+    if not tensors:
+        return
+    # The current stream of the batch's device (not of whichever device is current here).
+    stream = torch.cuda.current_stream(tensors[0].device)
+    stream.wait_event(ready)  # a GPU-side wait for the side stream's copies: no host sync
+    for value in tensors:
+        # Allocated on the side stream, used on this one: the caching allocator must not
+        # hand the block to the side stream's next batch while this stream still reads it.
+        value.record_stream(stream)
+
+
+def _not_all_skipped(produced: Iterator[Produced], epoch: str) -> Iterator[Produced]:
+    """`produced`, then a DataError if not one sample came through and some were skipped: an
+    epoch of empty batches would pass for a finished one (a run "trains" on nothing)."""
+    read, skipped = 0, []
+    try:
+        for item in produced:
+            batch, _state, _ready, skips = item
+            read += len(batch) if batch is not None else 0
+            skipped += skips
+            yield item
+    finally:  # closed early (a break, close()): the stages below stop now, not when collected
+        getattr(produced, "close", lambda: None)()
+    if skipped and not read:
+        counts = ", ".join(f"{n} {reason}" for reason, n in
+                           sorted(Counter(e["reason"] for e in skipped).items()))
+        first = skipped[0]
+        where = first["source"] + (f" key {first['key']!r}" if first["key"] else "")
+        raise DataError("all-skipped", f"every sample of {epoch} was skipped: {counts}; the "
+                        f"first, {where}: {first['detail']}", samples=0)

@@ -12,13 +12,25 @@ clouds): DALI's CPU threads and the number of classes labels must stay below.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 from pipeline.errors import OnError, check_on_error
 
 ReaderKind = Literal["auto", "dali", "stream"]  # e.g. reader="stream" for remote shards
-Device = Literal["auto", "cpu", "gpu"]  # e.g. device="cpu" on a machine without a GPU
+# Where batches land and training runs, e.g. device="cuda:1"; "gpu" is the older spelling of
+# "cuda"; "auto": the current CUDA device when there is one, else the CPU.
+Device = str
+# Where decoding and augmentation run, e.g. decode="cpu" with device="cuda": CPU workers feed
+# the GPU through pinned memory; "auto": on the GPU when batches land there and the modality
+# can decode there (images, point clouds), else on the CPU.
+Decode = Literal["auto", "cpu", "gpu"]
+# What decodes and augments: "dali" (DALI graphs, DALI's reader for local indexed shards),
+# "portable" (PIL/numpy + torch on the CPU, the streaming reader; runs where DALI does not
+# install), "auto": DALI where nvidia.dali imports, else portable. E.g. backend="portable".
+Backend = Literal["auto", "dali", "portable"]
+_DEVICE = re.compile(r"auto|cpu|gpu|cuda(:\d+)?")
 
 
 def cores() -> int:
@@ -33,19 +45,26 @@ class LoaderOptions:
     batch_size: int
     train: bool = True  # shuffle and augment; False: a fixed order, no augmentation
     seed: int = 0
-    device: Device = "auto"  # where batches land ("auto": the GPU when there is one)
+    device: Device = "auto"  # where batches land: "cpu", "cuda", "cuda:N" or "auto"
+    decode: Decode = "auto"  # where decoding and augmentation run: "cpu", "gpu" or "auto"
     on_error: OnError = "raise"  # or "skip": drop a bad sample, count and name it
     prefetch: int = 2  # batches prepared ahead of the consumer, per stage
     shuffle_buffer: int = 1024  # samples held to shuffle within shards (0: none)
     reader: ReaderKind = "auto"  # DALI's reader for local indexed shards, else streaming
     allow_pipe: bool = False  # `pipe:` URLs run a shell command: refused unless allowed
     timeout_s: float | None = 600.0  # no batch for this long: the loader is hung, raise
+    backend: Backend = "auto"  # "dali", "portable" (no DALI needed) or "auto"
 
     def __post_init__(self) -> None:
         positive(self, "batch_size", "prefetch")
         check_on_error(self.on_error)
-        choice(self, "device", ("auto", "cpu", "gpu"))
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device={self.device!r}: choose cpu, cuda, cuda:N or auto")
+        choice(self, "decode", ("auto", "cpu", "gpu"))
         choice(self, "reader", ("auto", "dali", "stream"))
+        choice(self, "backend", ("auto", "dali", "portable"))
+        if self.backend == "portable" and (self.reader == "dali" or self.decode == "gpu"):
+            raise ValueError(portable_conflict(self.reader, self.decode))
         if self.shuffle_buffer < 0:
             raise ValueError(f"shuffle_buffer={self.shuffle_buffer}: use 0 for no shuffling")
         if self.timeout_s is not None and not self.timeout_s > 0:
@@ -57,7 +76,7 @@ class LoaderOptions:
 class GraphOptions(LoaderOptions):
     """Options of the loaders that decode in a DALI graph (images, point clouds)."""
 
-    threads: int = field(default_factory=cores)  # DALI's CPU threads
+    threads: int = field(default_factory=cores)  # decode threads (DALI's, or the portable pool)
     num_classes: int | None = None  # labels must be below it (default: the manifest's)
 
     def __post_init__(self) -> None:
@@ -65,6 +84,17 @@ class GraphOptions(LoaderOptions):
         positive(self, "threads")
         if self.num_classes is not None and self.num_classes < 1:
             raise ValueError(f"num_classes={self.num_classes}: must be positive (or None)")
+
+
+def portable_conflict(reader: str, decode: str, why: str = "") -> str:
+    """The message refusing reader="dali" or decode="gpu" with the portable backend (`why`:
+    how the backend came to be portable, when it was not asked for by name)."""
+    asked = "reader='dali'" if reader == "dali" else "decode='gpu'"
+    fix = "reader='stream' (or 'auto')" if reader == "dali" else \
+        "decode='cpu' (batches still land on the device)"
+    return (f"{asked} needs DALI, but backend='portable'{why}: the portable backend reads "
+            f"with the streaming reader and decodes on the CPU. Use {fix}, or backend='dali' "
+            "where nvidia-dali-cuda120 is installed")
 
 
 def positive(cfg: object, *names: str) -> None:

@@ -1,12 +1,8 @@
-"""Prefetching: bounded background stages, and host-to-device copies on a side CUDA stream.
+"""Prefetching: bounded background stages (the copies to the device are in delivery.py).
 
 A `Stage` runs a generator in its own thread and hands its items over a bounded queue, so a
 slow consumer stops the producer instead of letting memory grow; an exception raised in the
 producer is re-raised in the consumer, and `close()` stops and joins the thread.
-
-On CUDA, a batch is copied from pinned host memory on a side stream (so the copy overlaps the
-training step on the default stream) and normalized there; the consumer's stream waits on an
-event recorded after the copy, before it touches the tensors.
 """
 
 from __future__ import annotations
@@ -105,64 +101,6 @@ class Stage(Generic[T]):
         if self._thread.is_alive():
             log.warning("%s did not stop within %.0f s (blocked in I/O?); it is a daemon "
                         "thread and ends with the process", self._thread.name, timeout)
-
-
-class DeviceCopier:
-    """Moves host batches to `device`: pinned memory, a side stream, normalization there."""
-
-    def __init__(self, device: Any, mean: tuple[float, ...] | None,
-                 std: tuple[float, ...] | None, channels_first: bool) -> None:
-        import torch
-
-        self.device = torch.device(*device) if isinstance(device, tuple) else torch.device(device)
-        self.cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        shape = (1, -1, 1, 1) if channels_first else (1, 1, 1, -1)
-        self.mean = None if mean is None else torch.tensor(mean, device=self.device).view(shape)
-        self.std = None if std is None else torch.tensor(std, device=self.device).view(shape)
-
-    def pinned(self, array: Any) -> Any:
-        """A host tensor over `array` (numpy or torch), in pinned memory when copying to a
-        GPU (a pinned buffer is what makes the side-stream copy asynchronous)."""
-        import torch
-
-        tensor = array if isinstance(array, torch.Tensor) else torch.from_numpy(array)
-        return tensor.pin_memory() if self.cuda and not tensor.is_cuda else tensor
-
-    def __call__(self, image: Any, label: Any) -> tuple[Any, Any, Any]:
-        """(image, label, ready event or None). Normalizes when mean/std are set."""
-        import torch
-
-        if not self.cuda:
-            return self._normalize(image), label, None
-        assert self.stream is not None
-        with torch.cuda.stream(self.stream):
-            # From pinned memory the copy is asynchronous; a GPU-decoded batch is already here
-            # (written on this stream by DALI's feed_ndarray).
-            image = image.to(self.device, non_blocking=True)
-            label = label.to(self.device, non_blocking=True)
-            image = self._normalize(image)
-            ready = torch.cuda.Event()
-            ready.record(self.stream)
-        return image, label, ready
-
-    def move(self, *tensors: Any) -> tuple[tuple[Any, ...], Any]:
-        """Host tensors to the device on the side stream: (tensors there, ready event or None)."""
-        import torch
-
-        if not self.cuda:
-            return tensors, None
-        assert self.stream is not None
-        with torch.cuda.stream(self.stream):
-            moved = tuple(self.pinned(t).to(self.device, non_blocking=True) for t in tensors)
-            ready = torch.cuda.Event()
-            ready.record(self.stream)
-        return moved, ready
-
-    def _normalize(self, image: Any) -> Any:
-        if self.mean is None or self.std is None:
-            return image
-        return (image.float() - self.mean) / self.std
 
 
 def one_core_in_this_thread() -> None:

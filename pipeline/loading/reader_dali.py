@@ -9,6 +9,7 @@ records the position: the state after each batch is `pipe.checkpoint()` at that 
 from __future__ import annotations
 
 import base64
+import functools
 import os
 import tarfile
 from collections.abc import Iterator
@@ -71,44 +72,79 @@ def _seed(plan: EpochPlan) -> int:
     return (plan.seed * 1_000_003 + plan.epoch * 7919 + plan.rank) % (2**31 - 1)
 
 
-def _build(plan: EpochPlan, checkpoint: bytes | None, exts: tuple[str, ...]) -> Any:
+def _index(url: str) -> str:
+    return url[: -len(".tar")] + ".idx"
+
+
+def _fallback_exts(plan: EpochPlan, exts: tuple[str, ...]) -> list[str]:
+    """The extensions of samples that have no member among `exts` and no `.cls`. DALI gives
+    an empty output no source, so such a sample is named through a third output reading one
+    of these; none (the usual case): no third output, nothing more is read."""
+    wanted, found = {*exts, "cls"}, set[str]()
+    for shard in plan.shards:
+        idx = _index(shard.url)
+        st = os.stat(idx)
+        for members in _ext_sets(idx, st.st_mtime_ns, st.st_size):
+            if not members & wanted:
+                found |= members
+    return sorted(found)
+
+
+@functools.lru_cache(maxsize=4096)
+def _ext_sets(idx: str, mtime_ns: int, size: int) -> frozenset[frozenset[str]]:
+    """The distinct sets of member extensions among an index's samples (a few per shard).
+    Cached by the file's identity: the reader is rebuilt every epoch, the index is not."""
+    with open(idx) as f:
+        lines = f.read().splitlines()[1:]
+    return frozenset(frozenset(line.split()[0::4]) for line in lines if line.strip())
+
+
+def _build(plan: EpochPlan, checkpoint: bytes | None, exts: tuple[str, ...],
+           extras: tuple[str, ...] = ()) -> Any:
     from nvidia.dali import fn, pipeline_def
 
     paths = [s.url for s in plan.shards]
     shuffle = plan.shuffle_buffer > 1
+    fallback = _fallback_exts(plan, exts + extras)
 
     @pipeline_def(batch_size=plan.batch_size, num_threads=1, device_id=None, seed=_seed(plan),
                   enable_checkpointing=True, prefetch_queue_depth=2)
     def reader() -> Any:
-        data, label = fn.readers.webdataset(
-            paths=paths, index_paths=[p[: -len(".tar")] + ".idx" for p in paths],
-            ext=[";".join(exts), "cls"], missing_component_behavior="empty",
+        outs: list[Any] = fn.readers.webdataset(  # type: ignore[assignment]
+            paths=paths, index_paths=[_index(p) for p in paths],
+            ext=[";".join(exts), "cls", *extras] + ([";".join(fallback)] if fallback else []),
+            missing_component_behavior="empty",
             random_shuffle=shuffle, initial_fill=max(plan.shuffle_buffer, 1),
             pad_last_batch=True, name="reader")
-        # A sample without the data member has no source there: take the label's.
-        return (data, label, fn.get_property(data, key="source_info"),
-                fn.get_property(label, key="source_info"))
+        # A sample without the data member has no source there: the label's, else the
+        # fallback member's, names its shard and key.
+        return (outs[0], outs[1], *(fn.get_property(o, key="source_info") for o in outs),
+                *outs[2: 2 + len(extras)])  # extras: their bytes last (their sources above)
 
     pipe = reader(checkpoint=checkpoint) if checkpoint else reader()
     pipe.build()
     return pipe
 
 
-def batches(plan: EpochPlan, state: dict[str, Any] | None, exts: tuple[str, ...]
-            ) -> Iterator[EncodedBatch]:
+def batches(plan: EpochPlan, state: dict[str, Any] | None, exts: tuple[str, ...],
+            extras: tuple[str, ...] = ()) -> Iterator[EncodedBatch]:
     """This rank's encoded batches for the epoch, from `state` on (None: from the start):
-    each sample's first member among `exts` (empty when it has none) and its `.cls`."""
+    each sample's first member among `exts` (empty when it has none), its `.cls`, and the
+    members named by `extras` (None where it has none)."""
     if plan.length is None:
         raise ValueError("DALI's reader needs sample counts (manifest.json or .idx files)")
     length, emitted = plan.length, int(state["emitted"]) if state else 0
-    pipe = _build(plan, _unpack(state["checkpoint"]) if state else None, exts)
+    pipe = _build(plan, _unpack(state["checkpoint"]) if state else None, exts, extras)
     try:
         while emitted < length:
-            data, labels, info, label_info = pipe.run()
+            data, labels, *infos = pipe.run()
+            infos, more = infos[: len(infos) - len(extras)], infos[len(infos) - len(extras):]
             take = min(plan.batch_size, length - emitted)  # the rest is padding
             emitted += take
             state = {"emitted": emitted, "checkpoint": _pack(pipe.checkpoint())}
-            yield _encoded(data, labels, (info, label_info), take, state)
+            batch = _encoded(data, labels, infos, take, state)
+            _add_extras(batch, dict(zip(extras, more, strict=True)), infos[2:], take)
+            yield batch
     finally:
         del pipe  # DALI frees the pipeline's threads and buffers with the object
 
@@ -122,12 +158,13 @@ def _unpack(text: str) -> bytes:
     return base64.b64decode(text)
 
 
-def _encoded(data: Any, labels: Any, info: Any, take: int, state: dict[str, Any]
+def _encoded(data: Any, labels: Any, infos: list[Any], take: int, state: dict[str, Any]
              ) -> EncodedBatch:
     batch = EncodedBatch([], [], [], [], state)
     for i in range(take):
-        source = np.array(info[0][i]).tobytes().decode() or \
-            np.array(info[1][i]).tobytes().decode()
+        # The first output that has a member for this sample says where it comes from.
+        source = next((s for info in infos if (s := np.array(info[i]).tobytes().decode())),
+                      "")
         url, _offset, member = source.rsplit(":", 2) if source.count(":") >= 2 else \
             ("(unknown shard)", "", "(unknown key)")
         label = np.array(labels[i]).tobytes()
@@ -136,3 +173,13 @@ def _encoded(data: Any, labels: Any, info: Any, take: int, state: dict[str, Any]
         batch.data.append(np.array(data[i]))
         batch.labels.append(label if label else None)
     return batch
+
+
+def _add_extras(batch: EncodedBatch, columns: dict[str, Any], infos: list[Any], take: int
+                ) -> None:
+    """Each extra member's bytes, None where the sample has none. DALI gives a missing member
+    as an empty output ("empty" behaviour: "skip" would drop the sample unseen, "error" stop
+    the epoch), so its source, empty only when missing, tells it from a 0-byte member."""
+    for (ext, column), info in zip(columns.items(), infos, strict=False):
+        batch.extras[ext] = [np.array(column[i]).tobytes() if np.array(info[i]).size else None
+                             for i in range(take)]

@@ -26,7 +26,7 @@ from pipeline.errors import DataError, OnError, SkipLog, handle
 from pipeline.loading.batch import EncodedBatch
 from pipeline.loading.readplan import EpochPlan
 from pipeline.loading.shardlist import ShardSpec
-from pipeline.shards.tarread import TarLimits, iter_samples
+from pipeline.shards.tarread import TarLimits, dotted_key, iter_samples
 from pipeline.urls import redact, scrub
 
 log = logging.getLogger(__name__)
@@ -204,7 +204,7 @@ def _move(src: SkipLog, dst: SkipLog) -> int:
     """Move `src`'s entries to `dst`; the samples they stand for."""
     if not src.entries:  # the common case, once per sample read
         return 0
-    moved = src.samples()[0]
+    moved = src.samples()
     dst.extend(src.entries)
     src.entries = []
     return moved
@@ -238,9 +238,12 @@ def _shuffled(stream: Iterator[dict[str, object]], plan: EpochPlan
 
 
 def batches(plan: EpochPlan, state: dict[str, Any] | None, on_error: OnError,
-            exts: tuple[str, ...], limits: TarLimits | None = None) -> Iterator[EncodedBatch]:
+            exts: tuple[str, ...], limits: TarLimits | None = None,
+            extras: tuple[str, ...] = ()) -> Iterator[EncodedBatch]:
     """Encoded batches for the epoch; `state` ({"emitted": n, "batches": b}) resumes after n
-    samples and b batches. Skips met while reading a batch travel with that batch."""
+    samples and b batches. Skips met while reading a batch travel with that batch. The
+    members named by `extras` go to each batch's `extras` columns (None where missing). A
+    sample with none of `exts` but dotted variants of them (`img.0001.jpg`) is `dotted-key`."""
     skip_first = int(state["emitted"]) if state else 0
     done = int(state.get("batches", 0)) if state else 0
     if plan.batches is not None and done >= plan.batches:
@@ -253,7 +256,11 @@ def batches(plan: EpochPlan, state: dict[str, Any] | None, on_error: OnError,
         if emitted <= skip_first:
             pending.entries.clear()  # met while replaying: reported by the earlier run
             continue
-        _append(current, sample, exts)
+        dotted = dotted_key(sample, exts)
+        if dotted is not None:  # several samples under one key: refused like the reader's own
+            handle(dotted, on_error, pending)
+            continue
+        _append(current, sample, exts, extras)
         if len(current) == plan.batch_size:
             done += 1
             yield _finish(current, pending, emitted, done)
@@ -274,10 +281,14 @@ def _finish(batch: EncodedBatch, pending: SkipLog, emitted: int, done: int) -> E
     return batch
 
 
-def _append(batch: EncodedBatch, sample: dict[str, object], exts: tuple[str, ...]) -> None:
+def _append(batch: EncodedBatch, sample: dict[str, object], exts: tuple[str, ...],
+            extras: tuple[str, ...] = ()) -> None:
     data = next((sample[e] for e in exts if e in sample), b"")
     batch.keys.append(str(sample["__key__"]))
     batch.urls.append(str(sample["__url__"]))
     batch.data.append(np.frombuffer(data, dtype=np.uint8))  # type: ignore[call-overload]
     label = sample.get("cls")
     batch.labels.append(label if isinstance(label, bytes) else None)
+    for ext in extras:
+        value = sample.get(ext)
+        batch.extras.setdefault(ext, []).append(value if isinstance(value, bytes) else None)

@@ -7,15 +7,17 @@ order); both readers return `EncodedBatch`es of those bytes and the `.cls` membe
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Iterator
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, cast
 
 from pipeline.errors import DataError, OnError, SkipLog, handle
 from pipeline.loading import reader_dali, reader_stream
 from pipeline.loading.batch import EncodedBatch
-from pipeline.loading.options import ReaderKind
+from pipeline.loading.options import Backend, ReaderKind, portable_conflict
 from pipeline.loading.readplan import EpochPlan
 from pipeline.loading.shardlist import ShardSpec, Source
 from pipeline.urls import is_remote
@@ -24,25 +26,75 @@ log = logging.getLogger(__name__)
 
 
 def encoded(reader: str, plan: EpochPlan, state: dict[str, Any] | None, on_error: OnError,
-            exts: tuple[str, ...]) -> Iterator[EncodedBatch]:
-    """The epoch's encoded batches from `state` on, through the chosen reader."""
+            exts: tuple[str, ...], extras: tuple[str, ...] = ()) -> Iterator[EncodedBatch]:
+    """The epoch's encoded batches from `state` on, through the chosen reader; `extras`:
+    further members to carry by extension (EncodedBatch.extras)."""
     if reader == "dali":
-        return reader_dali.batches(plan, state, exts=exts)
-    return reader_stream.batches(plan, state, on_error, exts=exts)
+        return reader_dali.batches(plan, state, exts=exts, extras=extras)
+    return reader_stream.batches(plan, state, on_error, exts=exts, extras=extras)
 
 
-def pick_reader(source: Source, reader: ReaderKind, kind: str) -> str:
-    """DALI's reader for local shards that all have .idx files, else the streaming reader."""
+def pick_reader(source: Source, reader: ReaderKind, kind: str, backend: str = "dali") -> str:
+    """DALI's reader for local shards that all have .idx files, else the streaming reader
+    (which reads local shards too); the portable backend always streams."""
     if reader not in ("auto", "dali", "stream"):
         raise ValueError(f"reader={reader!r}: choose one of auto, dali, stream")
-    local = all(not is_remote(s.url) and s.url.endswith(".tar") and _has_index(s)
-                for s in source.shards)
+    if backend == "portable":
+        if reader == "dali":
+            raise ValueError(portable_conflict(reader, "auto", " (nvidia.dali does not import)"))
+        log.info("%s loader: stream reader for %s (portable backend)", kind, source.describe())
+        return "stream"
+    local = dali_readable(source)
     if reader == "dali" and not local:
         raise ValueError("reader='dali' needs local .tar shards with .idx files beside them; "
                          "use reader='stream' (or 'auto') for remote or unindexed shards")
     chosen = reader if reader != "auto" else ("dali" if local else "stream")
     log.info("%s loader: %s reader for %s", kind, chosen, source.describe())
     return chosen
+
+
+@functools.cache
+def dali_importable() -> bool:
+    """Whether nvidia.dali imports here (asked once per process: the import takes a second)."""
+    try:
+        import nvidia.dali  # noqa: F401
+    except (ImportError, OSError) as exc:  # OSError: a wheel whose CUDA libraries are missing
+        log.debug("nvidia.dali does not import: %s", exc)
+        return False
+    return True
+
+
+def resolve_backend(backend: str, kind: str, decode: str = "auto") -> Backend:
+    """`backend` as given, or "auto" resolved (DALI where it imports, else portable); the
+    first resolution of "auto" is logged once per process. ImportError for "dali" without
+    DALI; ValueError for decode="gpu" on the portable backend, naming both options."""
+    if backend not in ("auto", "dali", "portable"):
+        raise ValueError(f"backend={backend!r}: choose one of auto, dali, portable")
+    if backend == "dali" and not dali_importable():
+        raise ImportError("backend='dali' but nvidia.dali does not import here: install it "
+                          "(pip install nvidia-dali-cuda120, Linux only), or use "
+                          "backend='portable' (or 'auto')")
+    chosen = _auto_backend() if backend == "auto" else cast(Backend, backend)
+    if chosen == "portable" and decode == "gpu":
+        why = "" if backend == "portable" else " (backend='auto': nvidia.dali does not import)"
+        raise ValueError(portable_conflict("auto", decode, why))
+    return chosen
+
+
+@functools.cache
+def _auto_backend() -> Backend:
+    if dali_importable():
+        log.info("backend='auto': DALI (nvidia.dali imports); backend='portable' runs without it")
+        return "dali"
+    log.info("backend='auto': portable (PIL/numpy + torch on the CPU, streaming reader): "
+             "nvidia.dali does not import here")
+    return "portable"
+
+
+def dali_readable(source: Source) -> bool:
+    """Whether DALI's reader can read `source`: local .tar shards, each with its .idx."""
+    return all(not is_remote(s.url) and s.url.endswith(".tar") and _has_index(s)
+               for s in source.shards)
 
 
 def _has_index(shard: ShardSpec) -> bool:
@@ -78,14 +130,43 @@ def distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
-def resolve_device(device: str, kind: str) -> tuple[Literal["cpu", "gpu"], int | None]:
-    """Where a loader works and puts its batches, and on a GPU the CUDA index, read in the
-    calling thread (the current device is per thread: under torchrun each rank set its own)."""
+@dataclass(frozen=True)
+class Placement:
+    """Where a loader's batches land (`target`, `cuda_index`) and where it decodes and
+    augments (`decode`): resolved once, at build time, and logged."""
+
+    target: Literal["cpu", "cuda"]
+    cuda_index: int | None
+    decode: Literal["cpu", "gpu"]
+
+    @property
+    def device(self) -> str:
+        """The batches' torch device, e.g. "cpu" or "cuda:0"."""
+        return "cpu" if self.target == "cpu" else f"cuda:{self.cuda_index}"
+
+
+def resolve_placement(device: str, decode: str, kind: str, gpu_decode: bool) -> Placement:
+    """`device`/`decode` as given, or "auto" resolved from what is here; `gpu_decode`: whether
+    this modality can decode on a GPU. The CUDA index is read in the calling thread (the
+    current device is per thread: under torchrun each rank set its own)."""
     import torch
 
-    if device == "gpu" and not torch.cuda.is_available():
-        raise ValueError("device='gpu' but CUDA is not available here; use device='cpu' or "
-                         "'auto'")
-    gpu = device == "gpu" or (device == "auto" and torch.cuda.is_available())
-    log.info("%s loader: on the %s (device=%r)", kind, "gpu" if gpu else "cpu", device)
-    return ("gpu", torch.cuda.current_device()) if gpu else ("cpu", None)
+    wants_cuda = device in ("gpu", "cuda") or device.startswith("cuda:")
+    if wants_cuda and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available here; use device='cpu' "
+                         "or 'auto'")
+    on_cuda = wants_cuda or (device == "auto" and torch.cuda.is_available())
+    if decode == "gpu" and not on_cuda:
+        raise ValueError("decode='gpu' puts batches on the GPU: use device='cuda' (or 'auto' "
+                         "on a machine with CUDA), or decode='cpu'")
+    if decode == "gpu" and not gpu_decode:
+        raise ValueError(f"decode='gpu': the {kind} loader prepares batches on the CPU only; "
+                         "use decode='cpu' (batches still land on device)")
+    index = None
+    if on_cuda:
+        index = int(device.split(":")[1]) if ":" in device else torch.cuda.current_device()
+    where = decode if decode != "auto" else ("gpu" if on_cuda and gpu_decode else "cpu")
+    placement = Placement("cuda" if on_cuda else "cpu", index, where)  # type: ignore[arg-type]
+    log.info("%s loader: decodes on the %s, batches on %s (device=%r, decode=%r)", kind,
+             where, placement.device, device, decode)
+    return placement

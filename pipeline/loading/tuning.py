@@ -1,12 +1,14 @@
 """The tuning file: the loader configuration measured fastest on this machine.
 
-`tools/bench_loader.py --tune` measures the choices that matter (decode device, reader, DALI
-threads, prefetch depth, where resize/flip/normalize run after a CPU decode, and on a GPU the
-hardware JPEG decoder's share) and writes the winner here; `image_loader` then uses it for every
-choice left automatic (device, reader and resize_on "auto", threads and prefetch not given) and
-logs
-that it did and where the figures come from. A file measured on another machine (other CPU
-count or GPU) is ignored, with a log line saying so.
+`tools/bench_loader.py --tune` measures the choices that matter (where decoding runs, reader,
+DALI threads, prefetch depth, where resize/flip/normalize run after a CPU decode, and on a GPU
+the hardware JPEG decoder's share) and writes the winner here. Every loader then uses it for
+the choices left automatic that apply to it (decode, reader and resize_on "auto", threads and
+prefetch not given) and logs that it did and where the figures come from. A tuned choice is
+applied only where it is possible for the source and placement at hand: DALI's reader only for
+local indexed shards, GPU decoding only when batches land on a GPU. A file measured on another
+machine (other CPU count or GPU) is ignored, with a log line saying so. (The file's `device`
+field is where decoding ran: the `decode` option.)
 """
 
 from __future__ import annotations
@@ -58,13 +60,21 @@ class Tuning:
                      .encode())
 
     def choices(self) -> dict[str, Any]:
-        chosen = {"device": self.device, "reader": self.reader, "threads": self.threads,
+        chosen = {"decode": self.device, "reader": self.reader, "threads": self.threads,
                   "prefetch": self.prefetch}
         if self.device == "gpu" and self.hw_decoder_load is not None:
             chosen["hw_decoder_load"] = self.hw_decoder_load
         if self.device == "cpu" and self.resize_on is not None:
             chosen["resize_on"] = self.resize_on
         return chosen
+
+
+# Which tuned choices mean something to each loader (the figures are measured on images).
+APPLIES_TO = {"image": ("decode", "reader", "threads", "prefetch", "hw_decoder_load",
+                        "resize_on"),
+              "pointcloud": ("decode", "reader", "threads", "prefetch"),
+              "text": ("reader", "prefetch")}
+AUTOMATIC = ("decode", "reader", "resize_on")  # options whose "auto" a tuned value replaces
 
 
 def load(path: Path | None = None) -> Tuning | None:
@@ -87,19 +97,55 @@ def load(path: Path | None = None) -> Tuning | None:
     return tuning
 
 
-def apply(options: dict[str, Any], path: Path | None) -> dict[str, Any]:
-    """`options` with the tuned choices filled in where the caller left them automatic."""
+def apply(kind: str, options: dict[str, Any], path: Path | None, *, dali_readable: bool,
+          dali: bool = True) -> dict[str, Any]:
+    """`options` of a `kind` loader with the tuned choices filled in where the caller left
+    them automatic and they are possible here (`dali_readable`: the source is local shards
+    with .idx files; `dali`: the loader runs the DALI backend, not the portable one)."""
     tuning = load(path)
     if tuning is None:
         return options
     tuned = dict(options)
     for name, value in tuning.choices().items():
-        if name in ("device", "reader", "resize_on") and tuned.get(name, "auto") == "auto":
+        if name not in APPLIES_TO.get(kind, ()) or not _possible(name, value, options,
+                                                                 dali_readable):
+            continue
+        if not dali and (name, value) in _DALI_ONLY:
+            continue  # measured with DALI; the portable backend streams and decodes on the CPU
+        if name in AUTOMATIC and tuned.get(name, "auto") == "auto":
             tuned[name] = value
-        elif name not in tuned:
+        elif name not in AUTOMATIC and name not in tuned:
             tuned[name] = value
     used = {k: v for k, v in tuned.items() if options.get(k) != v}
     if used:
-        log.info("image loader: %s from the tuning file %s (measured %s: %.0f images/s)", used,
-                 path or default_path(), tuning.measured, tuning.images_per_s)
+        log.info("%s loader: %s from the tuning file %s (measured %s: %.0f images/s)", kind,
+                 used, path or default_path(), tuning.measured, tuning.images_per_s)
     return tuned
+
+
+_DALI_ONLY = {("reader", "dali"), ("decode", "gpu"), ("resize_on", "dali")}
+
+
+def _possible(name: str, value: Any, options: dict[str, Any], dali_readable: bool) -> bool:
+    if name == "reader" and value == "dali" and not dali_readable:
+        log.info("tuning file says reader='dali', but these shards are remote or have no .idx "
+                 "files: the streaming reader reads them")
+        return False
+    if name == "decode" and value == "gpu":
+        return options.get("device", "auto") not in ("cpu",)
+    return True
+
+
+def source_and_options(kind: str, source: Any, options: dict[str, Any],
+                       tuning_file: Path | None, use_tuning: bool) -> tuple[Any, dict[str, Any]]:
+    """What every `*_loader` function does first: resolve `source` (refusing `pipe:` unless
+    `allow_pipe`), then fill in the tuned choices that apply to it."""
+    from pipeline.loading.readers import dali_readable, resolve_backend
+    from pipeline.loading.shardlist import resolve_source
+
+    resolved = resolve_source(source, allow_pipe=bool(options.get("allow_pipe", False)))
+    if use_tuning:
+        dali = resolve_backend(options.get("backend", "auto"), kind) == "dali"
+        options = apply(kind, options, tuning_file, dali_readable=dali_readable(resolved),
+                        dali=dali)
+    return resolved, options

@@ -8,33 +8,40 @@ every point at one position) and from the points (a normalization that overflowe
 Voxels are computed here, in the loader's decode thread, so they overlap the consumer's step.
 
 A batch that fails in the graph is traced to its samples (loading/graphstage.py), numpy
-(samples/pointcloud_io.py) being this modality's check.
+(samples/pointcloud_io.py) being this modality's check. `CloudStage` is what this stage
+shares with the portable backend's (portable.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from pipeline import dali
 from pipeline.errors import DataError
 from pipeline.loading.batch import EncodedBatch, PointBatch
-from pipeline.loading.graphstage import GraphStage
+from pipeline.loading.delivery import DeviceCopier
+from pipeline.loading.graphstage import BackendStage, GraphStage
 from pipeline.loading.loader import Produced
-from pipeline.loading.prefetch import DeviceCopier
+from pipeline.loading.readers import Placement
 from pipeline.pointcloud import graph as pointcloud_graph
 from pipeline.pointcloud import voxelize
 from pipeline.pointcloud.config import PointCloudConfig
 from pipeline.pointcloud.sample import SampleParams
 from pipeline.samples import pointcloud_io
+from pipeline.samples.checks import OFFSET_EXT
 
 Item = tuple[EncodedBatch, list[int], list[SampleParams]]  # (batch, labels, parameters)
 
 
-class DecodeStage(GraphStage):
-    """Voxels are computed here, in the loader's decode thread, from the graph's points: on the
+class CloudStage(BackendStage):
+    """What the point-cloud decode stages share on either backend (the DALI graph's below, the
+    portable one in portable.py): numpy as the check, and from (points, finiteness sums, box
+    extents) the value checks, voxels, offsets and the batch on the device.
+
+    Voxels are computed here, in the loader's decode thread, from the decoded points: on the
     CPU (device="cpu") with torch held to one core in this thread, so they overlap the
     training step instead of competing for its cores. With device="gpu" the points are
     already on the GPU, and the same torch code runs there on the copier's side stream:
@@ -42,42 +49,7 @@ class DecodeStage(GraphStage):
     """
 
     what = "bad-cloud"
-
-    def __init__(self, cfg: PointCloudConfig, device: Literal["cpu", "gpu"],
-                 cuda_index: int | None) -> None:
-        self.cfg = cfg
-        self.spec = pointcloud_graph.GraphSpec(device, cfg.normalize,
-                                               cfg.train and cfg.jitter > 0)
-        super().__init__(device, cuda_index, cfg.on_error)
-
-    # -- the graph -------------------------------------------------------------------------
-
-    def _build(self, depth: int, batch_size: int | None = None) -> pointcloud_graph.Outputs:
-        graph = pointcloud_graph.build(self.spec, batch_size=batch_size or self.cfg.batch_size,
-                                       num_threads=self.cfg.threads, device_id=self.cuda_index,
-                                       seed=self.cfg.seed, prefetch_depth=depth)
-        return pointcloud_graph.Outputs(graph)
-
-    def _feed(self, graph: pointcloud_graph.Outputs, item: Item) -> None:
-        enc, _labels, params = item
-        graph.feed_input("encoded", enc.data)
-        graph.feed_input("index", [p.index for p in params])
-        graph.feed_input("angle", [np.array(p.angle, np.float32) for p in params])
-        graph.feed_input("scale", [np.full(3, p.scale, np.float32) for p in params])
-        if self.spec.jitter:
-            graph.feed_input("noise", [p.noise for p in params])
-
-    def _fetch(self, out: Any, item: Item) -> tuple[Any, np.ndarray, np.ndarray]:
-        """(points (B, num_points, 3) float32 tensor, finiteness sums, box extents), copied
-        out before the graph runs again."""
-        import torch
-
-        points, finite, extent = out
-        if self.device == "gpu":
-            tensor = dali.to_cuda(points, torch.float32, self.cuda_index, self.copier.stream)
-        else:
-            tensor = torch.from_numpy(np.array(points.as_tensor()))
-        return tensor, np.array(finite.as_tensor()), np.array(extent.as_tensor())
+    cfg: PointCloudConfig
 
     def _check(self, data: bytes) -> None:
         try:
@@ -92,20 +64,22 @@ class DecodeStage(GraphStage):
         import torch
 
         enc, labels, _params = item
-        stream = self.copier.stream
-        # On a GPU the points are there already; what follows is queued on the copier's side
-        # stream, and the copier's event is recorded after all of it.
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        gpu = self.decode == "gpu"
+        # Decoded on a GPU, the points are there already and what follows is queued on the
+        # copier's side stream (the stream contract); decoded on the CPU, it runs here, in
+        # this thread, and the copier moves the results.
+        with torch.cuda.stream(self.copier.stream) if gpu else contextlib.nullcontext():
             if fetched is None:  # every sample of the batch was skipped
                 points = torch.zeros((0, self.cfg.num_points, 3), dtype=torch.float32,
-                                     device=self.copier.device)
+                                     device=self.copier.device if gpu else "cpu")
             else:
                 points = self._drop_bad_values(enc, labels, *fetched)
             voxels = self._voxels(points)
         label = torch.tensor(labels, dtype=torch.int64)
-        points, label, ready = self.copier(points, label)
-        return PointBatch(points=points, label=label, keys=list(enc.keys), voxels=voxels), \
-            enc.state, ready, enc.skips
+        (points, label, voxels, offset), ready = self.copier.move(points, label, voxels,
+                                                                  offsets(enc))
+        return PointBatch(points=points, label=label, keys=list(enc.keys), voxels=voxels,
+                          offset=offset), enc.state, ready, enc.skips
 
     def _drop_bad_values(self, enc: EncodedBatch, labels: list[int], points: Any,
                          finite: np.ndarray, extent: np.ndarray) -> Any:
@@ -134,12 +108,61 @@ class DecodeStage(GraphStage):
         return points[[i for i in range(len(usable)) if i not in bad]]
 
     def _make_copier(self) -> DeviceCopier:
-        gpu = self.device == "gpu"
-        return DeviceCopier(("cuda", self.cuda_index) if gpu else "cpu", None, None,
-                            channels_first=True)
+        cuda = self.placement.target == "cuda"
+        return DeviceCopier(("cuda", self.cuda_index) if cuda else "cpu", None, None,
+                            channels_first=True, slots=self.prefetch + 2)
 
     def _voxels(self, points: Any) -> Any:
         c = self.cfg
         if c.voxels is None:
             return None
         return voxelize.voxelize(points, c.voxels, grid=c.grid, extent=c.extent)
+
+
+class DecodeStage(CloudStage, GraphStage):
+    """The DALI backend's point-cloud stage: the graph decodes, normalizes, samples and
+    augments (graph.py)."""
+
+    def __init__(self, cfg: PointCloudConfig, placement: Placement) -> None:
+        self.cfg = cfg
+        self.spec = pointcloud_graph.GraphSpec(placement.decode, cfg.normalize,
+                                               cfg.train and cfg.jitter > 0)
+        super().__init__(placement, cfg.on_error, cfg.prefetch)
+
+    # -- the graph -------------------------------------------------------------------------
+
+    def _build(self, depth: int, batch_size: int | None = None) -> pointcloud_graph.Outputs:
+        graph = pointcloud_graph.build(self.spec, batch_size=batch_size or self.cfg.batch_size,
+                                       num_threads=self.cfg.threads, device_id=self.cuda_index,
+                                       seed=self.cfg.seed, prefetch_depth=depth)
+        return pointcloud_graph.Outputs(graph)
+
+    def _feed(self, graph: pointcloud_graph.Outputs, item: Item) -> None:
+        enc, _labels, params = item
+        graph.feed_input("encoded", enc.data)
+        graph.feed_input("index", [p.index for p in params])
+        graph.feed_input("angle", [np.array(p.angle, np.float32) for p in params])
+        graph.feed_input("scale", [np.full(3, p.scale, np.float32) for p in params])
+        if self.spec.jitter:
+            graph.feed_input("noise", [p.noise for p in params])
+
+    def _fetch(self, out: Any, item: Item) -> tuple[Any, np.ndarray, np.ndarray]:
+        """(points (B, num_points, 3) float32 tensor, finiteness sums, box extents), copied
+        out before the graph runs again."""
+        import torch
+
+        points, finite, extent = out
+        if self.decode == "gpu":
+            tensor = dali.to_cuda(points, torch.float32, self.cuda_index, self.copier.stream)
+        else:
+            tensor = torch.from_numpy(np.array(points.as_tensor()))
+        return tensor, np.array(finite.as_tensor()), np.array(extent.as_tensor())
+
+
+def offsets(enc: EncodedBatch) -> Any:
+    """float64 (B, 3): each cloud's offset (parsed by the loader's check), zeros where none."""
+    import torch
+
+    column = enc.extras.get(OFFSET_EXT) or [None] * len(enc)
+    rows = [np.zeros(3) if o is None else o for o in column]
+    return torch.from_numpy(np.stack(rows) if rows else np.zeros((0, 3)))

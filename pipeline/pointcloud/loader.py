@@ -22,15 +22,16 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import DataError, OnError
-from pipeline.loading import readers
+from pipeline.loading import readers, tuning
 from pipeline.loading.batch import EncodedBatch
 from pipeline.loading.graphstage import GraphLoader
 from pipeline.loading.options import Device
-from pipeline.loading.shardlist import Source, resolve_source
+from pipeline.loading.shardlist import Source
 from pipeline.pointcloud.config import PointCloudConfig
-from pipeline.pointcloud.decode import DecodeStage
+from pipeline.pointcloud.decode import CloudStage, DecodeStage
+from pipeline.pointcloud.portable import PortableCloudStage
 from pipeline.pointcloud.sample import SampleParams, check_npy, sample_params
-from pipeline.samples.checks import check_label
+from pipeline.samples.checks import OFFSET_EXT, check_label, check_offset
 
 log = logging.getLogger(__name__)
 MEMBERS = ("npy",)  # what the loader reads: make_shards stores every cloud as .npy
@@ -39,17 +40,21 @@ MEMBERS = ("npy",)  # what the loader reads: make_shards stores every cloud as .
 def pointcloud_loader(source: str | Path | Sequence[str], *, batch_size: int,
                       train: bool = True, seed: int = 0, device: Device = "auto",
                       on_error: OnError = "raise", rank: int | None = None,
-                      world_size: int | None = None, **options: Any) -> PointCloudLoader:
+                      world_size: int | None = None, tuning_file: Path | None = None,
+                      use_tuning: bool = True, **options: Any) -> PointCloudLoader:
     """A resumable loader of point-cloud batches (see `PointCloudConfig` for `options`).
 
     `source`: a folder with manifest.json, a glob, a brace pattern, a list of URLs, or any
     fsspec URL. `rank`/`world_size` default to torch.distributed's when it is initialised.
+    Choices left automatic that a tuning file measured (decode, reader, threads, prefetch)
+    come from it (pipeline/loading/tuning.py).
     """
-    cfg = PointCloudConfig(batch_size=batch_size, train=train, seed=seed, device=device,
-                           on_error=on_error, **options)
+    resolved, options = tuning.source_and_options(
+        "pointcloud", source, {"device": device, **options}, tuning_file, use_tuning)
+    cfg = PointCloudConfig(batch_size=batch_size, train=train, seed=seed, on_error=on_error,
+                           **options)
     rank, world_size = readers.distributed(rank, world_size)
-    return PointCloudLoader(resolve_source(source, allow_pipe=cfg.allow_pipe), cfg, rank,
-                            world_size)
+    return PointCloudLoader(resolved, cfg, rank, world_size)
 
 
 class PointCloudLoader(GraphLoader):
@@ -57,6 +62,9 @@ class PointCloudLoader(GraphLoader):
 
     kind = "pointcloud"
     members = MEMBERS
+    # A cloud far from the origin is stored relative to an offset kept beside it (make_shards;
+    # samples/checks.cloud_members): read along, parsed here, returned as batch.offset.
+    extras = (OFFSET_EXT,)
 
     def __init__(self, source: Source, cfg: PointCloudConfig, rank: int, world_size: int
                  ) -> None:
@@ -64,8 +72,10 @@ class PointCloudLoader(GraphLoader):
         self._augment = cfg.augment_spec()
         super().__init__(source, cfg, rank, world_size)
 
-    def _decode_stage(self) -> DecodeStage:
-        return DecodeStage(self.cfg, self.device, self.cuda_index)
+    def _decode_stage(self) -> CloudStage:
+        if self.backend == "portable":
+            return PortableCloudStage(self.cfg, self.placement)
+        return DecodeStage(self.cfg, self.placement)
 
     # -- the reader stage ------------------------------------------------------------------
 
@@ -74,4 +84,7 @@ class PointCloudLoader(GraphLoader):
             raise DataError("missing-field", "no .cls member")
         label = check_label(enc.labels[i] or b"", self.num_classes)
         enc.data[i], rows = check_npy(enc.data[i], self.cfg.max_points)
+        offsets = enc.extras.get(OFFSET_EXT)
+        if offsets is not None and offsets[i] is not None:
+            offsets[i] = check_offset(offsets[i])  # the column drops with its sample
         return label, sample_params(self._augment, rows, enc.keys[i], epoch)

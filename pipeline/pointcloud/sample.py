@@ -36,8 +36,7 @@ def check_npy(data: np.ndarray, max_points: int) -> tuple[np.ndarray, int]:
     Fortran order)."""
     if not len(data):
         raise DataError("missing-field", "no .npy member")
-    head = data[:NPY_HEAD_BYTES].tobytes()
-    version, shape, fortran, dtype, start = _plain_header(head) or _any_header(head)
+    version, shape, fortran, dtype, start = npy_header(data)
     _check_header(shape, dtype, max_points, len(data) - start)
     if version == (1, 0) and dtype.byteorder != ">" and not (fortran and shape[1] > 1):
         return data, shape[0]
@@ -51,6 +50,13 @@ Header = tuple[tuple[int, int], tuple[int, ...], bool, np.dtype, int]
 _PLAIN = re.compile(rb"\x93NUMPY\x01\x00..\{'descr': '([<>|](?:f[248]|[iu][1248]))', "
                     rb"'fortran_order': (False|True), 'shape': \((\d{1,12}), (\d{1,12})\), \} *\n",
                     re.DOTALL)
+
+
+def npy_header(data: np.ndarray) -> Header:
+    """The header of `.npy` bytes (uint8): version, shape, Fortran order, dtype, and where the
+    data starts; DataError when numpy cannot read it."""
+    head = data[:NPY_HEAD_BYTES].tobytes()
+    return _plain_header(head) or _any_header(head)
 
 
 def _plain_header(head: bytes) -> Header | None:

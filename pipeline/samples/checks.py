@@ -12,17 +12,26 @@ import re
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 from PIL import Image
 
 from pipeline.errors import DataError
-from pipeline.samples import pointcloud_io
+from pipeline.samples import jpegscan, pointcloud_io
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif", "ppm", "pgm")
 POINTCLOUD_EXTS = ("npy", "ply", "off", "xyz")
 TEXT_EXTS = ("txt",)
 PICKLE_EXTS = ("pyd", "pkl", "pickle", "pth", "pt", "ckpt", "joblib")
-# Formats that DALI decodes and that we keep byte for byte; others are re-encoded to PNG.
-KEEP_FORMATS = {"JPEG": "jpg", "PNG": "png"}
+# The member beside `npy` of a cloud stored relative to an offset (cloud_members): float64 (3,)
+OFFSET_EXT = "offset.npy"
+# What the image loader decodes (its header parser takes JPEG and PNG only), by PIL's format
+# name, with the extension make_shards stores it under; anything else is re-encoded to PNG.
+# MPO is a JPEG followed by more images: the loaders decode its first one, as PIL does.
+KEEP_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png"}
+# How far into a file PIL cannot identify a JPEG start-of-image marker is looked for (bytes
+# put in front by a broken download or tool: a BOM, an HTTP header); what precedes it is cut.
+PREFIX_LIMIT = 4096
+JPEG_QUALITY = 95  # re-encoding a JPEG the loaders would refuse and no cut repairs
 
 
 @dataclass(frozen=True)
@@ -40,7 +49,20 @@ class CheckLimits:
 
 
 def check_image(data: bytes, limits: CheckLimits) -> str:
-    """Fully decode an image (pixel limit checked from the header first); returns PIL's format."""
+    """The one decodability rule: PIL decodes the image fully (pixel limit checked from the
+    header first) and the loaders would decode it too (JPEG or PNG, a JPEG header DALI and
+    the loader's header parser read). Returns PIL's format; DataError says why not."""
+    fmt = _decode(data, limits)
+    problem = loader_problem(data, fmt)
+    if problem is not None:
+        reason = "bad-jpeg-structure" if fmt in ("JPEG", "MPO") else "unsupported-image-format"
+        raise DataError(reason, f"{problem}; the loaders would refuse it (make_shards repairs "
+                        "it: convert the shards again with tools/make_shards.py shards)")
+    return fmt
+
+
+def _decode(data: bytes, limits: CheckLimits) -> str:
+    """PIL's full decode; its format name, or DataError."""
     try:
         with Image.open(io.BytesIO(data)) as img:
             width, height = img.size
@@ -61,11 +83,109 @@ def check_image(data: bytes, limits: CheckLimits) -> str:
         raise DataError("bad-image", f"image does not decode: {exc}") from None
 
 
+def loader_problem(data: bytes, fmt: str) -> str | None:
+    """Why the image loader would refuse bytes PIL decoded as `fmt`; None when it reads them.
+    A strict structural check, as DALI's JPEG parser and augment.header_size read a header
+    (decoding in DALI per image would cost a pipeline run per file)."""
+    if fmt not in KEEP_FORMATS:
+        return f"a {fmt} image; the loaders decode JPEG and PNG only"
+    if fmt == "PNG":
+        return None  # PIL found IHDR first, where the header parser reads the size
+    try:
+        found = jpegscan.scan(data)
+    except jpegscan.JpegStructureError as exc:
+        return f"JPEG header: {exc}"
+    return f"JPEG header: {found.problems[0]}" if found.problems else None
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """What make_shards stores for an input image: bytes the loaders decode, the member
+    extension, and the repairs made (empty: the original bytes)."""
+
+    data: bytes
+    ext: str
+    repairs: tuple[str, ...] = ()
+
+
+def prepare_image(data: bytes, limits: CheckLimits) -> PreparedImage:
+    """Apply the rule at conversion: what PIL reads but the loaders would not is repaired,
+    losslessly where a cut does it (bytes before the start-of-image marker, bytes between
+    header segments, short APP segments PIL cannot parse), else re-encoded (JPEG quality 95;
+    PNG for other formats, alpha and 16-bit). What PIL cannot read stays a DataError."""
+    try:
+        fmt = _decode(data, limits)
+    except DataError as err:
+        if err.reason != "bad-image":
+            raise
+        return _repair_unreadable(data, limits, err)
+    return _fit_for_loader(data, fmt, limits, ())
+
+
+def _repair_unreadable(data: bytes, limits: CheckLimits, err: DataError) -> PreparedImage:
+    """Two kinds of file PIL cannot open that a lossless cut makes readable: a JPEG after
+    stray leading bytes, and a JPEG with an APP0/APP14 segment too short for PIL's parser."""
+    if data[:2] != jpegscan.SOI:
+        start = data.find(jpegscan.SOI + b"\xff", 0, PREFIX_LIMIT)
+        if start <= 0:
+            raise err
+        fixed, repair = data[start:], "bytes-before-soi"
+    else:
+        try:
+            found = jpegscan.scan(data)
+        except jpegscan.JpegStructureError:
+            raise err from None
+        if not found.short_app:
+            raise err
+        fixed, repair = jpegscan.rebuild(data, found), "short-app-segment"
+    try:
+        fmt = _decode(fixed, limits)
+    except DataError:
+        raise err from None  # not a repairable file after all: PIL's first word stands
+    return _fit_for_loader(fixed, fmt, limits, (repair,))
+
+
+def _fit_for_loader(data: bytes, fmt: str, limits: CheckLimits, repairs: tuple[str, ...]
+                    ) -> PreparedImage:
+    """Bytes PIL decoded as `fmt`, kept, rebuilt or re-encoded so that the loaders read them."""
+    if loader_problem(data, fmt) is None:
+        return PreparedImage(data, KEEP_FORMATS[fmt], repairs)
+    if fmt in ("JPEG", "MPO"):
+        fixed = _rebuilt_jpeg(data, limits)
+        if fixed is not None:
+            return PreparedImage(fixed, "jpg", (*repairs, "jpeg-header-junk"))
+        return PreparedImage(reencode_jpeg(data), "jpg", (*repairs, "jpeg-reencoded"))
+    return PreparedImage(reencode_png(data), "png", (*repairs, f"{fmt.lower()}-to-png"))
+
+
+def _rebuilt_jpeg(data: bytes, limits: CheckLimits) -> bytes | None:
+    """The header rebuilt without what libjpeg skipped, when that satisfies the loaders and
+    PIL still decodes it (it reads the same segments, so the pixels are the same)."""
+    try:
+        fixed = jpegscan.rebuild(data, jpegscan.scan(data))
+        fmt = _decode(fixed, limits)
+    except (jpegscan.JpegStructureError, DataError):
+        return None
+    return fixed if fmt in ("JPEG", "MPO") and loader_problem(fixed, fmt) is None else None
+
+
+def reencode_jpeg(data: bytes) -> bytes:
+    """A JPEG the loaders would refuse, re-encoded at quality 95 from PIL's pixels (gray stays
+    gray, everything else RGB), EXIF kept so that the orientation still applies."""
+    with Image.open(io.BytesIO(data)) as img:
+        exif = img.info.get("exif")
+        out_img = img.convert("L" if img.mode in ("L", "1") else "RGB")
+        out = io.BytesIO()
+        out_img.save(out, format="JPEG", quality=JPEG_QUALITY, **({"exif": exif} if exif else {}))
+        return out.getvalue()
+
+
 def reencode_png(data: bytes) -> bytes:
     """Lossless PNG of an image in a format DALI does not take everywhere (GIF, BMP, TIFF...)."""
     with Image.open(io.BytesIO(data)) as img:
         if img.mode not in ("RGB", "RGBA", "L", "LA", "I;16"):
-            img = img.convert("RGBA" if "A" in img.getbands() else "RGB")
+            img = img.convert("RGBA" if "A" in img.getbands() or "transparency" in img.info
+                              else "RGB")
         out = io.BytesIO()
         img.save(out, format="PNG")
         return out.getvalue()
@@ -92,11 +212,36 @@ def check_points(data: bytes, ext: str, limits: CheckLimits) -> bytes:
         points = pointcloud_io.read_points(data, ext, max_points=limits.max_points)
     except pointcloud_io.PointCloudFormatError as exc:
         raise DataError(exc.reason, str(exc)) from None
-    out = io.BytesIO()
-    import numpy as np
+    return _npy(points)
 
-    np.save(out, points, allow_pickle=False)
+
+def _npy(array: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    np.save(out, array, allow_pickle=False)
     return out.getvalue()
+
+
+def cloud_members(data: bytes, ext: str, limits: CheckLimits) -> dict[str, bytes]:
+    """A point-cloud file as make_shards stores it: {"npy": float32 (N, C)}, and for a cloud
+    the float32 cast would move by more than 1e-6 of its extent (geographic coordinates) the
+    points relative to a float64 offset, which goes beside them as OFFSET_EXT; the point-cloud
+    loader returns it as batch.offset (points + offset: the file's coordinates)."""
+    try:
+        points, offset = pointcloud_io.read_points_offset(data, ext,
+                                                          max_points=limits.max_points)
+    except pointcloud_io.PointCloudFormatError as exc:
+        raise DataError(exc.reason, str(exc)) from None
+    if offset is None:
+        return {"npy": _npy(points)}
+    return {"npy": _npy(points), OFFSET_EXT: pointcloud_io.offset_npy(offset)}
+
+
+def check_offset(data: bytes) -> np.ndarray:
+    """An OFFSET_EXT member: 3 finite float64 values."""
+    try:
+        return pointcloud_io.read_offset(data)
+    except pointcloud_io.PointCloudFormatError as exc:
+        raise DataError(exc.reason, str(exc)) from None
 
 
 _LABEL = re.compile(rb"\s*([+-]?[0-9]+)\s*")  # ASCII digits; \s is ASCII whitespace for bytes
@@ -128,10 +273,47 @@ def check_member(ext: str, data: bytes, limits: CheckLimits, num_classes: int | 
         check_image(data, limits)
     elif last in TEXT_EXTS:
         check_text(data, limits)
+    elif ext.lower() == OFFSET_EXT:
+        check_offset(data)
     elif last == "npy":
         check_points(data, "npy", limits)
     elif last == "cls":
         check_label(data, num_classes)
+
+
+def repair_sample(sample: dict[str, object], limits: CheckLimits) -> dict[str, object]:
+    """A sample of existing shards as make_shards stores it: every member checked, image
+    members the loaders would refuse repaired (`prepare_image`) and renamed when the stored
+    format changed (a .gif member becomes .png); the repairs listed under "__repairs__". The
+    error carries the sample's key and URL."""
+    key, url = str(sample.get("__key__", "")), str(sample.get("__url__", ""))
+    out: dict[str, object] = {}
+    repairs: list[str] = []
+    for ext, data in sample.items():
+        try:
+            if not ext.startswith("__") and ext.rsplit(".", 1)[-1].lower() in IMAGE_EXTS:
+                image = prepare_image(data, limits)  # type: ignore[arg-type]
+                if image.repairs:
+                    ext, data = _renamed(ext, image.ext, sample), image.data
+                    repairs += image.repairs
+            elif not ext.startswith("__"):
+                check_member(ext, data, limits, None)  # type: ignore[arg-type]
+        except DataError as err:
+            raise err.located(source=url, key=key) from None
+        out[ext] = data
+    if repairs:
+        out["__repairs__"] = tuple(repairs)
+    return out
+
+
+def _renamed(ext: str, stored: str, sample: dict[str, object]) -> str:
+    """The member's extension for bytes re-encoded as `stored` ("jpg" or "png"): unchanged
+    when it already names that format (or the new name is taken), else its last part
+    replaced, so that extension and content agree."""
+    head, _, last = ext.rpartition(".")
+    family = {"jpeg": "jpg"}.get(last.lower(), last.lower())
+    new = f"{head}.{stored}" if head else stored
+    return ext if family == stored or new in sample else new
 
 
 def check_sample(sample: dict[str, object], limits: CheckLimits,

@@ -62,6 +62,11 @@ def read_points(data: bytes, ext: str, *, max_points: int = DEFAULT_MAX_POINTS) 
     ``ext`` is an extension or a WebDataset field name ("ply", ".PLY", "lidar.npy").
     Bad data raises PointCloudFormatError; a bad ``max_points`` raises ValueError.
     """
+    return check_points(_parse(data, ext, max_points), max_points=max_points)
+
+
+def _parse(data: bytes, ext: str, max_points: int) -> np.ndarray:
+    """The parser's array, in the file's own dtype (not checked yet)."""
     _check_max_points(max_points)
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"data must be bytes, got {type(data).__name__}")
@@ -70,7 +75,81 @@ def read_points(data: bytes, ext: str, *, max_points: int = DEFAULT_MAX_POINTS) 
         raise PointCloudFormatError(
             "unknown-ext", f"unknown point-cloud extension {ext!r}; expected one of {EXTENSIONS}"
         )
-    return check_points(parser(bytes(data), max_points), max_points=max_points)
+    return parser(bytes(data), max_points)
+
+
+# --- clouds far from the origin ---------------------------------------------------------------
+
+# A float32 cast may move a point by at most this share of the cloud's extent; beyond it (a
+# cloud in metres at 5e6 m moves by up to 0.25 m) the coordinates are stored relative to an
+# offset. float32 keeps the relative coordinates to about 6e-8 of the extent.
+OFFSET_PRECISION = 1e-6
+
+
+def read_points_offset(data: bytes, ext: str, *, max_points: int = DEFAULT_MAX_POINTS
+                       ) -> tuple[np.ndarray, np.ndarray | None]:
+    """``read_points`` for clouds that float32 alone would damage: (float32 (N, C) points,
+    float64 (3,) offset or None). With an offset, points[:, :3] + offset are the file's
+    coordinates; None when the cast moves no point by more than OFFSET_PRECISION of the
+    cloud's extent (then the points are read_points's)."""
+    raw = _parse(data, ext, max_points)
+    offset = precision_offset(raw)
+    if offset is not None:
+        raw = np.array(raw, dtype=np.float64)
+        raw[:, :3] -= offset
+    return check_points(raw, max_points=max_points), offset
+
+
+def precision_offset(points: np.ndarray) -> np.ndarray | None:
+    """The float64 offset (3,) to take from x, y, z before the float32 cast, or None when the
+    cast alone keeps them within OFFSET_PRECISION of the extent (or the array is one that
+    check_points refuses). The box centre rounded to a power of ten no larger than the
+    extent: a readable number that leaves every coordinate within one extent of zero."""
+    if points.ndim != 2 or points.shape[1] < 3 or points.dtype.names is not None or \
+            points.dtype.kind not in "iuf" or len(points) == 0:
+        return None
+    if points.dtype.kind == "f" and points.dtype.itemsize <= 4:
+        return None  # already float32 (or narrower): the cast moves nothing
+    xyz = points[:, :3].astype(np.float64)
+    if not np.isfinite(xyz).all():
+        return None
+    low, high = xyz.min(axis=0), xyz.max(axis=0)
+    extent = float((high - low).max())
+    with np.errstate(over="ignore"):  # beyond float32's range: Inf, "moved" the most
+        moved = float(np.abs(xyz.astype(np.float32).astype(np.float64) - xyz).max())
+    if extent == 0 or moved <= OFFSET_PRECISION * extent:
+        return None
+    step = 10.0 ** math.floor(math.log10(extent))
+    return np.round((low + high) / 2 / step) * step
+
+
+def offset_npy(offset: np.ndarray) -> bytes:
+    """The `.npy` bytes of an offset: float64 (3,)."""
+    out = io.BytesIO()
+    np.save(out, np.asarray(offset, dtype=np.float64).reshape(3), allow_pickle=False)
+    return out.getvalue()
+
+
+def read_offset(data: bytes) -> np.ndarray:
+    """An offset member back as float64 (3,); PointCloudFormatError unless it is 3 finite
+    float64 values (checked from the header before reading: a member of any size may
+    arrive under that name)."""
+    if len(data) > 1024:
+        raise PointCloudFormatError("bad-format", f"offset member has {len(data)} bytes; an "
+                                    "offset is 3 float64 values")
+    return _check_offset(data)
+
+
+def _check_offset(raw: bytes) -> np.ndarray:
+    try:  # .npy only (np.load would open a zip too), never unpickled
+        offset = np.lib.format.read_array(io.BytesIO(raw), allow_pickle=False)
+    except (ValueError, EOFError, OSError) as exc:
+        raise PointCloudFormatError("bad-format", f"offset is not a readable .npy: {exc}"
+                                    ) from None
+    if offset.dtype != np.float64 or offset.shape != (3,) or not np.isfinite(offset).all():
+        raise PointCloudFormatError("bad-format", f"offset is {offset.dtype} {offset.shape};"
+                                    " expected 3 finite float64 values")
+    return offset
 
 
 def check_points(points: np.ndarray, *, max_points: int = DEFAULT_MAX_POINTS) -> np.ndarray:

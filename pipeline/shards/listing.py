@@ -1,7 +1,7 @@
 """Listing shards: what a source string names, and whether each named shard is there and
 is a regular file, checked before any reading starts.
 
-    list_shards("shards/train")          a folder's *.tar / *.tar.gz, sorted
+    list_shards("shards/train")          a folder's *.tar / *.tar.gz / *.tgz, sorted
     list_shards("s3://b/train-{000..099}.tar")   brace ranges and globs, any fsspec URL
     preflight(urls, source)              one error naming every missing shard
 """
@@ -17,13 +17,16 @@ import fsspec
 from pipeline.errors import DataError
 from pipeline.urls import check_scheme, expand_braces, is_remote, redact, scrub
 
+SHARD_PATTERNS = ("*.tar", "*.tar.gz", "*.tgz")  # tarread gunzips a stream by its magic
+
 
 def list_shards(src: str) -> list[str]:
     """Shard URLs from a folder, a glob, a brace pattern, or a comma-free single URL."""
     check_scheme(src)
     local = Path(src)
     if "://" not in src and local.is_dir():
-        return [str(p) for p in sorted(local.glob("*.tar")) + sorted(local.glob("*.tar.gz"))]
+        return [str(p) for p in sorted(p for pattern in SHARD_PATTERNS
+                                       for p in local.glob(pattern))]
     urls = []
     for url in expand_braces(src):
         urls.extend(_glob(url) if any(c in url for c in "*?[") else [url])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,9 +52,46 @@ class ShardInfo:
                    str(doc["sha256"]))
 
 
+@dataclass(frozen=True)
+class LabelStats:
+    """The labels of the samples written, as sorted disjoint ranges [first, last]: how many
+    distinct, the smallest and the largest (what training without a class map sizes its
+    classifier by), and which are absent; ranges keep it small and merge exactly."""
+
+    ranges: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, labels: Iterable[int]) -> LabelStats:
+        ranges: list[list[int]] = []
+        for label in sorted(set(labels)):
+            if ranges and label == ranges[-1][1] + 1:
+                ranges[-1][1] = label
+            else:
+                ranges.append([label, label])
+        return cls(tuple((a, b) for a, b in ranges))
+
+    def values(self) -> Iterator[int]:
+        for first, last in self.ranges:
+            yield from range(first, last + 1)
+
+    def to_json(self) -> dict[str, object]:
+        return {"distinct": sum(b - a + 1 for a, b in self.ranges), "min": self.ranges[0][0],
+                "max": self.ranges[-1][1], "ranges": [list(r) for r in self.ranges]}
+
+    @classmethod
+    def from_json(cls, doc: object) -> LabelStats | None:
+        """None for a manifest without label statistics (older ones, unlabelled data)."""
+        if not isinstance(doc, dict) or not doc.get("ranges"):
+            return None
+        return cls(tuple((int(a), int(b)) for a, b in doc["ranges"]))
+
+
 @dataclass
 class Manifest:
-    """The JSON document; `shards` in name order, `skipped` each with source and reason."""
+    """The JSON document; `shards` in name order, `skipped` each with source and reason.
+    `reencoded` counts the images repaired so that the loaders decode them, per reason;
+    `offset_clouds` the point clouds stored relative to an offset; `labels` the label
+    statistics (None: no labels, or a manifest written before they were recorded)."""
 
     shards: list[ShardInfo]
     modality: str
@@ -62,6 +100,9 @@ class Manifest:
     ignored: list[dict[str, str]] = field(default_factory=list)
     args: dict[str, object] = field(default_factory=dict)
     tool_version: str = field(default_factory=tool_version)
+    reencoded: dict[str, int] = field(default_factory=dict)
+    offset_clouds: int = 0
+    labels: LabelStats | None = None
 
     @property
     def total_samples(self) -> int:
@@ -74,6 +115,9 @@ class Manifest:
             "shards": [s.to_json() for s in self.shards], "classes": self.classes,
             "skipped": self.skipped, "skipped_counts": _counts(self.skipped),
             "ignored": self.ignored, "args": self.args,
+            "reencoded": dict(sorted(self.reencoded.items())),
+            "offset_clouds": self.offset_clouds,
+            "labels": self.labels.to_json() if self.labels else None,
         }
 
     @classmethod
@@ -82,7 +126,11 @@ class Manifest:
             shards = [ShardInfo.from_json(s) for s in doc["shards"]]  # type: ignore[attr-defined]
             return cls(shards, str(doc["modality"]), doc.get("classes"),  # type: ignore[arg-type]
                        list(doc.get("skipped", [])), list(doc.get("ignored", [])),  # type: ignore[call-overload]
-                       dict(doc.get("args", {})), str(doc.get("tool_version", "?")))  # type: ignore[call-overload]
+                       dict(doc.get("args", {})), str(doc.get("tool_version", "?")),  # type: ignore[call-overload]
+                       # absent from manifests written before these were recorded
+                       {str(k): int(v) for k, v in dict(doc.get("reencoded") or {}).items()},  # type: ignore[call-overload]
+                       int(doc.get("offset_clouds") or 0),  # type: ignore[call-overload]
+                       LabelStats.from_json(doc.get("labels")))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: not a shardflow manifest ({exc!r})") from None
 
@@ -144,4 +192,25 @@ def _merge(manifests: list[Manifest], out: Path) -> Manifest:
         skipped=[e for m in manifests for e in m.skipped],
         ignored=[e for m in manifests for e in m.ignored],
         args={**args, "merged_parts": len(manifests)},
+        reencoded=_summed([m.reencoded for m in manifests]),
+        offset_clouds=sum(m.offset_clouds for m in manifests),
+        labels=_merged_labels(manifests),
     )
+
+
+def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for reason, n in c.items():
+            out[reason] = out.get(reason, 0) + n
+    return dict(sorted(out.items()))
+
+
+def _merged_labels(manifests: list[Manifest]) -> LabelStats | None:
+    """The union of the parts' labels; unknown when a part holding samples has none
+    recorded (written by an older version), since the union would then be too small."""
+    if any(m.labels is None and m.total_samples for m in manifests):
+        return None
+    if all(m.labels is None for m in manifests):
+        return None
+    return LabelStats.of(v for m in manifests if m.labels for v in m.labels.values())

@@ -4,9 +4,13 @@ Headers are parsed here, one 512-byte block at a time (tarfile's stream mode wou
 damaged header or a cut file for a clean end and lose the rest of a shard silently). A shard
 must end with the end-of-archive block; a `.tar.gz` is decompressed to its end, so its CRC is
 checked. Members are grouped into samples by key (the name up to the first dot of its base
-name), as webdataset and DALI do. Member names are only ever used as keys, never as paths:
-links, devices and names that climb out (`../`, `/abs`) are refused, and a member that declares
-more than `max_member_bytes` ends the shard before anything is allocated.
+name), as webdataset and DALI do: `img.0001.jpg` and `img.0002.jpg` are one sample `img` with
+two extensions, passed on as such (`dotted_key` names it when a loader misses its `jpg`).
+Member names are only ever used as keys, never as paths: links, devices and names that climb
+out (`../`, `/abs`) are refused, folder entries (GNU tar's `train/`, `./`) are passed over,
+and a member that declares more than `max_member_bytes` ends the shard before anything is
+allocated. A `.gz` member (`key.txt.gz`) is decompressed and loses the suffix, as webdataset's
+decoder does, to at most `max_member_bytes`: a compression bomb is refused, never allocated.
 """
 
 from __future__ import annotations
@@ -160,7 +164,7 @@ def _refusal(m: _Member, url: str, limits: TarLimits) -> DataError | None:
     """Why a member is not used (None: it is fine). Members are never written anywhere."""
     key = split_name(m.name)[0]
     if m.type not in (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE):
-        return DataError("not-a-regular-file", f"member {m.name!r} is a link, device or folder;"
+        return DataError("not-a-regular-file", f"member {m.name!r} is a link, device or FIFO;"
                          " shards hold regular files only", source=url, key=key)
     if m.name.startswith("/") or ".." in m.name.split("/") or posixpath.isabs(m.name):
         return DataError("unsafe-member-name", f"member name {m.name!r} is absolute or climbs "
@@ -177,6 +181,10 @@ def iter_members(stream: BinaryIO, url: str, limits: TarLimits
     Damage to the shard itself (truncation, a bad header, an oversize member) raises."""
     blocks = _Blocks(_maybe_gunzip(stream), url)
     for m in _headers(blocks):
+        if m.type == tarfile.DIRTYPE:
+            # GNU tar's `train/` and `./` entries: not samples, not skips (webdataset passes
+            # them over too). Like tarfile, no data is read after a folder's header.
+            continue
         if m.size > limits.max_member_bytes:
             raise DataError("member-too-large", f"member {m.name!r} declares {m.size} bytes, "
                             f"more than max_member_bytes={limits.max_member_bytes}",
@@ -187,8 +195,53 @@ def iter_members(stream: BinaryIO, url: str, limits: TarLimits
             yield m.name, refusal
             continue
         data = blocks.read(_padded(m.size), f"member {m.name!r}")[: m.size]
-        yield m.name, data
+        yield _gunzipped(m.name, data, url, limits) if _compressed(m.name) else (m.name, data)
     _drain(blocks)
+
+
+def _compressed(name: str) -> bool:
+    """`key.txt.gz`: a gzip-compressed member (a bare `key.gz` has no extension left)."""
+    return split_name(name)[1].endswith(".gz")
+
+
+def _gunzipped(name: str, data: bytes, url: str, limits: TarLimits
+               ) -> tuple[str, bytes | DataError]:
+    """(`key.txt`, its content) for `key.txt.gz`, or a refusal of that sample: corrupt, or
+    more than max_member_bytes once expanded (checked as it expands, so a bomb costs at
+    most the limit)."""
+    plain, key = name[: -len(".gz")], split_name(name)[0]
+    try:
+        return plain, _gunzip(data, limits.max_member_bytes)
+    except zlib.error as exc:
+        return plain, DataError("bad-gzip", f"member {name!r} is not valid gzip ({exc})",
+                                source=url, key=key)
+    except _TooLarge:
+        return plain, DataError("member-too-large", f"member {name!r} expands to more than "
+                                f"max_member_bytes={limits.max_member_bytes} bytes (a "
+                                "compression bomb?)", source=url, key=key)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _gunzip(data: bytes, limit: int) -> bytes:
+    """The content of a gzip stream (several concatenated members too, as gzip writes them),
+    never producing more than `limit` bytes."""
+    out: list[bytes] = []
+    size, rest = 0, data
+    while True:
+        z = zlib.decompressobj(wbits=31)  # 31: gzip header and CRC, checked
+        chunk = z.decompress(rest, limit + 1 - size)
+        size += len(chunk)
+        if size > limit:
+            raise _TooLarge
+        if not z.eof:
+            raise zlib.error("the stream is cut short")
+        out.append(chunk)
+        rest = z.unused_data
+        if not rest:
+            return b"".join(out)
 
 
 def _drain(blocks: _Blocks) -> None:
@@ -251,6 +304,29 @@ def iter_samples(stream: BinaryIO, url: str, *, limits: TarLimits | None = None,
     except DataError as err:
         yield from grouper.fail(err)
     yield from grouper.finish()
+
+
+def dotted_key(sample: Sample, wanted: tuple[str, ...]) -> DataError | None:
+    """Why a sample has none of the `wanted` members (`jpg`, `png`...) when it has members
+    whose extension ends with one after a dotted prefix (`0001.jpg`): its writer put dots in
+    the keys (`img.0001.jpg`, `img.0002.jpg`), and webdataset's convention ends a key at the
+    first dot of the base name, so those files became one sample `img`. Counted as one sample
+    per such member. None when a wanted member is there or no dotted variant of one is."""
+    if any(ext in sample for ext in wanted):
+        return None
+    dotted = sorted(e for e in sample if not e.startswith("__") and "." in e
+                    and e.rpartition(".")[2] in wanted)
+    if not dotted:
+        return None
+    key, samples = str(sample["__key__"]), len(dotted)
+    names = ", ".join(repr(f"{key}.{e}") for e in dotted[:2])
+    missing = " or .".join(sorted({e.rpartition(".")[2] for e in dotted}))
+    return DataError("dotted-key", f"{samples} samples share this key: it has no .{missing} "
+                     f"member, but member names such as {names} have dots before the "
+                     "extension, and webdataset's convention ends the key at the first dot of "
+                     "the file name; rename the files so that the first dot starts the "
+                     "extension (make_shards.py makes such keys from the original files)",
+                     source=str(sample["__url__"]), key=key, samples=samples)
 
 
 class _Grouper:

@@ -23,6 +23,9 @@ class TextConfig(LoaderOptions):
     # Longer documents are truncated. Memory: a read holds up to batch_size documents of at
     # most this many tokens (int32), and about prefetch + 2 reads are in flight.
     max_doc_bytes: int = 1024 * 1024
+    # The token rows are padded with, for a tokenizer.json that has no pad token of its own
+    # (GPT-2 style); None: its pad token, else its end-of-text / separator token.
+    pad_token: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

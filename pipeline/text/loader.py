@@ -29,13 +29,14 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import DataError, SkipLog, handle
-from pipeline.loading import readers
+from pipeline.loading import readers, tuning
 from pipeline.loading.agreement import rank_agreement
 from pipeline.loading.batch import EncodedBatch, TextBatch
+from pipeline.loading.delivery import DeviceCopier
 from pipeline.loading.loader import Loader, Produced
-from pipeline.loading.prefetch import DeviceCopier, Stage
+from pipeline.loading.prefetch import Stage
 from pipeline.loading.readplan import EpochPlan
-from pipeline.loading.shardlist import Source, resolve_source
+from pipeline.loading.shardlist import Source
 from pipeline.samples.checks import TEXT_EXTS, CheckLimits, check_text
 from pipeline.text import masking, packing
 from pipeline.text.config import Objective, TextConfig
@@ -48,16 +49,20 @@ log = logging.getLogger(__name__)
 def text_loader(source: str | Path | Sequence[str], *, batch_size: int, seq_len: int = 256,
                 objective: Objective = "clm", tokenizer: str | Path | Tokenizer = "bytes",
                 seed: int = 0, rank: int | None = None, world_size: int | None = None,
+                tuning_file: Path | None = None, use_tuning: bool = True,
                 **options: Any) -> TextLoader:
     """A resumable loader of token batches from text shards (see `TextConfig`).
 
     `tokenizer`: "bytes" (built in), a tokenizer.json path (HF tokenizers), or an object
-    with the same methods. `rank`/`world_size` default to torch.distributed's.
+    with the same methods. `rank`/`world_size` default to torch.distributed's. A tuning
+    file's reader and prefetch apply where left automatic (pipeline/loading/tuning.py).
     """
+    resolved, options = tuning.source_and_options("text", source, options, tuning_file,
+                                                  use_tuning)
     cfg = TextConfig(batch_size=batch_size, seq_len=seq_len, objective=objective, seed=seed,
                      **options)
     rank, world_size = readers.distributed(rank, world_size)
-    return TextLoader(resolve_source(source), cfg, load_tokenizer(tokenizer), rank, world_size)
+    return TextLoader(resolved, cfg, load_tokenizer(tokenizer, cfg.pad_token), rank, world_size)
 
 
 class TextLoader(Loader):
@@ -72,10 +77,15 @@ class TextLoader(Loader):
             raise ValueError("objective='mlm' needs a mask token; this tokenizer has none "
                              "(train one with tools/train_tokenizer.py, or use 'bytes')")
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.device, self.cuda_index = readers.resolve_device(cfg.device, self.kind)
+        # Tokenizing, packing and masking run on the CPU; batches land on `device`.
+        self.placement = readers.resolve_placement(cfg.device, cfg.decode, self.kind,
+                                                   gpu_decode=False)
+        self.device, self.decode = self.placement.device, self.placement.decode
+        self.cuda_index = self.placement.cuda_index
         self._init_from_config(source, cfg, rank, world_size)
-        self.copier = DeviceCopier(("cuda", self.cuda_index) if self.device == "gpu" else "cpu",
-                                   None, None, True)
+        cuda = self.placement.target == "cuda"
+        self.copier = DeviceCopier(("cuda", self.cuda_index) if cuda else "cpu", None, None,
+                                   True, slots=cfg.prefetch + 2)
         # Documents cut to max_doc_bytes so far, each logged; counted as read (read-ahead and a
         # resume's re-read included), so a figure to watch, not an exact count.
         self.truncated_docs = 0

@@ -64,9 +64,12 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A `tokenizer.json` of HF tokenizers; needs pad and separator tokens in its vocabulary."""
+    """A `tokenizer.json` of HF tokenizers; needs a separator token in its vocabulary. Rows
+    are padded with `pad_token` when given, else its pad token, else (GPT-2 style files have
+    none) the separator: padding is masked out of attention and labels, so its id only has
+    to exist. Masked language modelling also needs a mask token (the text loader checks)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, pad_token: str | None = None) -> None:
         try:
             from tokenizers import Tokenizer as _HF
         except ImportError:
@@ -83,8 +86,8 @@ class HFTokenizer:
             raise ValueError(f"{path}: not a tokenizers file ({exc})") from None
         self.sha256 = hashlib.sha256(data).hexdigest()
         self.vocab_size = self._tok.get_vocab_size()
-        self.pad_id = self._special(path, PAD_NAMES, "pad")
         self.sep_id = self._special(path, SEP_NAMES, "separator")
+        self.pad_id, self.pad_source = self._pad(path, pad_token)
         found = [self._tok.token_to_id(n) for n in MASK_NAMES]
         self.mask_id = next((i for i in found if i is not None), None)
         # Added tokens (pad, separator, mask, any other) are never drawn as random tokens.
@@ -106,6 +109,17 @@ class HFTokenizer:
         raise ValueError(f"{path}: the tokenizer has no {what} token (looked for "
                          f"{', '.join(names)}); train one with tools/train_tokenizer.py")
 
+    def _pad(self, path: Path, pad_token: str | None) -> tuple[int, str]:
+        """(pad id, where it came from: "pad_token", "vocabulary" or "separator")."""
+        if pad_token is not None:
+            token_id = self._tok.token_to_id(pad_token)
+            if token_id is None:
+                raise ValueError(f"pad_token={pad_token!r}: {path} has no such token; name one "
+                                 "of its tokens (e.g. its end-of-text token) or leave it unset")
+            return int(token_id), "pad_token"
+        found = [i for i in map(self._tok.token_to_id, PAD_NAMES) if i is not None]
+        return (int(found[0]), "vocabulary") if found else (self.sep_id, "separator")
+
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         encodings = self._tok.encode_batch(texts, add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
@@ -114,13 +128,20 @@ class HFTokenizer:
         return str(self._tok.decode([int(i) for i in np.asarray(ids).ravel()]))
 
     def describe(self) -> dict[str, Any]:
-        return {"tokenizer": "hf", "vocab_size": self.vocab_size, "sha256": self.sha256}
+        found = {"tokenizer": "hf", "vocab_size": self.vocab_size, "sha256": self.sha256}
+        # The pad id only where it was chosen, so that states saved before it could be
+        # chosen (files with a pad token) still match.
+        return found if self.pad_source == "vocabulary" else {**found, "pad_id": self.pad_id}
 
 
-def load_tokenizer(spec: str | Path | Tokenizer) -> Tokenizer:
-    """'bytes', a path to a tokenizer.json, or a tokenizer object (returned as is)."""
+def load_tokenizer(spec: str | Path | Tokenizer, pad_token: str | None = None) -> Tokenizer:
+    """'bytes', a path to a tokenizer.json (padded with `pad_token` when given, see
+    HFTokenizer), or a tokenizer object (returned as is)."""
+    if pad_token is not None and not (isinstance(spec, (str, Path)) and str(spec) != "bytes"):
+        raise ValueError(f"pad_token={pad_token!r} applies to a tokenizer.json; the byte "
+                         "tokenizer and tokenizer objects bring their own pad id")
     if isinstance(spec, (str, Path)):
-        return ByteTokenizer() if str(spec) == "bytes" else HFTokenizer(spec)
+        return ByteTokenizer() if str(spec) == "bytes" else HFTokenizer(spec, pad_token)
     for name in ("encode_batch", "pad_id", "sep_id", "vocab_size", "normal_ids", "special_ids",
                  "describe"):
         if not hasattr(spec, name):

@@ -1,0 +1,75 @@
+"""The parts of tools/gpu_check.py, most valuable first, with their default timeouts (PARTS:
+295 s in all, plus HEADER_TIMEOUT_S for the header):
+
+  delivery         correctness: the text loader's batches delivered to CUDA equal the CPU
+                   loader's bit for bit, and DeviceCopier's uint8 batches (pinned host memory ->
+                   side stream -> ready event) equal the host tensors, also normalized (within
+                   1e-5, relative), over >= 200 batches each while another thread allocates,
+                   fills, frees and multiplies on the default stream and the copier's stream is
+                   stalled now and then. Status "failed" on any mismatch: the script exits 1.
+  amp_step         samples/s of a ResNet-50 SGD step (channels_last, batch --amp-batch) under
+                   bf16 autocast and fp16 autocast + GradScaler (a plain loop on torch.amp), and
+                   the data-stall share of the loop when a CPU thread feeds uint8 batches
+                   through DeviceCopier.
+  copies           pinned vs pageable host-to-device GB/s; side-stream copies overlapped with
+                   matmuls on the default stream (each alone, then both).
+  offload          trainers.loop.Trainer steps with the offloaded optimizer (master weights and
+                   AdamW state in host memory) vs on the device, fp16 and bf16: loss trajectories
+                   and steps/s.
+  ddp              DDP over NCCL with one process, through trainers.distributed.wrap with the
+                   fp16 and bf16 compression hooks: the hooks run (counted) and steps complete.
+  checkpointing    peak CUDA memory of the small ResNet with and without activation
+                   checkpointing, same batch; gradients and BatchNorm statistics compared.
+  text_pointcloud  GPT-style (clm) and BERT-style (mlm) steps of trainers.text_task fed by the
+                   text loader on the GPU (samples/s); voxelize on the GPU in a side stream
+                   (points/s), checked against the CPU, also under TF32 matmuls.
+  dali             with DALI only: CPU vs mixed (nvJPEG) decode images/s and a hw_decoder_load
+                   sweep; "skipped" when nvidia.dali does not import.
+
+A part is `run(ctx) -> dict`: a JSON-able result with "key" (its key figures) and "status"
+where it is not "ok". Where they live: context.py (Ctx, Sizes FULL/DRY, shared helpers),
+header.py (the header), delivery.py (delivery, copies), amp.py (amp_step), training.py (offload,
+ddp, checkpointing), modalities.py (text_pointcloud, dali). Importing any of them imports
+neither torch nor DALI: each part imports what it needs when it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.bench.gpu.amp import part_amp_step
+from pipeline.bench.gpu.context import Ctx, new_ctx
+from pipeline.bench.gpu.delivery import part_copies, part_delivery
+from pipeline.bench.gpu.header import part_header
+from pipeline.bench.gpu.modalities import part_dali, part_text_pointcloud
+from pipeline.bench.gpu.training import part_checkpointing, part_ddp, part_offload
+
+__all__ = ["HEADER_TIMEOUT_S", "PARTS", "Ctx", "PartSpec", "new_ctx", "run_part"]
+
+HEADER_TIMEOUT_S = 30.0  # reading the header (torch and DALI imports, CUDA init): not scaled
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    run: Callable[[Ctx], dict[str, Any]]
+    timeout_s: float  # on the H200, including the subprocess's imports and CUDA start
+    needs_dali: bool = False
+
+
+PARTS: dict[str, PartSpec] = {
+    "delivery": PartSpec(part_delivery, 60),
+    "amp_step": PartSpec(part_amp_step, 60),
+    "copies": PartSpec(part_copies, 20),
+    "offload": PartSpec(part_offload, 35),
+    "ddp": PartSpec(part_ddp, 25),
+    "checkpointing": PartSpec(part_checkpointing, 25),
+    "text_pointcloud": PartSpec(part_text_pointcloud, 45),
+    "dali": PartSpec(part_dali, 25, needs_dali=True),
+}  # 295 s in all, plus HEADER_TIMEOUT_S
+
+
+def run_part(name: str, ctx: Ctx) -> dict[str, Any]:
+    """Run the part `name` ("header", or a name in PARTS) in this process; its result."""
+    return (part_header if name == "header" else PARTS[name].run)(ctx)

@@ -1,0 +1,151 @@
+"""The modality parts: text_pointcloud (GPT-style and BERT-style steps of
+trainers.text_task fed by the text loader on the device; voxelize on the device in a side stream,
+checked against the CPU, also under TF32 matmuls) and dali (CPU vs mixed decode images/s and a
+hw_decoder_load sweep, "skipped" when nvidia.dali does not import; DALI is imported only there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline.bench.gpu.amp import Amp
+from pipeline.bench.gpu.context import Ctx, sync, take, text_shards, timed
+from pipeline.bench.gpu.header import dali_probe
+
+if TYPE_CHECKING:
+    import torch
+
+
+# -- text_pointcloud -------------------------------------------------------------------------------
+
+def lm_rate(ctx: Ctx, shards: Path, objective: str) -> dict[str, Any]:
+    """Steps of LanguageModelling (bf16) fed by text_loader on the device; rows/s."""
+    import torch
+
+    from pipeline.text import text_loader
+    from pipeline.text.tokenizer import ByteTokenizer
+    from trainers.text_task import LanguageModelling
+
+    s = ctx.sizes
+    torch.manual_seed(0)
+    task = LanguageModelling(objective, ByteTokenizer.vocab_size, s.lm_seq, ctx.device,
+                             **s.lm_shape)
+    optimizer = torch.optim.AdamW(task.model.parameters(), lr=1e-3)
+    amp = Amp("bf16" if ctx.cuda else "fp32", ctx.device)  # bf16 is emulated on most CPUs
+    rows, last = 0, float("nan")
+    with text_loader(shards, batch_size=s.lm_batch, seq_len=s.lm_seq,
+                     objective=objective,  # type: ignore[arg-type]
+                     device=ctx.loader_device, reader="stream", seed=0) as loader:
+        start = time.perf_counter()
+        for step, batch in enumerate(take(loader, s.lm_warmup + s.lm_steps)):
+            if step == s.lm_warmup:
+                rows, start = 0, time.perf_counter()
+            with amp.autocast():
+                loss = task.forward(batch).loss
+            amp.step(loss, optimizer)
+            rows += len(batch)
+            last = float(loss.detach())  # a sync a step, as trainers/loop.py does
+        elapsed = time.perf_counter() - start
+    return {"samples_per_s": rows / elapsed, "tokens_per_s": rows * s.lm_seq / elapsed,
+            "steps": s.lm_steps, "final_loss": last, "batch": s.lm_batch, "seq_len": s.lm_seq}
+
+
+def voxel_rate(ctx: Ctx, mode: str) -> dict[str, Any]:
+    """voxelize on the device in a side stream (points/s), and the result vs the CPU's."""
+    import torch
+
+    from pipeline.pointcloud.voxelize import voxelize
+
+    s = ctx.sizes
+    host = torch.rand(s.points_batch, s.points_n, 3, generator=torch.Generator().manual_seed(6))
+    host = host * 2.2 - 1.1  # some points outside the cube [-1, 1)^3
+    points = host.to(ctx.device)
+    side = torch.cuda.Stream(ctx.device) if ctx.cuda else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(ctx.device))
+
+    def run() -> torch.Tensor:
+        with torch.cuda.stream(side) if side else contextlib.nullcontext():
+            return voxelize(points, mode, grid=s.voxel_grid, extent=1.0)  # type: ignore[arg-type]
+
+    def diff_vs_cpu() -> float:
+        got = run()
+        sync(ctx)  # the side stream's work is done before the default stream reads it
+        return float((got.cpu() - want).abs().max())
+
+    run()  # warm-up
+    seconds = timed(ctx, lambda: [run() for _ in range(s.voxel_reps)])
+    want = voxelize(host, mode, grid=s.voxel_grid, extent=1.0)  # type: ignore[arg-type]
+    diff = diff_vs_cpu()
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # TF32 matmuls where the GPU has them
+    try:
+        tf32 = diff_vs_cpu()
+    finally:
+        torch.set_float32_matmul_precision(old)
+    return {"points_per_s": s.points_batch * s.points_n * s.voxel_reps / seconds,
+            "max_abs_diff_vs_cpu": diff, "max_abs_diff_vs_cpu_tf32": tf32,
+            "grid": s.voxel_grid, "points": [s.points_batch, s.points_n]}
+
+
+def part_text_pointcloud(ctx: Ctx) -> dict[str, Any]:
+    """Language-model steps fed by the text loader; voxelization on the device."""
+    shards = text_shards(ctx.work / "text", ctx.sizes.lm_docs)
+    lm = {objective: lm_rate(ctx, shards, objective) for objective in ("clm", "mlm")}
+    vox = {mode: voxel_rate(ctx, mode) for mode in ("occupancy", "pillars")}
+    key: dict[str, Any] = {f"{o}_samples_per_s": round(r["samples_per_s"], 1)
+                           for o, r in lm.items()}
+    key["voxel_Mpoints_per_s"] = round(vox["occupancy"]["points_per_s"] / 1e6, 1)
+    key["voxel_diff_tf32"] = vox["occupancy"]["max_abs_diff_vs_cpu_tf32"]
+    return {"lm": lm, "lm_shape": ctx.sizes.lm_shape, "precision": "bf16" if ctx.cuda else "fp32",
+            "voxelize": vox, "key": key}
+
+
+# -- dali ----------------------------------------------------------------------------------------
+
+def image_shards(ctx: Ctx) -> Path:
+    from pipeline.builtin import make_photo_corpus
+    from pipeline.convert import ConvertConfig, convert
+
+    folder = make_photo_corpus(ctx.work / "photos", count=ctx.sizes.dali_images)
+    out = ctx.work / "image-shards"
+    convert(ConvertConfig(kind="imagefolder", src=str(folder), out=out, max_count=200,
+                          workers=min(ctx.sizes.convert_workers, os.cpu_count() or 1)))
+    return out
+
+
+def loader_rate(ctx: Ctx, shards: Path, **options: Any) -> float:
+    """Images/s of the image loader over one pass, after a warm-up pass."""
+    from pipeline.image.loader import image_loader
+
+    with image_loader(shards, batch_size=ctx.sizes.dali_batch, use_tuning=False,
+                      **options) as loader:
+        for _ in loader:
+            pass
+        sync(ctx)
+        start, seen = time.perf_counter(), 0
+        for batch in loader:
+            seen += len(batch)
+        sync(ctx)
+    return seen / (time.perf_counter() - start)
+
+
+def part_dali(ctx: Ctx) -> dict[str, Any]:
+    """CPU vs mixed decode, and the hw_decoder_load sweep (needs DALI)."""
+    probe = dali_probe()
+    if not probe["dali_imports"]:
+        return {"status": "skipped", "reason": f"nvidia.dali does not import: "
+                                               f"{probe['dali_error']}"}
+    shards = image_shards(ctx)
+    rates: dict[str, Any] = {"cpu_decode": loader_rate(ctx, shards, device="cpu")}
+    if ctx.cuda:
+        rates["mixed_decode"] = loader_rate(ctx, shards, device="gpu")
+        rates["hw_decoder_load"] = {str(x): loader_rate(ctx, shards, device="gpu",
+                                                        hw_decoder_load=x)
+                                    for x in (0.0, 0.35, 0.65, 1.0)}
+    key = {k: round(v, 1) for k, v in rates.items() if isinstance(v, float)}
+    return {**probe, "images": ctx.sizes.dali_images, "images_per_s": rates, "key": key}

@@ -1,0 +1,104 @@
+"""The portable backend's image stage (no DALI): each sample's window decoded by PIL in a
+thread pool, then resized, turned upright, flipped and laid out by resize.py, exactly as the
+DALI backend's CPU path does after its region-of-interest decode.
+
+    encoded bytes, the window in the stored frame (loader.py: augment.py's crop, to_stored)
+      -> PIL (JPEG or PNG only), decode, crop the window, RGB: the very pixels DALI's
+         window decode gives (both are libjpeg-turbo; measured bit-exact batches)
+         or, where the window is at least twice `size` on both sides: `draft` asks libjpeg
+         for a 1/2, 1/4 or 1/8 scale decode (in the DCT domain: most of the work of a large
+         photo is never done) and PIL resizes the window, still larger than `size`, to size
+      -> resize.batch: the torch resize, EXIF turn and flip of the DALI backend's CPU path
+
+The EXIF orientation is not applied by PIL here: the window is in the stored pixels and
+resize.py turns it upright from the tag augment.py parsed, the one parser both backends use,
+so both agree with `ImageOps.exif_transpose` (tests/test_portable.py checks all three).
+PIL decodes where DALI decodes only the window, so this backend is slower per image on large
+photos whose crops are small; the draft scale makes up for it where crops are large.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from pipeline.errors import DataError
+from pipeline.image.augment import CropParams
+from pipeline.image.config import ImageConfig
+from pipeline.image.decode import ImageStage, Item
+from pipeline.loading.portablestage import PortableStage
+from pipeline.loading.readers import Placement
+
+# What the reader stage lets through (augment.read_header): JPEG or PNG. (An MPO opens as
+# JPEG: PIL's JPEG plugin hands it to its MPO reader, which gives the first image.)
+FORMATS = ("JPEG", "PNG")
+SCALES = (8, 4, 2)  # the scales libjpeg decodes at in the DCT domain, largest first
+
+
+class PortableImageStage(ImageStage, PortableStage):
+    """Decodes with PIL in `threads` threads (PIL releases the GIL while it decodes); the
+    batch is built as the DALI stage builds it after a CPU decode (ImageStage)."""
+
+    def __init__(self, cfg: ImageConfig, placement: Placement) -> None:
+        self._setup(cfg, placement)
+        super().__init__(placement, cfg.on_error, cfg.prefetch, cfg.threads)
+
+    def _decode_one(self, data: np.ndarray, window: CropParams) -> np.ndarray:
+        try:
+            return decode_window(data, window, self.cfg.size)
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+            # The reason the DALI backend gives a sample its graph refuses: PIL's full check
+            # names it (bad-image, too-many-pixels...); if that passes, the window decode
+            # failed on its own, still a bad image.
+            self._check(data.tobytes())
+            raise DataError(self.what, f"PIL cannot decode it: {exc}") from None
+
+    def _assemble(self, item: Item, decoded: list[Any]) -> Any:
+        return self._resized(decoded, item[2])
+
+
+def decode_window(data: Any, window: CropParams, size: int, draft: bool = True
+                  ) -> np.ndarray:
+    """The window (stored frame) of an encoded JPEG or PNG as HWC uint8 RGB: as stored (the
+    same pixels as DALI's window decode), or, with `draft` where the window is at least twice
+    `size` on both sides, already resized to size x size from a JPEG decoded at 1/2, 1/4 or
+    1/8 scale (resize.py's resize of it is then the identity)."""
+    with Image.open(io.BytesIO(data), formats=FORMATS) as img:
+        scale = draft_scale(window, size) if draft else 1
+        if scale > 1 and img.draft("RGB", (img.width // scale, img.height // scale)) is not None:
+            # The window's edges fall inside scaled pixels: PIL's resize takes a fractional
+            # box (measured: mean |difference| to DALI's pixels 0.9, against 1.9 when the
+            # box is rounded to whole scaled pixels). Its filter is torch's (antialiased
+            # bilinear), which is why this can skip resize.py's.
+            box = (window.x / scale, window.y / scale, (window.x + window.width) / scale,
+                   (window.y + window.height) / scale)
+            return _rgb(_as_rgb(img).resize((size, size), Image.Resampling.BILINEAR, box=box))
+        right, bottom = window.x + window.width, window.y + window.height
+        return _rgb(img.crop((window.x, window.y, right, bottom)))
+
+
+def draft_scale(window: CropParams, size: int) -> int:
+    """The largest DCT scale (1/8, 1/4, 1/2) at which the window is still `size` pixels or
+    more on both sides; 1 when it is not even twice that."""
+    for scale in SCALES:
+        if window.width // scale >= size and window.height // scale >= size:
+            return scale
+    return 1
+
+
+def _as_rgb(img: Image.Image) -> Image.Image:
+    """A drafted JPEG (RGB, L or CMYK) in RGB, for PIL's resize to work on."""
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def _rgb(img: Image.Image) -> np.ndarray:
+    """HWC uint8 RGB as DALI's decoder gives it: alpha dropped (not blended), gray repeated,
+    16-bit samples scaled to 8 bits by their high byte."""
+    if img.mode in ("I;16", "I;16B", "I;16L", "I"):
+        gray = (np.asarray(img, dtype=np.uint32) >> 8).clip(0, 255).astype(np.uint8)
+        return np.repeat(gray[:, :, None], 3, axis=2)
+    # np.array, not asarray: PIL's array is read-only, and torch wants to own a writable one.
+    return np.array(_as_rgb(img))

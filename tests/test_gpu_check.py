@@ -1,0 +1,154 @@
+"""tools/gpu_check.py's orchestration, on the CPU: the dry run records every part and a header,
+the report is valid JSON after every part, a part over its timeout (or one that raises) is
+recorded and the next one runs, and a rerun after a SIGKILL starts afresh and completes.
+
+Only the first test (and the last) run the real header and parts on the CPU; the others use
+--stand-in (a sleep, or a raise, for the header and each part): the same subprocesses, timeouts
+and report writes, without importing torch nine times."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import ROOT, gpu_available, run_tool
+
+TOOL = ROOT / "tools" / "gpu_check.py"
+PARTS = ["delivery", "amp_step", "copies", "offload", "ddp", "checkpointing",
+         "text_pointcloud", "dali"]
+NO_CUDA = ("torch here is a CPU-only build", "torch is a CUDA build but no GPU is visible")
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def snapshots_while(proc: subprocess.Popen, out: Path, stale: str) -> list[dict]:
+    """Every distinct report seen while `proc` runs, once it replaced the `stale` one; each
+    must parse (the writes are atomic)."""
+    seen: list[dict] = []
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        text = out.read_text()
+        if text != stale:
+            data = json.loads(text)
+            if not seen or data != seen[-1]:
+                seen.append(data)
+        time.sleep(0.05)
+    return seen
+
+
+def done(report: dict) -> list[str]:
+    return [n for n, p in report["parts"].items() if p["status"] != "pending"]
+
+
+def test_dry_run_records_every_part_and_the_header(tmp_path: Path) -> None:
+    out = tmp_path / "gc.json"
+    proc = run_tool("gpu_check", "--dry-run", "--json", out)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = load(out)
+    assert report["finished"] and report["dry_run"]
+    header = report["header"]
+    assert header["status"] == "ok"
+    assert header["cuda_build"] == (header["cuda_version"] is not None)
+    assert {"torch", "cpu_count", "dali_imports", "gpu", "cuda_available"} <= set(header)
+    if not gpu_available():
+        assert header["cuda_available"] is False and header["cuda_state"] in NO_CUDA
+    assert list(report["parts"]) == PARTS
+    for name, part in report["parts"].items():
+        assert part["status"] in ("ok", "skipped"), (name, part)
+        assert part["seconds"] <= part["timeout_s"]
+    delivery = report["parts"]["delivery"]
+    assert delivery["key"]["mismatches"] == 0 and delivery["key"]["batches"] > 0
+    if not header["dali_imports"]:
+        assert report["parts"]["dali"]["status"] == "skipped"
+    assert "| delivery | ok |" in proc.stdout  # the table of key figures
+
+
+def test_the_report_is_valid_json_after_every_part(tmp_path: Path) -> None:
+    out = tmp_path / "gc.json"
+    stale = '{"half-written": '
+    out.write_text(stale)  # a broken report left by an earlier run: replaced, never read
+    cmd = [sys.executable, str(TOOL), "--stand-in", "--stand-in-s", "0.5", "--only",
+           "ddp,copies", "--json", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    seen = snapshots_while(proc, out, stale)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    seen.append(load(out))
+    progress = [len(done(r)) for r in seen if "parts" in r]
+    assert progress == sorted(progress) and {1, 2} <= set(progress)  # one write per part
+    final = seen[-1]
+    assert final["finished"] and list(final["parts"]) == ["copies", "ddp"]
+    assert all(p["status"] == "ok" for p in final["parts"].values())
+
+
+def test_a_part_over_its_timeout_or_raising_is_recorded_and_the_next_runs(tmp_path: Path) -> None:
+    out = tmp_path / "gc.json"
+    proc = run_tool("gpu_check", "--stand-in", "--stand-in-s", "0.5", "--only",
+                    "delivery,copies,offload", "--timeout-scale", "0.001",
+                    "--timeout", "copies=60", "--timeout", "offload=60",
+                    "--stand-in-fail", "offload", "--json", out)
+    assert proc.returncode == 1, proc.stderr[-4000:]  # the correctness part did not pass
+    parts = load(out)["parts"]
+    assert parts["delivery"]["status"] == "timeout"
+    assert "still running after" in parts["delivery"]["error"]
+    assert parts["delivery"]["seconds"] < 0.5
+    assert parts["copies"]["status"] == "ok"
+    assert parts["offload"]["status"] == "error"
+    assert "as --stand-in-fail asked" in parts["offload"]["error"]  # the stderr's tail
+    assert "| delivery | timeout |" in proc.stdout
+
+
+def parts_of(parent_pid: int) -> list[int]:
+    """Live processes started as parts by `parent_pid` (orphans, once it is killed)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--parent-pid" in args and str(parent_pid).encode() in args:
+            found.append(int(cmdline.parent.name))
+    return found
+
+
+def test_a_rerun_after_a_kill_starts_afresh_and_completes(tmp_path: Path) -> None:
+    out = tmp_path / "gc.json"
+    cmd = [sys.executable, str(TOOL), "--stand-in", "--stand-in-s", "60", "--json", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not parts_of(proc.pid):
+        time.sleep(0.05)  # until the first part's process runs (for 60 s, unless ended)
+    assert parts_of(proc.pid), "no part started"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed = load(out)  # what the kill left is a valid report
+    assert not killed["finished"] and killed["parts"]["delivery"]["status"] == "pending"
+    deadline = time.monotonic() + 10
+    while parts_of(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not parts_of(proc.pid), "the running part outlived the killed run"
+    rerun = run_tool("gpu_check", "--stand-in", "--stand-in-s", "0.05", "--json", out)
+    assert rerun.returncode == 0, rerun.stderr[-4000:]
+    report = load(out)
+    assert report["finished"] and list(report["parts"]) == PARTS
+    assert all(p["status"] == "ok" for p in report["parts"].values())
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_without_cuda_it_says_why_writes_the_header_and_exits_0(tmp_path: Path) -> None:
+    if gpu_available():
+        return  # this machine has CUDA: the real run is not what this test is about
+    out = tmp_path / "gc.json"
+    proc = run_tool("gpu_check", "--json", out)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    header = load(out)["header"]
+    assert header["cuda_available"] is False and header["cuda_state"] in proc.stdout
+    assert all(p["status"] == "skipped" for p in load(out)["parts"].values())
