@@ -147,9 +147,11 @@ def test_tgz_and_tar_gz_in_a_folder_go_to_the_streaming_reader(tmp_path):
 def test_gz_members_are_expanded_and_lose_the_suffix(tmp_path):
     (tmp_path / "t.tar").write_bytes(tar_bytes(
         [("a.txt.gz", gzip.compress(DOCS["doc0"])), ("b.txt", DOCS["doc1"]),
-         ("c.txt.gz", gzip.compress(b"two ") + gzip.compress(b"members"))]))
+         ("c.txt.gz", gzip.compress(b"two ") + gzip.compress(b"members")),
+         ("d.txt.gz", gzip.compress(b"padded") + bytes(512))]))  # zeros after: gzip reads it
     docs, skipped, _ = read_texts(str(tmp_path / "t.tar"), on_error="skip")
-    assert skipped == [] and docs == {"a": DOCS["doc0"], "b": DOCS["doc1"], "c": b"two members"}
+    assert skipped == [] and docs == {"a": DOCS["doc0"], "b": DOCS["doc1"], "c": b"two members",
+                                      "d": b"padded"}
     (tmp_path / "i.tar").write_bytes(tar_bytes(
         [("p.jpg.gz", gzip.compress(jpeg_bytes(1))), ("p.cls", b"1"),
          ("q.jpg", jpeg_bytes(2)), ("q.cls", b"0")]))

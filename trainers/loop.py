@@ -182,14 +182,21 @@ class Trainer:
         return True
 
     def save(self, summary: dict[str, Any] | None = None) -> None:
-        last = self.last_loss  # read here (a sync at checkpoints only), not every step
-        if self.precision.nonfinite_in_a_row or (last is not None and not bool(last.isfinite())):
+        if self._losses_not_finite():
             return  # never replace good checkpoints by ones taken while losses are not finite
         state = self.state_dict()  # on every rank: it gathers
         state["summary"] = summary or {}
         if self.dist.is_main:  # one writer; the run folder is shared
             checkpoint.save(self.cfg.run_dir, self.step, state, self.cfg.keep)
         self.last_save = time.monotonic()
+
+    def _losses_not_finite(self) -> bool:
+        """Whether the latest losses of any rank are not finite: collective under DDP, so
+        that every rank skips (or takes) the collective save alike. A sync at checkpoints."""
+        last = self.last_loss
+        mine = bool(self.precision.nonfinite_in_a_row) or \
+            (last is not None and not bool(last.isfinite()))
+        return sum_over_ranks([float(mine)], self.dist)[0] > 0
 
     # -- the step ----------------------------------------------------------------------------
 

@@ -41,8 +41,12 @@ class _Window:
 
             values = torch.stack(self.pending).tolist()  # the host sync
             self.pending = []
-            for value in values:
-                trainer.precision.check_loss(value)
+            # Every rank must see the same non-finite steps: stopping a diverged run and
+            # refusing a checkpoint are decided alike on every rank (saving is collective).
+            bad = sum_over_ranks([float(v != v or abs(v) == float("inf")) for v in values],
+                                 trainer.dist)
+            for value, others in zip(values, bad, strict=True):
+                trainer.precision.check_loss(value if not others else float("nan"))
             self.losses.extend(values)
 
     def record(self, step: int, lr: float, skipped: int) -> dict[str, Any]:
@@ -133,6 +137,8 @@ def _after_step(trainer: Trainer, window: _Window, progress: Progress | None) ->
     if trainer.due_for_checkpoint():
         window.read(trainer)  # a diverged run is stopped before it replaces good checkpoints
         trainer.save({"final_loss": window.losses[-1] if window.losses else None})
+    if trainer.step % trainer.cfg.max_nonfinite == 0:
+        window.read(trainer)  # a diverged run stops within max_nonfinite steps of diverging
     if trainer.step % trainer.cfg.log_every and trainer.step != trainer.cfg.steps:
         return window
     window.read(trainer)

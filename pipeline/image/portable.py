@@ -20,6 +20,7 @@ photos whose crops are small; the draft scale makes up for it where crops are la
 from __future__ import annotations
 
 import io
+import struct
 from typing import Any
 
 import numpy as np
@@ -49,7 +50,8 @@ class PortableImageStage(ImageStage, PortableStage):
     def _decode_one(self, data: np.ndarray, window: CropParams) -> np.ndarray:
         try:
             return decode_window(data, window, self.cfg.size)
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        except (OSError, ValueError, SyntaxError, EOFError, IndexError, struct.error,
+                Image.DecompressionBombError) as exc:  # what Pillow raises on bad data
             # The reason the DALI backend gives a sample its graph refuses: PIL's full check
             # names it (bad-image, too-many-pixels...); if that passes, the window decode
             # failed on its own, still a bad image.

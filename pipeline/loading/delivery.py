@@ -82,6 +82,7 @@ class DeviceCopier:
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.slots = max(2, slots)
         self._rings: list[PinnedRing] = []
+        self._staged: list[PinnedRing] = []  # the rings the batch being copied staged into
         shape = (1, -1, 1, 1) if channels_first else (1, 1, 1, -1)
         self.mean = None if mean is None else torch.tensor(mean, device=self.device).view(shape)
         self.std = None if std is None else torch.tensor(std, device=self.device).view(shape)
@@ -121,12 +122,13 @@ class DeviceCopier:
     def _to_device(self, tensors: tuple[Any, ...]) -> list[Any]:
         while len(self._rings) < len(tensors):
             self._rings.append(PinnedRing(self.slots))
-        out = []
+        out, self._staged = [], []
         for ring, t in zip(self._rings, tensors, strict=False):
             if t is None or (t := as_tensor(t)).is_cuda:
                 out.append(t)  # None, or decoded on the GPU: already here, written on S
                 continue
             out.append(ring.stage(t).to(self.device, non_blocking=True))
+            self._staged.append(ring)
         return out
 
     def _record(self) -> Any:
@@ -134,7 +136,7 @@ class DeviceCopier:
 
         ready = torch.cuda.Event()
         ready.record(self.stream)
-        for ring in self._rings:
+        for ring in self._staged:  # the buffers this batch's copies read
             ring.release(ready)
         return ready
 

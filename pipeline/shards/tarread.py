@@ -240,7 +240,7 @@ def _gunzip(data: bytes, limit: int) -> bytes:
             raise zlib.error("the stream is cut short")
         out.append(chunk)
         rest = z.unused_data
-        if not rest:
+        if not rest.strip(b"\0"):  # the end, or zero padding after it (gzip accepts both)
             return b"".join(out)
 
 
