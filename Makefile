@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 # override (e.g. TORCH_SPEC="torch==2.14.1") for a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 
 .PHONY: install test lint demo bench gpu-check clean
 
@@ -39,7 +40,13 @@ lint: $(STAMP)
 demo: $(STAMP)
 	$(PY) tools/demo.py --out demo-out
 
-bench: $(STAMP)
+# The bench extra (MosaicML Streaming, LitData: more contenders), with torch pinned so that
+# it is never replaced by another build.
+$(BENCH_STAMP): pyproject.toml $(STAMP)
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" -e ".[dev,bench]"
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(PY) tools/bench_convert.py --out bench-out
 	$(PY) tools/bench_loader.py --json bench-out/loader.json --plot bench-out/loader.png
 	$(PY) tools/bench_loader.py --modality text --json bench-out/text.json --plot bench-out/text.png

@@ -3,10 +3,12 @@ markdown and chart, compares equal work, and leaves no work folder behind."""
 
 from __future__ import annotations
 
+import gc
 import json
+from collections import Counter
 
 import pytest
-from conftest import run_tool
+from conftest import ROOT, run_tool
 
 from pipeline.loading.readers import dali_importable
 
@@ -151,3 +153,123 @@ def test_loader_figures_measure_first_batch_and_overlap(monkeypatch, background,
     assert figures["rss_mb_after_each_epoch"] == [30.0, 31.0, 33.0]
     assert figures["rss_growth_mb_per_epoch"] == 1.5
     _check_loader_figures(figures, epochs=3)
+
+
+# -- the optional contenders: MosaicML Streaming and LitData (the bench extra) ------------------
+
+def _needs(name: str) -> None:
+    """pytest.importorskip for an optional contender's package (MosaicML Streaming's is loaded
+    by pipeline.bench.image.streaming_base: its own __init__ needs torchvision)."""
+    from pipeline.bench import image as bi
+
+    package, load = bi.OPTIONAL_PACKAGES[name]
+    try:
+        load()
+    except ImportError as e:
+        pytest.skip(f"{package} does not import ({e}); it is in the bench extra")
+
+
+@pytest.fixture(scope="module")
+def bench_tools():
+    """tools/bench_loader.py and tools/bench_convert.py as modules."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(ROOT / "tools"))
+        import bench_convert
+        import bench_loader
+
+        yield bench_loader, bench_convert
+
+
+@pytest.fixture(scope="module")
+def tiny_corpus(bench_tools, tmp_path_factory):
+    """24 photo-like JPEGs in 10 class folders and as shards; batch 8, 2 threads."""
+    return bench_tools[0].build_corpus(tmp_path_factory.mktemp("corpus"), 24, 8, 2)
+
+
+def _folder_samples(folder) -> Counter:
+    """(JPEG bytes, ImageFolder label) of every file, as a multiset."""
+    from pipeline.bench.image import folder_items
+
+    return Counter((path.read_bytes(), label) for path, label in folder_items(folder))
+
+
+# litdata.optimize spawns its worker processes: some 10 s on 2 cores.
+@pytest.mark.parametrize("name", ["MosaicML Streaming",
+                                  pytest.param("LitData", marks=pytest.mark.slow)])
+def test_optional_contender_reads_every_image_once_per_epoch(bench_tools, request, name):
+    """The contender bench_loader adds: each epoch is every image once, uint8 (N, 3, 224, 224)
+    in batches of at most 8, with the ImageFolder labels; the same object, epoch after epoch
+    (persistent workers)."""
+    _needs(name)
+    import torch
+
+    from pipeline.bench.image import folder_items
+
+    c = request.getfixturevalue("tiny_corpus")  # made only where a contender runs
+    contender = bench_tools[0].OPTIONAL[name](c)
+    assert contender.epoch() == contender.epoch() == c.images == 24
+    labels: Counter = Counter()
+    for images, batch_labels in contender.loader:
+        assert images.dtype == torch.uint8
+        assert images.shape[1:] == (3, c.size, c.size) and 1 <= len(images) <= c.batch_size
+        assert len(batch_labels) == len(images)
+        labels.update(int(label) for label in batch_labels)
+    assert labels == Counter(label for _, label in folder_items(c.folder))
+    assert contender.epoch() == 24
+    del contender  # its persistent workers stop, and the feeder threads of their queues
+    gc.collect()
+
+
+def _read_mds(out) -> list[tuple[bytes, int]]:
+    from pipeline.bench.image import streaming_base
+
+    dataset = streaming_base().LocalDataset(local=str(out))
+    return [(s["jpg"], int(s["cls"])) for s in (dataset[i] for i in range(len(dataset)))]
+
+
+def _read_litdata(out) -> list[tuple[bytes, int]]:
+    from litdata import StreamingDataset
+
+    return [(s["jpg"], int(s["cls"])) for s in StreamingDataset(input_dir=str(out))]
+
+
+@pytest.mark.parametrize("name, contender, reader, folder", [
+    ("MosaicML Streaming", "MDSWriter (MosaicML Streaming)", _read_mds, "mds"),
+    pytest.param("LitData", "litdata.optimize", _read_litdata, "litdata",
+                 marks=pytest.mark.slow)])
+def test_bench_convert_optional_contenders_write_the_same_bytes(
+        bench_tools, request, tmp_path, name, contender, reader, folder):
+    """bench_convert's MDSWriter and litdata.optimize runs write every JPEG as it is, with its
+    label, once; a second run (the next repeat) replaces the first's output, whole."""
+    _needs(name)
+    photos = request.getfixturevalue("tiny_corpus").folder
+    runs = bench_tools[1].contenders(photos, tmp_path)
+    assert {"tar -cf", "make_shards 1 worker", contender} <= set(runs)
+    expected = _folder_samples(photos)
+    for _ in range(2):
+        runs[contender]()
+        samples = reader(tmp_path / folder)
+        assert len(samples) == 24 and Counter(samples) == expected
+    assert {p.name for p in tmp_path.iterdir()} == {folder}, "scratch left beside the output"
+
+
+@pytest.mark.slow
+def test_tune_writes_the_fastest_configuration_for_uint8_and_float(tmp_path):
+    """--tune measures every configuration, then where float output is made fastest, and
+    writes both; image_loader then picks them up (the figures themselves are the machine's)."""
+    from pipeline.loading.tuning import load
+
+    path = tmp_path / "tuning.json"
+    proc = run_tool("bench_loader", "--tune", "--images", 16, "--batch-size", 8, "--repeats", 1,
+                    "--work", tmp_path / "work", "--tuning-file", path, check=True)
+    tuning = load(path)
+    assert tuning is not None and tuning.images_per_s > 0
+    rows = tuning.table
+    assert rows == sorted(rows, key=lambda row: -row["images_per_s"])  # the winner first
+    assert tuning.reader == rows[0]["reader"] and tuning.threads == rows[0]["threads"]
+    if dali_importable():  # resize_on is a choice of the DALI backend only
+        assert {row["resize_on"] for row in rows} == {"torch", "dali"}
+        assert tuning.resize_on == rows[0]["resize_on"]
+        assert tuning.resize_on_float in ("torch", "dali")
+        assert f"with normalize=True, resize_on={tuning.resize_on_float}" in proc.stdout
+    assert not (tmp_path / "work").exists()

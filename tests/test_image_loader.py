@@ -587,3 +587,20 @@ def test_resize_in_the_graph_or_in_torch_gives_the_same_images(shards, train, no
         same = (image - got["torch"][key]).abs().mean().item()
         mirrored = (image.flip(width) - got["torch"][key]).abs().mean().item()
         assert same < tolerance < mirrored, (key, same, mirrored)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_kept_batches_are_never_overwritten_and_dropped_ones_are_reused(shards, normalize):
+    """The decode stage writes batches into reused buffers (loading/hostpool.py): a batch the
+    user keeps must stay as it was, and the buffers of dropped ones are written again."""
+    opts = {**OPTS, "normalize": normalize}
+    with image_loader(shards, batch_size=8, device="cpu", seed=3, **opts) as loader:
+        copied = [(b.keys, b.image.clone()) for b in loader]  # the reference: copies
+    with image_loader(shards, batch_size=8, device="cpu", seed=3, **opts) as loader:
+        held = [(b.keys, b.image) for b in loader]  # the same epoch, the batches all kept
+        assert loader._decoder.pool.reused == 0
+        sums = [b.image.double().sum().item() for b in loader]  # each let go at once
+        assert loader._decoder.pool.reused > 0  # written into the first pass's buffers
+    assert [k for k, _ in copied] == [k for k, _ in held]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(copied, held, strict=True))
+    assert len(sums) == len(held) and all(s != 0 for s in sums)

@@ -395,3 +395,25 @@ def test_gpu_graph_gives_the_cpu_points_on_the_device(shards):
     assert on_gpu.keys == on_cpu.keys
     torch.testing.assert_close(on_gpu.points.cpu(), on_cpu.points, atol=1e-5, rtol=0)
     assert torch.equal(on_gpu.label.cpu(), on_cpu.label)
+
+
+@pytest.mark.parametrize("mode", ["occupancy", "count"])
+@pytest.mark.parametrize("grid, extent, dtype", [(24, 1.0, torch.float32), (7, 0.35, torch.float64),
+                                                 (1, 2.0, torch.float32), (16, 1.0, torch.float16)])
+def test_the_cpu_voxelizer_is_the_torch_one(mode, grid, extent, dtype):
+    """The CPU path (numpy, one spare cell for outsiders) gives the grid of the torch path
+    that CUDA runs (padded border cut away), on points inside, on every face and edge of the
+    cube, beyond it, NaN and infinite."""
+    from pipeline.pointcloud import voxelize as vox
+
+    gen = torch.Generator().manual_seed(grid)
+    points = (torch.rand(5, 300, 3, generator=gen) * 2.4 - 1.2) * extent
+    step = 2 * extent / grid
+    edges = torch.tensor([-extent, extent, -extent + step, extent - step, 0.0, -1e30, 1e30])
+    points[:, :49] = edges[torch.randint(0, len(edges), (5, 49, 3), generator=gen)]
+    points[0, 0, 1], points[1, 1, 2], points[2, 2, 0] = float("nan"), float("inf"), -float("inf")
+    points = points.to(dtype)
+    got = voxelize(points, mode, grid=grid, extent=extent)
+    assert torch.equal(got, vox._device_grid(points, mode, grid, extent))
+    assert got.shape == (5, 1, grid, grid, grid) and got.dtype == torch.float32
+    assert got.sum() > 0

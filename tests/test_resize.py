@@ -67,3 +67,29 @@ def test_one_core_setting_stays_in_its_thread():
     later.join()
     assert seen["stage"] == 1
     assert torch.get_num_threads() == before and seen["later"] == before
+
+
+@pytest.mark.parametrize("channels_first", [True, False])
+def test_fused_normalize_equals_normalizing_the_uint8_batch(channels_first):
+    """The float batch is normalized image by image as it is written; it must equal the
+    uint8 batch normalized afterwards (torchvision's ToTensor + Normalize) within 1e-5."""
+    images = [_image(90, 70, 1), _image(300, 200, 2), _image(33, 41, 3)]
+    flips, turns = [False, True, True], [(False, False), (True, False), (True, True)]
+    mean = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+    std = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+    u8 = resize.batch(images, flips, 48, channels_first, None, turns)
+    got = resize.batch(images, flips, 48, channels_first, (mean, std), turns)
+    shape = (1, 3, 1, 1) if channels_first else (1, 1, 1, 3)
+    ref = (u8.float() / 255 - torch.tensor([0.485, 0.456, 0.406]).view(shape)) \
+        / torch.tensor([0.229, 0.224, 0.225]).view(shape)
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    assert (got - ref).abs().max() <= 1e-5
+
+
+def test_batch_writes_into_a_given_buffer_and_checks_its_shape():
+    images = [_image(60, 80)]
+    out = torch.full((1, 3, 24, 24), 7, dtype=torch.uint8)
+    got = resize.batch(images, [False], 24, True, None, out=out)
+    assert got is out and torch.equal(out, resize.batch(images, [False], 24, True, None))
+    with pytest.raises(ValueError, match="want"):
+        resize.batch(images, [False], 24, True, ((0.0,) * 3, (1.0,) * 3), out=out)

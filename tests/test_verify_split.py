@@ -92,6 +92,12 @@ def test_tuning_file_round_trip_and_what_auto_takes_from_it(tmp_path, caplog):
     assert apply("image", {"resize_on": "torch"}, cpu, dali_readable=True)["resize_on"] == \
         "torch"
     assert "resize_on" not in gpu.choices()
+    # measured apart for float output: a normalizing loader takes that one
+    both = tmp_path / "both.json"
+    Tuning("cpu", "dali", 2, 4, 1.0, resize_on="torch", resize_on_float="dali").save(both)
+    assert apply("image", {}, both, dali_readable=True)["resize_on"] == "torch"
+    assert apply("image", {"normalize": True}, both, dali_readable=True)["resize_on"] == "dali"
+    assert apply("image", {"normalize": True}, cpu, dali_readable=True)["resize_on"] == "dali"
 
 
 def test_a_tuned_choice_applies_only_where_it_is_possible(tmp_path, caplog):

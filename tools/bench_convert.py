@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
-"""Shard conversion speed: make_shards (1 and 2 workers) against plain `tar` of the same files.
+"""Shard conversion speed: make_shards (1 and 2 workers) against plain `tar` of the same files,
+and against the converters of MosaicML Streaming (MDSWriter) and LitData (litdata.optimize, 2
+workers) where they import (the bench extra: pip install -e ".[bench]").
 
     python tools/bench_convert.py --out bench-out [--count 200] [--repeats 3]
 
 Input MB/s on the built-in photo-like corpus, medians of alternating repeats after a warm-up,
-and the ratios against `tar -cf` measured in the same run. Writes convert.json and convert.md.
+and the ratios against `tar -cf` measured in the same run. Every repeat does the whole work:
+each contender replaces its previous output. Writes convert.json and convert.md.
 """
 
 from __future__ import annotations
@@ -18,9 +21,13 @@ from pathlib import Path
 
 from cliutil import positive_int, setup_logging
 
+from pipeline.bench import image as bi
 from pipeline.bench.core import alternate
 from pipeline.builtin import make_photo_corpus
 from pipeline.convert import ConvertConfig, convert
+
+# Shards of about the same size for everyone (make_shards' max_size below).
+SHARD_BYTES = 64_000_000
 
 
 def contenders(src: Path, scratch: Path) -> dict[str, object]:
@@ -31,11 +38,22 @@ def contenders(src: Path, scratch: Path) -> dict[str, object]:
     def shards(workers: int):  # type: ignore[no-untyped-def]
         def run() -> None:
             convert(ConvertConfig(kind="imagefolder", src=str(src), out=scratch / f"w{workers}",
-                                  max_size=64_000_000, workers=workers, overwrite=True))
+                                  max_size=SHARD_BYTES, workers=workers, overwrite=True))
         return run
 
-    return {"tar -cf": plain_tar, "make_shards 1 worker": shards(1),
+    def mds() -> None:  # the same columns as the loader benchmark's: JPEG bytes, label
+        bi.write_mds(src, scratch / "mds", size_limit=SHARD_BYTES)
+
+    def litdata() -> None:
+        bi.write_litdata(src, scratch / "litdata", workers=2, chunk_bytes=SHARD_BYTES)
+
+    runs = {"tar -cf": plain_tar, "make_shards 1 worker": shards(1),
             "make_shards 2 workers": shards(2)}
+    if bi.importable("MosaicML Streaming"):
+        runs["MDSWriter (MosaicML Streaming)"] = mds
+    if bi.importable("LitData"):
+        runs["litdata.optimize"] = litdata
+    return runs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,10 @@ BASELINES = {"torchvision-style uint8": "tv", "webdataset + PIL": "wds",
              "DALI by hand": "dali", "DALI decode only": "decode",
              "torchvision-style float": "canonical float"}
 
+# Other loaders with their own formats (written from the same photo folder when the contender is
+# made), each where its package imports: the bench extra (pip install -e ".[bench]").
+OPTIONAL = {"MosaicML Streaming": bi.MosaicStreaming, "LitData": bi.LitData}
+
 
 def build_corpus(work: Path, images: int, batch: int, threads: int,
                  source: Path | None = None) -> bi.Corpus:
@@ -51,7 +55,8 @@ def build_corpus(work: Path, images: int, batch: int, threads: int,
 
 def contenders(c: bi.Corpus, backend: str = "auto") -> dict[str, Any]:
     """Every contender; `backend` is shardflow's (the portable one is always run beside it).
-    The DALI baselines only where nvidia.dali imports."""
+    The DALI baselines only where nvidia.dali imports, MosaicML Streaming and LitData only
+    where theirs do."""
     runs = {"shardflow": bi.Ours(c, backend=backend),
             "shardflow portable": bi.Ours(c, backend="portable"),
             "torchvision-style uint8": bi.TorchvisionStyle(c),
@@ -59,6 +64,7 @@ def contenders(c: bi.Corpus, backend: str = "auto") -> dict[str, Any]:
     if dali_importable():
         runs.update({"DALI by hand": bi.DaliByHand(c),
                      "DALI decode only": bi.DaliByHand(c, decode_only=True)})
+    runs.update({name: make(c) for name, make in OPTIONAL.items() if bi.importable(name)})
     return {**runs, "shardflow float": bi.Ours(c, normalize=True, backend=backend),
             "torchvision-style float": bi.TorchvisionStyle(c, normalize=True)}
 
@@ -67,7 +73,8 @@ def report(c: bi.Corpus, timings: Any, runs: dict[str, Any], args: argparse.Name
            ) -> dict[str, Any]:
     rate = {name: timings.rate(name, c.images) for name in runs}
     ratios = {f"shardflow/{short}": round(timings.ratio("shardflow", name), 3)
-              for name, short in BASELINES.items() if name in runs}
+              for name, short in {**BASELINES, **{n: n for n in OPTIONAL}}.items()
+              if name in runs}
     ratios["shardflow portable/tv"] = round(
         timings.ratio("shardflow portable", "torchvision-style uint8"), 3)
     ratios["shardflow float/torchvision-style float"] = round(
@@ -126,11 +133,24 @@ def tune(c: bi.Corpus, args: argparse.Namespace) -> None:
     for row in table:
         print(row)
     best = table[0]
+    float_on = tune_float(c, args, best) if "resize_on" in best else None
     path = args.tuning_file or default_path()
     Tuning(best["decode"], best["reader"], best["threads"], best["prefetch"],
            best["images_per_s"], table, hw_decoder_load=best.get("hw_decoder_load"),
-           resize_on=best.get("resize_on")).save(path)
-    print(f"fastest: {best}; written to {path}")
+           resize_on=best.get("resize_on"), resize_on_float=float_on).save(path)
+    print(f"fastest: {best}; with normalize=True, resize_on={float_on}; written to {path}")
+
+
+def tune_float(c: bi.Corpus, args: argparse.Namespace, best: dict[str, Any]) -> str:
+    """Where float output is made fastest, the rest of the winner kept: normalized per image
+    into the batch by torch, or by the DALI graph's crop_mirror_normalize."""
+    fixed = {k: v for k, v in best.items() if k not in ("images_per_s", "resize_on")}
+    runs = {on: bi.Ours(c, **fixed, resize_on=on, normalize=True) for on in ("torch", "dali")}
+    timings = alternate({on: ours.epoch for on, ours in runs.items()}, repeats=args.repeats)
+    for on in runs:
+        print({**fixed, "resize_on": on, "normalize": True,
+               "images_per_s": round(timings.rate(on, c.images), 1)})
+    return min(runs, key=timings.median)
 
 
 def plot(r: dict[str, Any], path: Path) -> None:

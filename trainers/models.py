@@ -91,6 +91,10 @@ def build_model(name: str, num_classes: int, activation_checkpointing: bool = Fa
     except ImportError:
         raise ImportError(f"model {name!r} needs torchvision (pip install torchvision); "
                           "'small-resnet' needs nothing") from None
+    except Exception as exc:  # noqa: BLE001 - built for another torch: RuntimeError on import
+        raise ImportError(f"model {name!r} needs torchvision, which is installed but does not "
+                          f"import with this torch ({type(exc).__name__}: {exc}); install the "
+                          "torchvision release made for this torch") from None
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
 
 

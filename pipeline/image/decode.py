@@ -22,6 +22,7 @@ from pipeline.image.config import ImageConfig
 from pipeline.loading.batch import EncodedBatch, ImageBatch
 from pipeline.loading.delivery import DeviceCopier
 from pipeline.loading.graphstage import BackendStage, GraphStage
+from pipeline.loading.hostpool import HostPool
 from pipeline.loading.loader import Produced
 from pipeline.loading.readers import Placement
 from pipeline.samples.checks import CheckLimits, check_image
@@ -42,14 +43,19 @@ class ImageStage(BackendStage):
         # uint8 crosses the bus: a batch bound for a GPU is normalized there, by the copier.
         self.host_normalizes = cfg.normalize and placement.target == "cpu"
         self.limits = CheckLimits(max_pixels=cfg.max_pixels)
+        # Batch buffers written again once the consumer let go of them (hostpool.py): the
+        # prefetch queue's batches, the one being made, the one in use, and one more.
+        self.pool = HostPool(cfg.prefetch + 3)
 
     def _resized(self, images: list[np.ndarray], windows: list[CropParams]) -> Any:
         """Decoded windows (HWC uint8, as stored) as the batch tensor: resized, turned
         upright, flipped, laid out (and normalized for the CPU)."""
         c = self.cfg
         norm = (c.mean, c.std) if self.host_normalizes else None
+        out = self.pool.take(*resize.batch_shape(len(images), c.size, c.layout == "NCHW",
+                                                 norm is not None))
         return resize.batch(images, [w.flip for w in windows], c.size, c.layout == "NCHW",
-                            norm, [(w.transpose, w.vflip) for w in windows])
+                            norm, [(w.transpose, w.vflip) for w in windows], out=out)
 
     def _check(self, data: bytes) -> None:
         check_image(data, self.limits)  # PIL decodes it fully
@@ -132,5 +138,9 @@ class DecodeStage(ImageStage, GraphStage):
         if self.graph_resizes:  # already the batch: copy it out of DALI's reused buffer
             import torch
 
-            return torch.from_numpy(np.array(out.as_array()))
+            array = np.asarray(out.as_tensor())  # a view of DALI's buffer
+            dtype = torch.float32 if self.host_normalizes else torch.uint8
+            batch = self.pool.take(array.shape, dtype)
+            batch.numpy()[...] = array
+            return batch
         return self._resized(resize.views(out), item[2])

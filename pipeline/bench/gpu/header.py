@@ -37,7 +37,9 @@ def part_header(ctx: Ctx) -> dict[str, Any]:
         "cuda_state": cuda_state(build, available), "gpu": None,
         "cpu_count": os.cpu_count(), "cpu_affinity": len(os.sched_getaffinity(0)),
         "dry_run": ctx.dry}
-    with contextlib.suppress(ImportError):
+    # Exception, not ImportError: a torchvision built for another torch raises RuntimeError
+    # ("operator torchvision::nms does not exist") on import.
+    with contextlib.suppress(Exception):
         import torchvision
 
         info["torchvision"] = torchvision.__version__
