@@ -604,3 +604,51 @@ def test_kept_batches_are_never_overwritten_and_dropped_ones_are_reused(shards, 
     assert [k for k, _ in copied] == [k for k, _ in held]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(copied, held, strict=True))
     assert len(sums) == len(held) and all(s != 0 for s in sums)
+
+
+def test_a_torch_dataloader_hands_the_batches_on_as_they_are(shards):
+    """Loaders are IterableDatasets: DataLoader(loader, batch_size=None) gives the loader's own
+    batches, and refuses worker processes (each would read the whole epoch again)."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    make = functools.partial(image_loader, shards, batch_size=16, device="cpu", seed=4, **OPTS)
+    with make() as direct:
+        want = [(b.keys, b.image.clone(), b.label) for b in direct]
+    with make() as loader:
+        assert isinstance(loader, IterableDataset)
+        wrapped = DataLoader(loader, batch_size=None)
+        assert len(wrapped) == len(loader) == 4
+        got = [(b.keys, b.image.clone(), b.label) for b in wrapped]
+        assert type(next(iter(wrapped))).__name__ == "ImageBatch"
+    assert [k for k, _, _ in got] == [k for k, _, _ in want]
+    assert all(torch.equal(a, b) and torch.equal(la, lb)
+               for (_, a, la), (_, b, lb) in zip(got, want, strict=True))
+    with make() as loader:
+        workers = iter(DataLoader(loader, batch_size=None, num_workers=1))
+        try:
+            with pytest.raises(RuntimeError, match="num_workers=0"):
+                next(workers)
+        finally:
+            workers._shutdown_workers()  # type: ignore[attr-defined]  # its queue's thread too
+
+
+def test_an_evaluation_pass_starts_at_the_beginning_and_a_training_pass_continues(shards):
+    """train=False: a pass cut short (a sanity check) does not shorten the next one, except
+    right after load_state_dict; train=True: the next pass continues the epoch."""
+    make = functools.partial(image_loader, shards, batch_size=8, device="cpu", seed=2, **OPTS)
+    with make(train=False) as evaluation:
+        whole = [k for b in evaluation for k in b.keys]
+        for _ in evaluation:  # two batches, then stopped
+            if evaluation._batches_done == 2:
+                state = evaluation.state_dict()
+                break
+        assert [k for b in evaluation for k in b.keys] == whole  # from the start again
+        assert [k for b in evaluation for k in b.keys] == whole
+    with make(train=False) as restored:
+        restored.load_state_dict(state)
+        assert [k for b in restored for k in b.keys] == whole[16:]  # continues the state once
+        assert [k for b in restored for k in b.keys] == whole
+    with make(train=True) as training:
+        first = next(iter(training)).keys
+        rest = [k for b in training for k in b.keys]  # the rest of the same epoch
+        assert len(first) + len(rest) == 60 and not set(first) & set(rest)

@@ -1,35 +1,60 @@
-"""verify_shards on good shards, its rank/worker view, and the split rule it shows."""
+"""verify_shards on good shards, its split view (the loaders' own), and its JSON report."""
 
 from __future__ import annotations
 
+import json
+import tarfile
 import tempfile
 from pathlib import Path
 
 from conftest import make_image_folder, run_tool
 
 from pipeline.bench.core import Timings, alternate
-from pipeline.loading.split import assignment, rank_slice, worker_slice
 
 
-def test_split_is_disjoint_and_covers_everything():
-    items = list(range(11))
-    plan = assignment(items, world_size=3, num_workers=2)
-    got = sorted(i for part in plan.values() for i in part)
-    assert got == items and len(plan) == 6
-    assert rank_slice(items, 1, 3) == [1, 4, 7, 10]
-    assert worker_slice(rank_slice(items, 1, 3), 1, 2) == [4, 10]
+def _keys_by_shard(folder: Path) -> dict[str, set[str]]:
+    keys = {}
+    for tar in sorted(folder.glob("*.tar")):
+        with tarfile.open(tar) as t:
+            keys[tar.name] = {m.name.split(".", 1)[0] for m in t.getmembers()}
+    return keys
 
 
-def test_verify_table_and_empty_rank_warning(tmp_path):
+def test_the_split_view_is_what_the_loaders_read(tmp_path):
+    from pipeline import image_loader
+
+    src = make_image_folder(tmp_path / "src", classes=2, per_class=5)
+    run_tool("make_shards", "imagefolder", src, tmp_path / "o", "--max-count", 2, check=True)
+    report = tmp_path / "report.json"
+    proc = run_tool("verify_shards", tmp_path / "o", "--world-size", 2, "--epoch", 1,
+                    "--seed", 5, "--json", report, "--quiet", check=True)
+    assert "split over 2 ranks, epoch 1" in proc.stdout and "no problems" in proc.stdout
+    doc = json.loads(report.read_text())
+    assert doc["ok"] and doc["samples"] == 10 and doc["manifest_samples"] == 10
+    assert [s["samples"] for s in doc["shards"]] == [2] * 5 and doc["problems_by_reason"] == {}
+    split = doc["split"]
+    assert split["samples_per_rank"] == 4 and split["dropped"] == 2  # 3 + 2 shards: even at 4
+    by_shard = _keys_by_shard(tmp_path / "o")
+    for rank in split["ranks"]:
+        loader = image_loader(tmp_path / "o", batch_size=2, size=16, device="cpu", threads=1,
+                              seed=5, rank=rank["rank"], world_size=2, use_tuning=False)
+        loader.set_epoch(1)
+        with loader:
+            read = {k for batch in loader for k in batch.keys}
+        shown = set().union(*(by_shard[name] for name in rank["shards"]))
+        assert len(read) == split["samples_per_rank"] and read <= shown
+        assert rank["samples_in_shards"] == len(shown)
+
+
+def test_a_split_the_loaders_would_refuse_is_a_warning_and_workers_are_gone(tmp_path):
     src = make_image_folder(tmp_path / "src", classes=2, per_class=3)
     run_tool("make_shards", "imagefolder", src, tmp_path / "o", "--max-count", 2, check=True)
-    ok = run_tool("verify_shards", tmp_path / "o", "--world-size", 3, check=True)
-    assert "train-000002.tar" in ok.stdout and "6 samples (manifest: 6)" in ok.stdout
-    assert "no problems" in ok.stdout and "warning" not in ok.stdout
-    crowded = run_tool("verify_shards", tmp_path / "o", "--world-size", 2, "--workers", 2)
+    crowded = run_tool("verify_shards", tmp_path / "o", "--world-size", 4, "--quiet")
     assert crowded.returncode == 0  # a warning, not a data problem
-    assert "rank 1 worker 1: 0 shards, 0 samples" in crowded.stdout
-    assert "warning: 1 of 4 rank/worker slots get no samples" in crowded.stdout
+    assert "warning: the loaders would refuse it: 3 shards cannot feed 4 ranks" in crowded.stdout
+    assert "(but see the split warning above)" in crowded.stdout
+    gone = run_tool("verify_shards", tmp_path / "o", "--world-size", 2, "--workers", 2)
+    assert gone.returncode == 2 and "--workers is gone" in gone.stderr
 
 
 def test_verify_brace_pattern_without_manifest(tmp_path):

@@ -6,6 +6,16 @@ counts epochs and batches, and saves and restores the position.
     for epoch in range(epochs):      # each pass over the loader is one epoch; the next pass
         for batch in loader: ...     # reshuffles (or call set_epoch(e) yourself)
     state = loader.state_dict()      # mid-epoch: a new loader + load_state_dict continues
+
+Passes: a training loader (train=True) left mid-epoch (a break) continues that epoch on the
+next pass, as a resume would; an evaluation loader (train=False) starts every pass at the
+beginning, so that a validation cut short (a sanity check) never shortens the next one,
+except the first pass after load_state_dict, which continues from the state.
+
+A Loader is a torch IterableDataset: `DataLoader(loader, batch_size=None)` hands its batches
+on as they are. DataLoader worker processes are neither needed nor allowed: the loader already
+reads, decodes and copies in background threads (and DALI's), and each worker would read the
+whole epoch again.
 """
 
 from __future__ import annotations
@@ -17,6 +27,8 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, TypeVar
+
+from torch.utils.data import IterableDataset, get_worker_info
 
 from pipeline.errors import DataError, OnError, SkipLog, handle
 from pipeline.loading.batch import EncodedBatch
@@ -34,7 +46,7 @@ T = TypeVar("T")
 Produced = tuple[Any, dict[str, Any], Any, list[dict[str, str]]]
 
 
-class Loader(ABC):
+class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
     """Iterable over batches on the target device; a context manager; `state_dict()`."""
 
     kind = "base"
@@ -53,6 +65,7 @@ class Loader(ABC):
         self.skips = SkipLog()
         self._stage: Stage[Produced] | None = None
         self._closed = False
+        self._restored = False  # load_state_dict since the last pass: continue from it
         # Set by modalities whose ranks may hold different numbers of batches in an epoch
         # (packed text): called with "I have a batch" before each one, False at the end;
         # returns whether every rank has one (see agreement.rank_agreement).
@@ -108,6 +121,15 @@ class Loader(ABC):
         if self._stage is not None:
             raise RuntimeError("the loader is already being iterated; finish or close that "
                                "iteration first")
+        if get_worker_info() is not None:
+            raise RuntimeError("a shardflow loader in a DataLoader worker process: use "
+                               "DataLoader(loader, batch_size=None) with num_workers=0 (the "
+                               "loader reads and decodes in its own threads; every worker "
+                               "would read the whole epoch again)")
+        if not self.shuffle and not self._restored:
+            # An evaluation pass starts at its epoch's beginning (module docstring).
+            self._batches_done, self._reader_state = 0, None
+        self._restored = False
         batches = self._batches_per_epoch(self.plan())
         if batches is not None and self._batches_done >= batches:
             # Saved after the epoch's last batch, before the next pass began: start that pass.
@@ -253,6 +275,7 @@ class Loader(ABC):
         self.epoch, self._batches_done = int(state["epoch"]), int(state["batches"])
         self._reader_state = state["reader_state"]
         self.skips.entries = list(state.get("skipped", []))
+        self._restored = True
 
     def _not_iterating(self, what: str) -> None:
         if self._stage is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,9 +185,13 @@ def _verify_one(item: tuple[str, ShardInfo | None], opts: VerifyOptions) -> Shar
 
 
 def verify(source: str, *, workers: int = 1, limits: CheckLimits | None = None,
-           timeout_s: float | None = None) -> tuple[list[ShardReport], Manifest | None]:
+           timeout_s: float | None = None,
+           progress: Callable[[int, int], None] | None = None
+           ) -> tuple[list[ShardReport], Manifest | None]:
     """Verify every shard of `source`; reports come back in shard order. With workers > 1 a
-    shard whose check takes over `timeout_s` is reported hung (executor.WorkerError)."""
+    shard whose check takes over `timeout_s` is reported hung (executor.WorkerError).
+    `progress(samples, shards)` is called as each shard's report arrives: (its samples, the
+    total number of shards)."""
     urls, manifest = shard_urls(source)
     if not urls:
         raise FileNotFoundError(f"{redact(source)}: no shards found")
@@ -195,9 +200,13 @@ def verify(source: str, *, workers: int = 1, limits: CheckLimits | None = None,
                          manifest.modality if manifest else None,
                          len(manifest.classes) if manifest and manifest.classes else None)
     items = list(zip(urls, expected, strict=True))
-    reports = list(executor.ordered_map(_verify_one, items, opts, workers, chunk=1,
-                                        timeout_s=timeout_s,
-                                        describe=lambda item: redact(item[0])))
+    reports = []
+    for report in executor.ordered_map(_verify_one, items, opts, workers, chunk=1,
+                                       timeout_s=timeout_s,
+                                       describe=lambda item: redact(item[0])):
+        reports.append(report)
+        if progress is not None:
+            progress(report.samples, len(items))
     _check_keys_across_shards(reports)
     return reports, manifest
 
