@@ -536,7 +536,7 @@ def test_bottleneck_report_names_the_limit_and_the_fix():
         assert "uint8" in report(40.0, 60.0, loader)["advice"]
         # the advice fits the modality: a point cloud's `normalize` is not about bytes
         loader.kind, loader.cfg.prefetch = "pointcloud", 4
-        assert "num_points" in report(40.0, 60.0, loader)["advice"]
+        assert "--num-points" in report(40.0, 60.0, loader)["advice"]
         loader.kind = "text"
         assert "tokeniz" in report(40.0, 60.0, loader)["advice"]
 

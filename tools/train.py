@@ -7,13 +7,20 @@
     python tools/train.py --task pointcloud --model voxnet --data shards/pc --out runs/p1 --epochs 5
 
 Without --eval-data, every 10th shard of --data (sorted by name, at least one) is held out for
-evaluation and never trained on; summary.json says which.
+evaluation and never trained on; with too few shards for that (one, or fewer than the ranks
+plus one), 10% of the samples by key hash instead. summary.json says which.
+
+Loader threads and prefetch: --loader-threads / --prefetch, else the tuning file's choices
+(tools/bench_loader.py --tune; --tuning-file, --no-tuning), else the cores divided among the
+ranks on this node (torchrun's LOCAL_WORLD_SIZE). summary.json's "loader" says which was used.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -22,7 +29,15 @@ from cliutil import device_name, positive_int, run_main, setup_logging
 from tqdm import tqdm
 
 from pipeline.loading.shardlist import resolve_source
-from trainers.wiring import TaskOptions, build_task, device_of, split_eval
+from trainers.wiring import (
+    Built,
+    EvalSplit,
+    TaskOptions,
+    build_task,
+    describe_settings,
+    device_of,
+    split_eval,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,11 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=positive_int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--on-error", choices=("raise", "skip"), default="raise")
-    p.add_argument("--reader", choices=("auto", "dali", "stream"), default="auto",
-                   help="DALI's reader (local indexed shards) or the streaming one")
-    p.add_argument("--backend", choices=("auto", "dali", "portable"), default="auto",
-                   help="what decodes: DALI, or the portable backend (PIL/numpy + torch, no "
-                   "DALI needed); auto: DALI where it imports")
+    add_loader_flags(p)
     p.add_argument("--offload-optimizer", action="store_true",
                    help="keep master weights and optimizer state in host memory")
     p.add_argument("--activation-checkpointing", action="store_true",
@@ -84,6 +95,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-keys", action="store_true", help="write each step's keys to keys.jsonl")
     p.add_argument("--quiet", action="store_true")
     return p
+
+
+def add_loader_flags(p: argparse.ArgumentParser) -> None:
+    """How the loaders read and decode: reader, backend, threads, prefetch, the tuning file."""
+    p.add_argument("--reader", choices=("auto", "dali", "stream"), default="auto",
+                   help="DALI's reader (local indexed shards) or the streaming one")
+    p.add_argument("--backend", choices=("auto", "dali", "portable"), default="auto",
+                   help="what decodes: DALI, or the portable backend (PIL/numpy + torch, no "
+                   "DALI needed); auto: DALI where it imports")
+    p.add_argument("--loader-threads", type=positive_int, default=None, metavar="N",
+                   help="image, pointcloud: decode threads per loader (DALI's, or the portable "
+                   "pool); default: the tuning file's, else this machine's cores divided by "
+                   "the ranks on this node (torchrun's LOCAL_WORLD_SIZE)")
+    p.add_argument("--prefetch", type=positive_int, default=None, metavar="N",
+                   help="batches each loader stage prepares ahead; default: the tuning "
+                   "file's, else 2")
+    tuning = p.add_mutually_exclusive_group()
+    tuning.add_argument("--tuning-file", type=Path, default=None, metavar="PATH",
+                        help="the loader tuning file to use (written by tools/bench_loader.py "
+                        "--tune; default: ~/.cache/shardflow/tuning.json where it exists): "
+                        "its choices fill in what the flags leave automatic")
+    tuning.add_argument("--no-tuning", dest="use_tuning", action="store_false",
+                        help="use no tuning file")
 
 
 def add_data_fallbacks(p: argparse.ArgumentParser) -> None:
@@ -113,24 +147,58 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from trainers import distributed
-    from trainers.loop import TrainConfig, Trainer
-    from trainers.models import compile_model
 
     args = build_parser().parse_args(argv)
     info = distributed.from_torchrun_env()  # torchrun's RANK/WORLD_SIZE/LOCAL_RANK
     setup_logging(args.quiet or not info.is_main)
     logging.getLogger("trainers").setLevel(logging.INFO if info.is_main else logging.WARNING)
+    if info.is_main and not args.quiet:  # which tuned choices the loaders use, and why not
+        logging.getLogger("pipeline.loading.tuning").setLevel(logging.INFO)
     distributed.init(info, use_cuda=args.device != "cpu" and torch.cuda.is_available())
-    train, held, held_out = split_eval(resolve_source(args.data), args.eval_data)
+    split = split_eval(resolve_source(args.data), args.eval_data, info.world_size)
     torch.manual_seed(args.seed)
     # The same seed on every rank: every rank starts from the same weights.
     opts = TaskOptions(**{f.name: getattr(args, f.name) for f in fields(TaskOptions)})
-    loader, evaluation, task = build_task(opts, train, held, info.rank, info.world_size)
-    device = device_of(loader)
+    built = build_task(opts, split, info.rank, info.world_size, local_world_size())
+    try:
+        trainer, steps = make_trainer(args, built, split, info)
+        summary = run(trainer, built.evaluation, split.how, steps,
+                      args.quiet or not info.is_main)
+    finally:
+        built.loader.close()
+        if built.evaluation is not None:
+            built.evaluation.close()
+        distributed.finish(info)
+    if not info.is_main:
+        return 0
+    if not summary.get("wall_s"):
+        print(f"{args.out}: this run already finished; see its summary.json")
+        return 0
+    add_to_summary(args.out, {"loader": built.loader_settings})
+    print(f"{summary['steps']} steps in {summary['wall_s']:.1f} s ({summary['device']}, "
+          f"{summary['precision']}): loss {summary['final_loss']:.3f}, eval loss "
+          f"{summary.get('eval_loss', float('nan')):.3f}, eval accuracy "
+          f"{summary.get('accuracy', float('nan')):.3f}, {summary['samples_per_s']:.0f} "
+          f"samples/s; run folder {args.out}")
+    print(f"loader: {describe_settings(built.loader_settings)}; evaluation: {split.how}")
+    print(summary["bottleneck"]["advice"])
+    return 0
+
+
+def make_trainer(args: argparse.Namespace, built: Built, split: EvalSplit, info: Any
+                 ) -> tuple[Any, int]:
+    """The Trainer of the run (its model compiled and wrapped for DDP as asked), and the
+    steps to train."""
+    from trainers import distributed
+    from trainers.loop import TrainConfig, Trainer
+    from trainers.models import compile_model
+
+    device, task = device_of(built.loader), built.task
     if args.epochs and args.task == "text":
         raise ValueError("--epochs needs the loader's length, which for packed text depends "
                          "on the token count; pass --steps")
-    steps = args.steps or args.epochs * len(loader) // args.grad_accum
+    # With a held-out slice by key, an epoch has the same batches, each without that slice.
+    steps = args.steps or args.epochs * len(built.loader) // args.grad_accum
     if args.grad_compression != "none" and not info.active:
         raise ValueError("--grad-compression applies to DDP runs: start the run with torchrun")
     cfg = TrainConfig(run_dir=args.out, steps=steps, lr=args.lr, optimizer=args.optimizer,
@@ -144,26 +212,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile:
         task.model = compile_model(task.model)
     task.model = distributed.wrap(task.model, info, device, args.grad_compression)
-    trainer = Trainer(task, loader, cfg, device, {"data": train.fingerprint()}, info)
-    try:
-        summary = run(trainer, evaluation, held_out, steps, args.quiet or not info.is_main)
-    finally:
-        loader.close()
-        if evaluation is not None:
-            evaluation.close()
-        distributed.finish(info)
-    if not info.is_main:
-        return 0
-    if not summary.get("wall_s"):
-        print(f"{args.out}: this run already finished; see its summary.json")
-        return 0
-    print(f"{summary['steps']} steps in {summary['wall_s']:.1f} s ({summary['device']}, "
-          f"{summary['precision']}): loss {summary['final_loss']:.3f}, eval loss "
-          f"{summary.get('eval_loss', float('nan')):.3f}, eval accuracy "
-          f"{summary.get('accuracy', float('nan')):.3f}, {summary['samples_per_s']:.0f} "
-          f"samples/s; run folder {args.out}")
-    print(summary["bottleneck"]["advice"])
-    return 0
+    # A checkpoint continues only the run it was made for: the same data, and the same
+    # samples held out of it when they are chosen by key.
+    data = {"data": split.train.fingerprint(),
+            **({"held_out_by_key": f"{split.by_key}%"} if split.by_key else {})}
+    return Trainer(task, built.loader, cfg, device, data, info), steps
+
+
+def local_world_size() -> int:
+    """The ranks on this node, which share its cores: torchrun's LOCAL_WORLD_SIZE, else 1."""
+    text = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE={text!r}: expected a positive integer (torchrun "
+                         "sets it)")
+    return int(text)
+
+
+def add_to_summary(run_dir: Path, entries: dict[str, Any]) -> None:
+    """`entries` added to the summary.json that `fit` wrote (what only this tool knows)."""
+    path = run_dir / "summary.json"
+    summary = json.loads(path.read_text())
+    path.write_text(json.dumps({**summary, **entries}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@ The loop times each step's wait for data (which includes the wait for the batch'
 device) and its compute (forward, backward, optimizer; on a GPU the loss read at each step
 synchronises, so wall clock covers the kernels). A run is input-bound when the accelerator
 waited for data for more than `INPUT_BOUND` of the time.
+
+The advice is printed by tools/train.py: it names train.py's flags (`--prefetch 4`), each with
+the loader option it sets (`prefetch=4`) for a loop of your own around `fit`.
 """
 
 from __future__ import annotations
@@ -30,22 +33,53 @@ def _advice(wait: float, loader: Any) -> str:
     head = f"input-bound: the step waited for data {wait:.0%} of the time; "
     if cfg is None:
         return head + "make the loader faster (more workers or threads)"
-    if kind in ("image", "pointcloud") and getattr(loader, "device", "cpu") == "cpu" \
-            and _cuda():
-        work = "decode" if kind == "image" else "augment and voxelize"
-        return head + f"{work} on the GPU (device='gpu'): the CPU works, the GPU idles"
+    # Where decoding runs (loaders without the attribute: where their batches land).
+    decode = getattr(loader, "decode", getattr(loader, "device", "cpu"))
+    if kind in ("image", "pointcloud") and decode == "cpu" and _cuda():
+        return head + _on_the_gpu(loader, kind)
     if kind == "image" and cfg.normalize:
-        return head + "send uint8 (normalize=False) and normalize on the device: 4x fewer bytes"
+        return head + ("send uint8 (the loader option normalize=False; train.py always does) "
+                       "and normalize on the device: 4x fewer bytes")
     if cfg.prefetch < 4:
-        return head + f"prefetch deeper (prefetch={cfg.prefetch} now; try 4) to absorb jitter"
+        return head + (f"prefetch deeper to absorb jitter: --prefetch 4 (the loader option "
+                       f"prefetch=4; {cfg.prefetch} now)")
     if kind == "text":
-        return head + ("tokenizing is the cost: use the built-in bytes or an HF tokenizer.json "
-                       "(batched, in Rust), or longer rows (seq_len) per step")
+        return head + ("tokenizing is the cost: --tokenizer bytes (built in) or a "
+                       "tokenizer.json (HF tokenizers: batched, in Rust), or longer rows per "
+                       "step (--seq-len)")
     if kind == "pointcloud":
-        return head + (f"the {cfg.threads} threads are saturated: fewer num_points, a smaller "
-                       "grid, or a GPU loader (device='gpu') voxelizing there")
-    return head + (f"the loader's {cfg.threads} decode threads are saturated: add cores, "
-                   "shrink the input images, or use fast_idct=True / antialias=False")
+        return head + (f"the {cfg.threads} decode threads are saturated: {_more_threads(cfg)}, "
+                       "fewer points (--num-points) or a smaller voxel grid (--grid)")
+    return head + (f"the {cfg.threads} decode threads are saturated: {_more_threads(cfg)}, "
+                   "smaller stored images, or the image_loader options fast_idct=True / "
+                   "antialias=False (no train.py flags)")
+
+
+def _on_the_gpu(loader: Any, kind: str) -> str:
+    """Decoding (images) or augmenting (point clouds) on the CPU beside an idle GPU."""
+    work = "decode" if kind == "image" else "augment and voxelize"
+    flags, options = ["--decode gpu"], ["decode='gpu'"]
+    if getattr(loader, "device", "cpu") == "cpu":  # GPU decoding puts the batches there
+        flags.insert(0, "--device cuda")
+        options.insert(0, "device='cuda'")
+    needs = ""
+    if getattr(loader, "backend", "dali") == "portable":  # the portable backend: CPU only
+        flags.insert(0, "--backend dali")
+        options.insert(0, "backend='dali'")
+        needs = ", with nvidia-dali-cuda120 installed"
+    named = "option" if len(options) == 1 else "options"
+    return (f"{work} on the GPU: {' '.join(flags)} (the loader {named} {', '.join(options)}"
+            f"{needs}): the CPU works, the GPU idles")
+
+
+def _more_threads(cfg: Any) -> str:
+    from pipeline.loading.options import cores
+
+    here = cores()
+    if cfg.threads < here:
+        return (f"more threads where this node's {here} cores are not all busy (--loader-threads "
+                "N, the loader option threads=N)")
+    return f"more cores (all {here} cores here decode already)"
 
 
 def _cuda() -> bool:

@@ -1,25 +1,36 @@
 """What `tools/train.py` builds before training: the held-out split, the loaders and the
 task for `--task`, from the command line's options (one field per flag, see TaskOptions).
 
-    split_eval(source, eval_data)   -> (train source, held-out source, how it was chosen)
-    build_task(opts, train, held, rank, world) -> (training loader, eval loader | None, task)
+    split_eval(source, eval_data, world_size)  -> EvalSplit (train, held-out, how it was chosen)
+    build_task(opts, split, rank, world, local_world) -> Built (loader, evaluation, task,
+                                                        the loaders' threads and prefetch)
 
+The loaders' options: the flags; then, as the `*_loader` functions do, a tuning file's choices
+where the flags left them automatic (pipeline/loading/tuning.py); then, for decode threads
+(images, point clouds) still unset, this machine's cores divided among the ranks on this node.
 The trainer itself (loop.py, run.py) knows no modality; this module is where a modality's
 loader and task meet.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import fsspec
 
+from pipeline.loading.holdout import KeyHoldout, Side
+from pipeline.loading.options import LoaderOptions, cores
 from pipeline.loading.shardlist import Source, resolve_source
 from pipeline.shards.manifest import MANIFEST, LabelStats, load_manifest
 from pipeline.urls import redact
 
+log = logging.getLogger(__name__)
 HOLD_OUT_EVERY = 10
+HOLD_OUT_PERCENT = 100 // HOLD_OUT_EVERY  # by key hash, when there are too few shards
+GRAPH_TASKS = ("image", "pointcloud")  # loaders with decode threads (GraphOptions.threads)
 
 
 @dataclass(frozen=True)
@@ -45,34 +56,152 @@ class TaskOptions:
     activation_checkpointing: bool = False
     num_classes: int | None = None  # when the manifest has no class map or label statistics
     pad_token: str | None = None  # text: the padding token of a tokenizer.json without one
+    loader_threads: int | None = None  # None: the tuning file's, else cores // local ranks
+    prefetch: int | None = None  # None: the tuning file's, else the loaders' default
+    tuning_file: Path | None = None  # None: tuning.default_path(), when it exists
+    use_tuning: bool = True  # False: --no-tuning
 
 
-def split_eval(source: Source, eval_data: str | None) -> tuple[Source, Source, str]:
+@dataclass(frozen=True)
+class EvalSplit:
+    """The training and evaluation data, what summary.json says of the split (`how`), and
+    `by_key`: the percent of samples held out by key hash when both read the same shards."""
+
+    train: Source
+    held: Source
+    how: str
+    by_key: int | None = None
+
+    def holdout(self, side: Side) -> KeyHoldout | None:
+        return KeyHoldout(side, self.by_key) if self.by_key else None
+
+
+def split_eval(source: Source, eval_data: str | None, world_size: int = 1) -> EvalSplit:
     """The evaluation data: `eval_data` when given, else every 10th shard of `source` (sorted
-    by name, at least one), never trained on."""
+    by name, at least one), never trained on. With too few shards for that (one, or one held
+    out would leave a rank without a shard), 10% of the samples by key hash instead: the same
+    samples on every rank and after a resume (pipeline/loading/holdout.py)."""
     if eval_data:
-        return source, resolve_source(eval_data), f"--eval-data {redact(eval_data)}"
+        return EvalSplit(source, resolve_source(eval_data), f"--eval-data {redact(eval_data)}")
     shards = sorted(source.shards, key=lambda s: s.url)
-    if len(shards) < 2:
-        raise ValueError("--data has one shard: nothing to hold out; pass --eval-data or "
-                         "re-shard with a smaller --max-count")
     held = shards[HOLD_OUT_EVERY - 1:: HOLD_OUT_EVERY] or shards[-1:]
     train = tuple(s for s in shards if s not in held)
+    if len(train) < max(world_size, 1):
+        count = f"{len(shards)} shard{'s' if len(shards) != 1 else ''}"
+        why = count if world_size <= 1 else f"{count} for {world_size} ranks"
+        return EvalSplit(source, source, f"held out {HOLD_OUT_PERCENT}% of samples by key hash "
+                         f"(no --eval-data, {why}), never trained on", HOLD_OUT_PERCENT)
     names = ", ".join(redact(s.url).rsplit("/", 1)[-1] for s in held)
-    return (Source(train, source.classes, source.modality),
-            Source(tuple(held), source.classes, source.modality),
-            f"every {HOLD_OUT_EVERY}th shard of --data, never trained on: {names}")
+    return EvalSplit(Source(train, source.classes, source.modality),
+                     Source(tuple(held), source.classes, source.modality),
+                     f"every {HOLD_OUT_EVERY}th shard of --data, never trained on: {names}")
 
 
-def build_task(opts: TaskOptions, train: Source, held: Source, rank: int, world: int
-               ) -> tuple[Any, Any, Any]:
-    """(training loader, evaluation loader or None, task) for `opts.task`. Rank 0 evaluates
-    all of the held-out data (often too few shards to split); the other ranks add nothing to
-    the sums they share."""
+class Built(NamedTuple):
+    """What build_task builds; `loader_settings`: the training loader's decode threads and
+    prefetch depth, where each came from, and the tuning file's choices it used."""
+
+    loader: Any
+    evaluation: Any
+    task: Any
+    loader_settings: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _Ranks:
+    rank: int
+    world: int
+    local_world: int
+
+
+def build_task(opts: TaskOptions, split: EvalSplit, rank: int, world: int,
+               local_world: int = 1) -> Built:
+    """The training loader, the evaluation loader (or None) and the task of `opts.task`. Rank
+    0 evaluates all of the held-out data (often too few shards to split); the other ranks add
+    nothing to the sums they share. `local_world`: the ranks on this node (torchrun's
+    LOCAL_WORLD_SIZE), which share its cores."""
     builders = {"image": _image, "text": _text, "pointcloud": _pointcloud}
     if opts.task not in builders:
         raise ValueError(f"--task {opts.task}: choose one of {', '.join(builders)}")
-    return builders[opts.task](opts, train, held, rank, world)
+    if opts.loader_threads is not None and opts.task not in GRAPH_TASKS:
+        raise ValueError("--loader-threads sets the decode threads of the image and "
+                         "pointcloud loaders; the text loader reads, tokenizes and packs in one "
+                         "stage of its own: drop the flag (--prefetch applies)")
+    if opts.tuning_file is not None and not Path(opts.tuning_file).is_file():
+        raise FileNotFoundError(f"--tuning-file {opts.tuning_file}: no such file (write one "
+                                "with tools/bench_loader.py --tune, or drop the flag)")
+    ranks = _Ranks(rank, world, max(local_world, 1))
+    train_options, settings = loader_options(opts, split.train, ranks.local_world)
+    held_options = loader_options(opts, split.held, ranks.local_world)[0] if rank == 0 \
+        else None
+    loader, evaluation, task = builders[opts.task](opts, split, ranks, train_options,
+                                                   held_options)
+    loader.holdout = split.holdout("train")
+    if evaluation is not None:
+        evaluation.holdout = split.holdout("eval")
+    log.info("loaders: %s", describe_settings(settings))
+    return Built(loader, evaluation, task, settings)
+
+
+def loader_options(opts: TaskOptions, source: Source, local_world: int = 1
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The options of a `opts.task` loader of `source` (what its config takes besides the
+    modality's own), and what summary.json says of them. Precedence, for decode threads and
+    prefetch alike: the flag, else the tuning file's choice, else the default (threads: the
+    cores divided among this node's `local_world` ranks; prefetch: the loaders' own)."""
+    graph = opts.task in GRAPH_TASKS
+    flags = {"threads": opts.loader_threads if graph else None, "prefetch": opts.prefetch}
+    given = {name: value for name, value in flags.items() if value is not None}
+    asked = {"batch_size": opts.batch_size, "seed": opts.seed, "device": opts.device,
+             "decode": opts.decode, "on_error": opts.on_error, "reader": opts.reader,
+             "backend": opts.backend, **given}
+    options = _tuned(opts, source, asked) if opts.use_tuning else dict(asked)
+    tuned = {name: value for name, value in options.items() if asked.get(name) != value}
+    if graph and "threads" not in options:
+        options["threads"] = max(1, cores() // local_world)
+    defaults = {"threads": f"all {cores()} cores" if local_world == 1 else
+                f"{cores()} cores / LOCAL_WORLD_SIZE={local_world} ranks on this node",
+                "prefetch": "the loaders' default"}
+    settings: dict[str, Any] = {}
+    for name, flag in (("threads", "--loader-threads"), ("prefetch", "--prefetch")):
+        if name == "threads" and not graph:
+            continue  # the text loader has no decode threads
+        settings[name] = options.get(name, LoaderOptions.prefetch)  # only prefetch unset
+        settings[f"{name}_from"] = (flag if name in given else
+                                    "the tuning file" if name in tuned else defaults[name])
+    settings["tuned"] = tuned
+    settings["tuning_file"] = str(opts.tuning_file or _default_tuning_path()) if tuned \
+        else None
+    return options, settings
+
+
+def describe_settings(settings: dict[str, Any]) -> str:
+    """The loader settings in one line, e.g. "decode threads 4 (--loader-threads), prefetch 2
+    (the loaders' default)"."""
+    parts = []
+    if "threads" in settings:
+        parts.append(f"decode threads {settings['threads']} ({settings['threads_from']})")
+    parts.append(f"prefetch {settings['prefetch']} ({settings['prefetch_from']})")
+    if settings["tuned"]:
+        parts.append(f"from the tuning file {settings['tuning_file']}: {settings['tuned']}")
+    return ", ".join(parts)
+
+
+def _tuned(opts: TaskOptions, source: Source, options: dict[str, Any]) -> dict[str, Any]:
+    """`options` with the tuning file's choices filled in, as `tuning.source_and_options`
+    fills them in for the `*_loader` functions (which resolve their source first: `source`
+    here is resolved and split already)."""
+    from pipeline.loading import readers, tuning
+
+    dali = readers.resolve_backend(opts.backend, opts.task) == "dali"
+    return tuning.apply(opts.task, options, opts.tuning_file,
+                        dali_readable=readers.dali_readable(source), dali=dali)
+
+
+def _default_tuning_path() -> Path:
+    from pipeline.loading import tuning
+
+    return tuning.default_path()
 
 
 def device_of(loader: Any) -> Any:
@@ -113,29 +242,24 @@ def _label_stats(data: str) -> LabelStats | None:
     return load_manifest(url).labels if fs.isfile(path) else None
 
 
-def _shared(opts: TaskOptions) -> dict[str, Any]:
-    return {"batch_size": opts.batch_size, "seed": opts.seed, "device": opts.device,
-            "decode": opts.decode, "on_error": opts.on_error, "reader": opts.reader,
-            "backend": opts.backend}
-
-
-def _image(opts: TaskOptions, train: Source, held: Source, rank: int, world: int
-           ) -> tuple[Any, Any, Any]:
+def _image(opts: TaskOptions, split: EvalSplit, ranks: _Ranks, train_options: dict[str, Any],
+           held_options: dict[str, Any] | None) -> tuple[Any, Any, Any]:
     from pipeline.image import ImageConfig, ImageLoader
     from trainers.image_task import ImageClassification
 
-    classes = _classes(opts, train)
-    common = {**_shared(opts), "size": opts.size, "num_classes": classes}
-    loader = ImageLoader(train, ImageConfig(train=True, **common), rank, world)
-    evaluation = ImageLoader(held, ImageConfig(train=False, **common), 0, 1) if rank == 0 \
-        else None
+    classes = _classes(opts, split.train)
+    own: dict[str, Any] = {"size": opts.size, "num_classes": classes}
+    loader = ImageLoader(split.train, ImageConfig(train=True, **train_options, **own),
+                         ranks.rank, ranks.world)
+    evaluation = None if held_options is None else \
+        ImageLoader(split.held, ImageConfig(train=False, **held_options, **own), 0, 1)
     task = ImageClassification(classes, opts.model or "small-resnet", device_of(loader),
                                opts.activation_checkpointing)
     return loader, evaluation, task
 
 
-def _text(opts: TaskOptions, train: Source, held: Source, rank: int, world: int
-          ) -> tuple[Any, Any, Any]:
+def _text(opts: TaskOptions, split: EvalSplit, ranks: _Ranks, train_options: dict[str, Any],
+          held_options: dict[str, Any] | None) -> tuple[Any, Any, Any]:
     from pipeline.text import TextConfig, TextLoader
     from pipeline.text.tokenizer import load_tokenizer
     from trainers.text_task import LanguageModelling
@@ -144,27 +268,30 @@ def _text(opts: TaskOptions, train: Source, held: Source, rank: int, world: int
         raise ValueError("--model is for image and pointcloud tasks; text models follow "
                          "--objective (mlm: encoder, clm: decoder)")
     tokenizer = load_tokenizer(opts.tokenizer, pad_token=opts.pad_token)
-    common = {**_shared(opts), "seq_len": opts.seq_len, "objective": opts.objective}
-    loader = TextLoader(train, TextConfig(train=True, **common), tokenizer, rank, world)
-    evaluation = TextLoader(held, TextConfig(train=False, **common), tokenizer, 0, 1) \
-        if rank == 0 else None
+    own: dict[str, Any] = {"seq_len": opts.seq_len, "objective": opts.objective}
+    loader = TextLoader(split.train, TextConfig(train=True, **train_options, **own), tokenizer,
+                        ranks.rank, ranks.world)
+    evaluation = None if held_options is None else \
+        TextLoader(split.held, TextConfig(train=False, **held_options, **own), tokenizer, 0, 1)
     task = LanguageModelling(opts.objective, tokenizer.vocab_size, opts.seq_len,
                              device_of(loader))
     return loader, evaluation, task
 
 
-def _pointcloud(opts: TaskOptions, train: Source, held: Source, rank: int, world: int
+def _pointcloud(opts: TaskOptions, split: EvalSplit, ranks: _Ranks,
+                train_options: dict[str, Any], held_options: dict[str, Any] | None
                 ) -> tuple[Any, Any, Any]:
     from pipeline.pointcloud import PointCloudConfig, PointCloudLoader
     from trainers.pointcloud_task import MODELS, PointCloudClassification
 
-    classes, model = _classes(opts, train), opts.model or "pointnet"
+    classes, model = _classes(opts, split.train), opts.model or "pointnet"
     if model not in MODELS:  # before any loader is built
         raise ValueError(f"--model {model}: choose one of {', '.join(MODELS)} for point clouds")
-    common = {**_shared(opts), "num_points": opts.num_points, "grid": opts.grid,
-              "num_classes": classes, "voxels": "occupancy" if model == "voxnet" else None}
-    loader = PointCloudLoader(train, PointCloudConfig(train=True, **common), rank, world)
-    evaluation = PointCloudLoader(held, PointCloudConfig(train=False, **common), 0, 1) \
-        if rank == 0 else None
+    own: dict[str, Any] = {"num_points": opts.num_points, "grid": opts.grid, "num_classes": classes,
+           "voxels": "occupancy" if model == "voxnet" else None}
+    loader = PointCloudLoader(split.train, PointCloudConfig(train=True, **train_options, **own),
+                              ranks.rank, ranks.world)
+    evaluation = None if held_options is None else PointCloudLoader(
+        split.held, PointCloudConfig(train=False, **held_options, **own), 0, 1)
     task = PointCloudClassification(classes, model, device_of(loader), grid=opts.grid)
     return loader, evaluation, task

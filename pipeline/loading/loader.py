@@ -32,6 +32,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from pipeline.errors import DataError, OnError, SkipLog, handle
 from pipeline.loading.batch import EncodedBatch
+from pipeline.loading.holdout import KeyHoldout, select
 from pipeline.loading.options import LoaderOptions
 from pipeline.loading.prefetch import Stage
 from pipeline.loading.readplan import EpochPlan, plan_epoch
@@ -50,6 +51,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
     """Iterable over batches on the target device; a context manager; `state_dict()`."""
 
     kind = "base"
+    holdout: KeyHoldout | None = None  # read one side of a split by key hash (holdout.py)
 
     def __init__(self, source: Source, *, batch_size: int, seed: int, rank: int,
                  world_size: int, shuffle: bool, shuffle_buffer: int, on_error: OnError,
@@ -220,6 +222,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         """`check(enc, i)` for every sample of `enc`: those it refuses with a DataError are raised
         or dropped from `enc` (the skips recorded with it); the results of the rest, aligned
         with what is left in `enc`."""
+        select(self.holdout, enc)  # the other side's samples: not read, not skipped
         results: list[T] = []
         skips = SkipLog()
         for i in reversed(range(len(enc))):

@@ -33,6 +33,7 @@ from pipeline.loading import readers, tuning
 from pipeline.loading.agreement import rank_agreement
 from pipeline.loading.batch import EncodedBatch, TextBatch
 from pipeline.loading.delivery import DeviceCopier
+from pipeline.loading.holdout import select
 from pipeline.loading.loader import Loader, Produced
 from pipeline.loading.readplan import EpochPlan
 from pipeline.loading.shardlist import Source
@@ -131,6 +132,7 @@ class TextLoader(Loader):
         for enc in readers.encoded(self.reader, plan, before, self.on_error, TEXT_EXTS):
             if stop.is_set():
                 return
+            select(self.holdout, enc)  # a split by key hash (holdout.py)
             texts, keys = self._documents(enc)
             docs = self.tokenizer.encode_batch(texts) if texts else []
             yield (before, docs, keys, enc.skips), enc.state
