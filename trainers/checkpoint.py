@@ -35,9 +35,7 @@ def save(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "wb") as f:
-            torch.save({"version": VERSION, "step": step, **state}, f)
-            f.flush()
-            os.fsync(f.fileno())
+            _write(f, {"version": VERSION, "step": step, **state})
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
@@ -51,6 +49,21 @@ def save(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
     for old in sorted(run_dir.glob(f"{PREFIX}*.pt"))[:-keep]:
         old.unlink()
     return path
+
+
+def _write(f: Any, state: dict[str, Any]) -> None:
+    """torch.save into `f`, flushed and synced. A full disk surfaces from torch's zip writer
+    either as the OSError or, when it strikes inside the archive, as a RuntimeError ("unexpected
+    pos") raised while the OSError is handled: that one is the OSError too."""
+    try:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    except RuntimeError as exc:
+        cause = exc.__context__ or exc.__cause__
+        if isinstance(cause, OSError):
+            raise cause from exc
+        raise
 
 
 def remove_partial(run_dir: Path) -> None:

@@ -5,7 +5,9 @@ window's steps), lr, samples_per_s (all ranks together), data_wait (rank 0's sha
 time spent waiting for the next batch) and skipped (samples all loaders dropped so far).
 After a resume, the steps between the checkpoint and the kill are logged again: the last
 line of a step is the one that counts. summary.json holds the run's totals, the resolved device and
-precision, and what was held out for evaluation.
+precision, and what was held out for evaluation; eval.jsonl the evaluation's metrics, one
+line per evaluation (step, eval_loss, accuracy). Rank 0 also writes TensorBoard scalars
+where tensorboard imports and, at the end, curves.png (curves.py).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from pipeline.errors import DataError
-from trainers import bottleneck
+from trainers import bottleneck, curves
 from trainers.distributed import gather, parameter_digest, sum_over_ranks
 from trainers.loop import Trainer, log_line
 
@@ -65,8 +68,24 @@ def fit(trainer: Trainer, *, eval_loader: Any = None, held_out: str = "none",
         log.info("the run in %s already finished (step %d); nothing to do", cfg.run_dir,
                  resumed_at)
         return trainer.summary_so_far
+    board = None
+    if trainer.dist.is_main:
+        board = curves.Board.open(cfg.run_dir, None if resumed_at is None else resumed_at + 1)
+    try:
+        last_loss = _train(trainer, _observed(progress, board))
+        summary = _finish(trainer, eval_loader, held_out, last_loss, started, resumed_at, board)
+    finally:
+        if board is not None:
+            board.close()
+    if trainer.dist.is_main:
+        _draw_curves(cfg.run_dir)
+    return summary
+
+
+def _train(trainer: Trainer, progress: Progress | None) -> Any:
+    """The steps up to `cfg.steps`; the last loss (a device tensor) or None."""
     window, last_loss = _Window(), None
-    while trainer.step < cfg.steps:
+    while trainer.step < trainer.cfg.steps:
         waited_from, useful, batches = time.perf_counter(), 0, 0
         for batch in trainer.loader:
             batches += 1
@@ -78,7 +97,7 @@ def fit(trainer: Trainer, *, eval_loader: Any = None, held_out: str = "none",
             if loss is not None:
                 last_loss = loss
                 window = _after_step(trainer, window, progress)
-                if trainer.step >= cfg.steps:
+                if trainer.step >= trainer.cfg.steps:
                     break
             waited_from = time.perf_counter()
         # A pass with no batch at all is a resume at the very end of an epoch (the next pass
@@ -86,7 +105,31 @@ def fit(trainer: Trainer, *, eval_loader: Any = None, held_out: str = "none",
         if batches and not useful:
             raise DataError("no-data", "a whole pass over the training data gave no usable "
                             "sample (all skipped?); see the loader's skip report")
-    return _finish(trainer, eval_loader, held_out, last_loss, started, resumed_at)
+    return last_loss
+
+
+def _observed(progress: Progress | None, board: curves.Board | None) -> Progress | None:
+    """`progress`, with each logged record also sent to TensorBoard."""
+    if board is None:
+        return progress
+
+    def both(record: dict[str, Any]) -> None:
+        board.train(record)
+        if progress:
+            progress(record)
+    return both
+
+
+def _draw_curves(run_dir: Path) -> None:
+    """curves.png at the end of a run. A figure that cannot be drawn does not fail the run
+    it shows: it is said, and tools/plot_run.py draws it later."""
+    try:
+        curves.draw(run_dir)
+    except ImportError as err:
+        log.info("no %s: %s", curves.PNG, err)
+    except Exception as err:
+        log.warning("%s not drawn (%s: %s); tools/plot_run.py %s draws it from %s",
+                    curves.PNG, type(err).__name__, err, run_dir, curves.METRICS)
 
 
 def _one(trainer: Trainer, batch: Any, window: _Window) -> Any:
@@ -155,10 +198,15 @@ def _after_step(trainer: Trainer, window: _Window, progress: Progress | None) ->
 
 
 def _finish(trainer: Trainer, eval_loader: Any, held_out: str, last_loss: Any,
-            started: float, resumed_at: int | None) -> dict[str, Any]:
+            started: float, resumed_at: int | None, board: curves.Board | None
+            ) -> dict[str, Any]:
     wall = time.perf_counter() - started
     last_loss = float("nan") if last_loss is None else float(last_loss)
     metrics = trainer.evaluate(eval_loader) if eval_loader is not None else {}
+    if trainer.dist.is_main and curves.evaluated(metrics):
+        log_line(trainer.cfg.run_dir / curves.EVALS, {"step": trainer.step, **metrics})
+        if board is not None:
+            board.evaluation(trainer.step, metrics)
     digests = gather(parameter_digest(trainer.task.model), trainer.dist)
     samples, skipped, unknown = sum_over_ranks(
         [trainer.samples, trainer.loader.skipped_samples(),
