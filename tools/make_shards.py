@@ -4,6 +4,7 @@
     python tools/make_shards.py imagefolder data/train shards/train --max-size 64MB
     python tools/make_shards.py text corpus/ shards/text --split-lines
     python tools/make_shards.py shards 'old/train-{000000..000099}.tar' shards/new
+    python tools/make_shards.py parquet 'hf/data/train-*.parquet' shards/train --image-column img
     python tools/make_shards.py imagefolder SRC OUT --part 0/4   # one of four machines
     python tools/make_shards.py merge OUT                       # after all parts
 """
@@ -26,6 +27,7 @@ from cliutil import (
 from tqdm import tqdm
 
 from pipeline.convert import ConvertConfig, convert
+from pipeline.convert.parquet import ParquetOptions
 from pipeline.convert.sources import TextOptions
 from pipeline.errors import DataError
 from pipeline.executor import WorkerError
@@ -41,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
              "manifest": "a CSV or JSONL file of path[,label]",
              "text": ".txt files (one document each, or one per line) or JSONL",
              "pointcloud": "one subfolder per class of .npy/.ply/.off/.xyz files",
-             "shards": "existing tar shards (folder, glob, brace pattern or URL)"}
+             "shards": "existing tar shards (folder, glob, brace pattern or URL)",
+             "parquet": "a Parquet file, a folder of them, or a quoted glob pattern "
+                        "(one split of a Hugging Face dataset: 'data/train-*.parquet')"}
     for kind, text in helps.items():
         p = sub.add_parser(kind, help=text)
         p.add_argument("src", help="the source: " + text)
@@ -53,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-IMAGE_KINDS = ("imagefolder", "manifest", "shards")
+IMAGE_KINDS = ("imagefolder", "manifest", "shards", "parquet")
 POINT_KINDS = ("pointcloud", "manifest", "shards")
 
 
@@ -85,13 +89,13 @@ def _kind_options(p: argparse.ArgumentParser, kind: str) -> None:
     if kind in POINT_KINDS:
         p.add_argument("--max-points", type=positive_int, default=CheckLimits.max_points,
                        help="refuse point clouds with more points")
-    if kind in ("text", "shards"):
+    if kind in ("text", "shards", "parquet"):
         p.add_argument("--max-text-bytes", type=parse_size, default=CheckLimits.max_text_bytes,
                        help="refuse documents (or lines) longer than this (default 16MiB)")
-    if kind != "shards":
+    if kind not in ("shards", "parquet"):
         p.add_argument("--max-file-size", type=parse_size, default=parse_size("1GiB"),
                        help="refuse input files larger than this (default 1GiB)")
-    if kind in ("imagefolder", "pointcloud", "manifest"):
+    if kind in ("imagefolder", "pointcloud", "manifest", "parquet"):
         p.add_argument("--classes-from", type=Path, default=None, metavar="MANIFEST",
                        help="number classes as in this earlier manifest.json (e.g. the "
                        "training split's), so that splits agree")
@@ -102,9 +106,25 @@ def _kind_options(p: argparse.ArgumentParser, kind: str) -> None:
     if kind == "text":
         p.add_argument("--split-lines", action="store_true", help="one document per line")
         p.add_argument("--text-field", default="text", help="JSONL field holding the text")
+    if kind == "parquet":
+        _parquet_options(p)
     if kind == "shards":
         p.add_argument("--max-member-size", type=parse_size, default=parse_size("256MiB"),
                        help="refuse tar members declaring more bytes than this")
+
+
+def _parquet_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--image-column", default=None, metavar="COLUMN",
+                   help="column of image bytes, or of {bytes, path} structs (Hugging Face "
+                   "Image); stored as .jpg/.png by the image's real format")
+    p.add_argument("--text-column", default=None, metavar="COLUMN",
+                   help="column of text: the document (.txt), or with --image-column the "
+                   "image's caption")
+    p.add_argument("--label-column", dest="parquet_label", default=None, metavar="COLUMN",
+                   help="column of labels (.cls): integers kept; strings numbered in sorted "
+                   "order (the map goes to manifest.json's classes)")
+    p.add_argument("--key-column", default=None, metavar="COLUMN",
+                   help="column of unique sample keys (default: <file>_<row:08d>)")
 
 
 def _classes_from(path: Path | None) -> dict[str, int] | None:
@@ -129,6 +149,10 @@ def config_from_args(args: argparse.Namespace) -> ConvertConfig:
         label_column=getattr(args, "label_column", "label"),
         max_file_bytes=getattr(args, "max_file_size", 2**30),
         classes=_classes_from(getattr(args, "classes_from", None)),
+        parquet=ParquetOptions(getattr(args, "image_column", None),
+                               getattr(args, "text_column", None),
+                               getattr(args, "parquet_label", None),
+                               getattr(args, "key_column", None)),
         max_member_bytes=getattr(args, "max_member_size", 256 * 2**20),
         workers=args.workers, overwrite=args.overwrite, worker_timeout_s=args.worker_timeout)
 

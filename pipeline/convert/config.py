@@ -11,6 +11,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pipeline.convert.parquet import ParquetOptions
 from pipeline.convert.sources import SOURCE_KINDS, TextOptions
 from pipeline.errors import OnError, check_on_error
 from pipeline.samples.checks import CheckLimits
@@ -36,6 +37,7 @@ class ConvertConfig:
     path_column: str = "path"
     label_column: str = "label"
     classes: dict[str, int] | None = None  # reuse an earlier conversion's class map
+    parquet: ParquetOptions = field(default_factory=ParquetOptions)  # the parquet kind's columns
     max_file_bytes: int = 1024 * 1024 * 1024
     max_member_bytes: int = 256 * 1024 * 1024
     workers: int = field(default=os.cpu_count() or 1, compare=False)
@@ -74,4 +76,6 @@ class ConvertConfig:
         args.update(src=redact(self.src), out=str(self.out), part=list(self.part))
         for name in ("workers", "overwrite", "worker_timeout_s"):
             args.pop(name)
+        if self.kind != "parquet":  # the other kinds' arguments stay as they were
+            args.pop("parquet")
         return json.loads(json.dumps(args))

@@ -20,6 +20,7 @@ from pipeline import executor
 from pipeline.convert import outdir
 from pipeline.convert.config import ConvertConfig
 from pipeline.convert.outdir import JOURNAL, Journal
+from pipeline.convert.parquet import ParquetPlan, RowChunk, build_rows, plan_parquet, row_tasks
 from pipeline.convert.sources import (
     InputItem,
     Plan,
@@ -64,6 +65,8 @@ def make_plan(cfg: ConvertConfig) -> Plan:
         return plan_text(src, cfg.text)
     if cfg.kind == "manifest":
         return plan_manifest(src, cfg.path_column, cfg.label_column, cfg.classes)
+    if cfg.kind == "parquet":
+        return plan_parquet(src, cfg.parquet, cfg.classes)
     return Plan("unknown", [])  # shards: streamed, see shard_tasks
 
 
@@ -141,10 +144,14 @@ class _Work:
     max_file_bytes: int
 
 
-def run_task(task: InputItem | dict[str, object] | DataError, work: _Work
-             ) -> list[dict[str, object] | DataError]:
+Task = InputItem | RowChunk | dict[str, object] | DataError
+
+
+def run_task(task: Task, work: _Work) -> list[dict[str, object] | DataError]:
     if isinstance(task, DataError):
         return [task]
+    if isinstance(task, RowChunk):
+        return build_rows(task, work.limits)
     if isinstance(task, dict):
         try:
             return [repair_sample(task, work.limits)]
@@ -161,14 +168,20 @@ def convert(cfg: ConvertConfig, progress: Progress | None = None) -> Manifest:
     journal = outdir.prepare_out(cfg)
     skips = SkipLog()
     plan = make_plan(cfg)
-    tasks: Iterable[InputItem | dict[str, object] | DataError]
-    tasks = shard_tasks(cfg, skips) if cfg.kind == "shards" else order_tasks(plan.tasks, cfg)
+    tasks: Iterable[Task]
+    ahead = 0  # tasks the stream already starts after (a resumed parquet job seeks)
+    if isinstance(plan, ParquetPlan):
+        ahead = journal.position[0]
+        tasks = row_tasks(plan, cfg.part, cfg.shuffle_seed, ahead)
+    else:
+        tasks = shard_tasks(cfg, skips) if cfg.kind == "shards" else order_tasks(plan.tasks, cfg)
     writer = ShardWriter(cfg.out, cfg.stem, max_count=cfg.max_count, max_size=cfg.max_size,
                          start_index=len(journal.shards))
     job = _Job(cfg, journal, writer, skips, progress)
-    job.total = _expected_samples(tasks)
+    job.total = plan.part_rows(cfg.part) if isinstance(plan, ParquetPlan) \
+        else _expected_samples(tasks)
     try:
-        job.run(tasks, _Work(cfg.limits, cfg.text, cfg.max_file_bytes))
+        job.run(tasks, _Work(cfg.limits, cfg.text, cfg.max_file_bytes), ahead)
     except BaseException:
         writer.abort()
         raise
@@ -188,10 +201,14 @@ class _Job:
         self.bytes = sum(int(s["bytes"]) for s in journal.shards)  # type: ignore[call-overload]
         self.tally = _Tally.resume(journal)
 
-    def run(self, tasks: Iterable[InputItem | dict[str, object] | DataError], work: _Work) -> None:
+    def run(self, tasks: Iterable[Task], work: _Work, ahead: int = 0) -> None:
+        """Convert from the journal's position on; `tasks` starts `ahead` tasks in."""
         start_task, start_result = self.journal.position
         self.end = (start_task, start_result)
-        results = executor.ordered_map(run_task, _skip(tasks, start_task), work, self.cfg.workers,
+        # A parquet task is a chunk of rows (up to a few MB): one per submit bounds what waits.
+        chunk = 1 if self.cfg.kind == "parquet" else executor.CHUNK
+        results = executor.ordered_map(run_task, _skip(tasks, start_task - ahead), work,
+                                       self.cfg.workers, chunk=chunk,
                                        timeout_s=self.cfg.worker_timeout_s, describe=_describe)
         with contextlib.closing(results):  # stop the workers here, also on an error
             for n, outputs in enumerate(results, start_task):
@@ -282,8 +299,7 @@ def _expected_samples(tasks: Iterable[object]) -> int | None:
     return None
 
 
-def _skip(tasks: Iterable[InputItem | dict[str, object] | DataError], n: int
-          ) -> Iterator[InputItem | dict[str, object] | DataError]:
+def _skip(tasks: Iterable[Task], n: int) -> Iterator[Task]:
     for i, task in enumerate(tasks):
         if i >= n:
             yield task
@@ -304,10 +320,12 @@ def _modality_of(out: Path, shards: list[ShardInfo]) -> str:
     return "unknown"
 
 
-def _describe(item: InputItem | dict[str, object] | DataError) -> str:
+def _describe(item: Task) -> str:
     """An input as a worker error names it."""
     if isinstance(item, InputItem):
         return f"{redact(item.path)} key {item.key!r}"
+    if isinstance(item, RowChunk):
+        return item.describe()
     if isinstance(item, dict):
         return f"sample {item.get('__key__')!r}"
     return str(item)

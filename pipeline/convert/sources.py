@@ -1,6 +1,7 @@
 """Source kinds for make_shards: what to convert, as a sorted list of tasks with stable keys.
 
-A task names one input file (or, for the `shards` kind, one sample already read from a tar).
+A task names one input file (or, for the `shards` kind, one sample already read from a tar;
+for the `parquet` kind, a chunk of rows: parquet.py).
 `build_samples(task, ...)` runs in a worker process and turns it into samples (dicts keyed by
 extension) or DataErrors; it reads only the file it names and executes nothing from it.
 """
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 Sample = dict[str, object]
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 TEXT_RANGE_BYTES = 8 * 1024 * 1024
-SOURCE_KINDS = ("imagefolder", "manifest", "text", "pointcloud", "shards")
+SOURCE_KINDS = ("imagefolder", "manifest", "text", "pointcloud", "shards", "parquet")
 
 
 @dataclass(frozen=True)
