@@ -446,9 +446,9 @@ CATEGORIES: dict[str, list[str]] = {
         TOOLS + "test_gzip_shard_read_and_gz_member_expanded_within_the_limit"],
     "shards: ../, absolute names, links, devices never used as paths": [
         CORPUS, RAISE_SHARD, TOOLS + "test_iter_samples_refuses_links_devices_and_escaping_names"],
-    "shards: fewer shards than ranks x workers": [
+    "shards: fewer shards than ranks": [
         "test_image_loader::test_more_ranks_than_shards_is_an_error_at_build",
-        "test_verify_split::test_verify_table_and_empty_rank_warning"],
+        "test_verify_split::test_a_split_the_loaders_would_refuse_is_a_warning_and_workers_are_gone"],
     "added: a FIFO or device where a shard, index or input file belongs": [
         "test_corpus::test_a_fifo_in_place_of_a_shard_or_index_is_never_opened",
         TOOLS + "test_fifos_and_devices_are_refused_never_opened"],
