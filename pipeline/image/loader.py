@@ -27,7 +27,7 @@ from pipeline.image import augment
 from pipeline.image.config import ImageConfig
 from pipeline.image.decode import DecodeStage, ImageStage
 from pipeline.image.portable import PortableImageStage
-from pipeline.loading import readers, tuning
+from pipeline.loading import mix, readers, tuning
 from pipeline.loading.batch import EncodedBatch
 from pipeline.loading.graphstage import GraphLoader
 from pipeline.loading.options import Device
@@ -39,18 +39,25 @@ from pipeline.shards.daliindex import parse_index
 log = logging.getLogger(__name__)
 
 
-def image_loader(source: str | Path | Sequence[str], *, batch_size: int, train: bool = True,
-                 seed: int = 0, device: Device = "auto", on_error: OnError = "raise",
-                 rank: int | None = None, world_size: int | None = None,
+def image_loader(source: str | Path | Sequence[str] | mix.Mixture, *, batch_size: int,
+                 train: bool = True, seed: int = 0, device: Device = "auto",
+                 on_error: OnError = "raise", rank: int | None = None,
+                 world_size: int | None = None,
                  tuning_file: Path | None = None, use_tuning: bool = True,
-                 **options: Any) -> ImageLoader:
+                 **options: Any) -> ImageLoader | mix.MixedLoader:
     """A resumable loader of image batches from shards (see `ImageConfig` for `options`).
 
     `source`: a folder with manifest.json, a glob, a brace pattern, a list of URLs, or any
-    fsspec URL. `rank`/`world_size` default to torch.distributed's when it is initialised.
+    fsspec URL; or a mixture `[(source, weight), ...]` (pipeline/loading/mix.py; its option
+    `epoch_batches`). `rank`/`world_size` default to torch.distributed's when it is initialised.
     Choices left automatic (decode, reader, threads, prefetch, resize_on) come from the tuning
     file of `tools/bench_loader.py --tune` when one was measured on this machine (tuning.py).
     """
+    if mix.is_mixture(source):  # [(source, weight), ...]: batches drawn by weight (mix.py)
+        return mix.build_from(image_loader, source, {
+            "batch_size": batch_size, "train": train, "seed": seed, "device": device,
+            "on_error": on_error, "rank": rank, "world_size": world_size,
+            "tuning_file": tuning_file, "use_tuning": use_tuning, **options})
     resolved, options = tuning.source_and_options(
         "image", source, {"device": device, **options}, tuning_file, use_tuning)
     cfg = ImageConfig(batch_size=batch_size, train=train, seed=seed, on_error=on_error,

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import DataError, OnError
-from pipeline.loading import readers, tuning
+from pipeline.loading import mix, readers, tuning
 from pipeline.loading.batch import EncodedBatch
 from pipeline.loading.graphstage import GraphLoader
 from pipeline.loading.options import Device
@@ -37,18 +37,25 @@ log = logging.getLogger(__name__)
 MEMBERS = ("npy",)  # what the loader reads: make_shards stores every cloud as .npy
 
 
-def pointcloud_loader(source: str | Path | Sequence[str], *, batch_size: int,
+def pointcloud_loader(source: str | Path | Sequence[str] | mix.Mixture, *, batch_size: int,
                       train: bool = True, seed: int = 0, device: Device = "auto",
                       on_error: OnError = "raise", rank: int | None = None,
                       world_size: int | None = None, tuning_file: Path | None = None,
-                      use_tuning: bool = True, **options: Any) -> PointCloudLoader:
+                      use_tuning: bool = True, **options: Any
+                      ) -> PointCloudLoader | mix.MixedLoader:
     """A resumable loader of point-cloud batches (see `PointCloudConfig` for `options`).
 
     `source`: a folder with manifest.json, a glob, a brace pattern, a list of URLs, or any
-    fsspec URL. `rank`/`world_size` default to torch.distributed's when it is initialised.
+    fsspec URL; or a mixture `[(source, weight), ...]` (pipeline/loading/mix.py).
+    `rank`/`world_size` default to torch.distributed's when it is initialised.
     Choices left automatic that a tuning file measured (decode, reader, threads, prefetch)
     come from it (pipeline/loading/tuning.py).
     """
+    if mix.is_mixture(source):  # [(source, weight), ...]: batches drawn by weight (mix.py)
+        return mix.build_from(pointcloud_loader, source, {
+            "batch_size": batch_size, "train": train, "seed": seed, "device": device,
+            "on_error": on_error, "rank": rank, "world_size": world_size,
+            "tuning_file": tuning_file, "use_tuning": use_tuning, **options})
     resolved, options = tuning.source_and_options(
         "pointcloud", source, {"device": device, **options}, tuning_file, use_tuning)
     cfg = PointCloudConfig(batch_size=batch_size, train=train, seed=seed, on_error=on_error,

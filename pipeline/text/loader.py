@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import DataError, SkipLog, handle
-from pipeline.loading import readers, tuning
+from pipeline.loading import mix, readers, tuning
 from pipeline.loading.agreement import rank_agreement
 from pipeline.loading.batch import EncodedBatch, TextBatch
 from pipeline.loading.delivery import DeviceCopier
@@ -46,17 +46,25 @@ from pipeline.urls import redact
 log = logging.getLogger(__name__)
 
 
-def text_loader(source: str | Path | Sequence[str], *, batch_size: int, seq_len: int = 256,
-                objective: Objective = "clm", tokenizer: str | Path | Tokenizer = "bytes",
+def text_loader(source: str | Path | Sequence[str] | mix.Mixture, *, batch_size: int,
+                seq_len: int = 256, objective: Objective = "clm",
+                tokenizer: str | Path | Tokenizer = "bytes",
                 seed: int = 0, rank: int | None = None, world_size: int | None = None,
                 tuning_file: Path | None = None, use_tuning: bool = True,
-                **options: Any) -> TextLoader:
+                **options: Any) -> TextLoader | mix.MixedLoader:
     """A resumable loader of token batches from text shards (see `TextConfig`).
 
     `tokenizer`: "bytes" (built in), a tokenizer.json path (HF tokenizers), or an object
-    with the same methods. `rank`/`world_size` default to torch.distributed's. A tuning
-    file's reader and prefetch apply where left automatic (pipeline/loading/tuning.py).
+    with the same methods. `source` may be a mixture `[(source, weight), ...]`
+    (pipeline/loading/mix.py; packed text needs its `epoch_batches`). `rank`/`world_size`
+    default to torch.distributed's. A tuning file's reader and prefetch apply where left
+    automatic (pipeline/loading/tuning.py).
     """
+    if mix.is_mixture(source):  # [(source, weight), ...]: batches drawn by weight (mix.py)
+        return mix.build_from(text_loader, source, {
+            "batch_size": batch_size, "seq_len": seq_len, "objective": objective,
+            "tokenizer": tokenizer, "seed": seed, "rank": rank, "world_size": world_size,
+            "tuning_file": tuning_file, "use_tuning": use_tuning, **options})
     resolved, options = tuning.source_and_options("text", source, options, tuning_file,
                                                   use_tuning)
     cfg = TextConfig(batch_size=batch_size, seq_len=seq_len, objective=objective, seed=seed,
