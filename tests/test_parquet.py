@@ -13,7 +13,7 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 from pipeline import image_loader, text_loader  # noqa: E402
-from pipeline.convert import ConvertConfig, convert, parquet  # noqa: E402
+from pipeline.convert import ConvertConfig, convert, parquet, parquet_rows  # noqa: E402
 from pipeline.convert.parquet import ParquetOptions  # noqa: E402
 
 
@@ -271,8 +271,8 @@ def test_the_task_stream_seeks_to_any_position_exactly(tmp_path, monkeypatch, se
     plan = parquet.plan_parquet(tmp_path, ParquetOptions(text_column="t"))
 
     def stream(start: int) -> list[str]:
-        return [repr(t) if isinstance(t, parquet.RowChunk) else str(t)
-                for t in parquet.row_tasks(plan, part, seed, start)]
+        return [repr(t) if isinstance(t, parquet_rows.RowChunk) else str(t)
+                for t in parquet_rows.row_tasks(plan, part, seed, start)]
 
     whole = stream(0)
     assert len(whole) > 4

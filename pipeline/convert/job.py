@@ -20,7 +20,8 @@ from pipeline import executor
 from pipeline.convert import outdir
 from pipeline.convert.config import ConvertConfig
 from pipeline.convert.outdir import JOURNAL, Journal
-from pipeline.convert.parquet import ParquetPlan, RowChunk, build_rows, plan_parquet, row_tasks
+from pipeline.convert.parquet import ParquetPlan, plan_parquet
+from pipeline.convert.parquet_rows import RowChunk, build_rows, row_tasks
 from pipeline.convert.sources import (
     InputItem,
     Plan,
