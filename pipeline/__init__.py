@@ -17,4 +17,8 @@ def __getattr__(name: str) -> object:
         from pipeline.pointcloud.loader import pointcloud_loader
 
         return pointcloud_loader
+    if name == "merge_states":
+        from pipeline.loading.elastic import merge_states
+
+        return merge_states
     raise AttributeError(f"module 'pipeline' has no attribute {name!r}")

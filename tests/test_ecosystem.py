@@ -5,10 +5,15 @@ where its package does not import."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 
 from pipeline import image_loader
 from pipeline.builtin import make_image_folder
@@ -98,6 +103,28 @@ def test_lightning_resumes_mid_epoch_with_exactly_the_remaining_samples(shards, 
     assert [len(keys) for _, keys in val] == [BATCH] * 12
     whole = {k for e, ks in val[2:7] for k in ks}
     assert len(whole) == SAMPLES and whole == {k for e, ks in val[7:] for k in ks}
+
+
+@pytest.mark.slow
+def test_lightning_ddp_on_two_ranks_resumes_on_one_with_every_sample_once(shards, tmp_path):
+    """Lightning's DDP (gloo, 2 processes) stopped mid-epoch, resumed from its checkpoint on
+    one process: the loader's state holds both ranks' positions (gathered when Lightning
+    saves on every rank), and the rest of the epoch goes to the one rank (elastic.py)."""
+    pytest.importorskip("lightning")
+    script = [sys.executable, str(Path(__file__).parent / "lightning_run.py"), str(shards),
+              str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for devices, max_steps in ((2, 3), (1, -1)):
+        done = subprocess.run([*script, str(devices), str(max_steps)], env=env, timeout=300,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for rank in (0, 1)
+               for line in (tmp_path / f"keys-{rank}.jsonl").read_text().splitlines()]
+    assert sorted({(r["world"], r["step"]) for r in records if r["world"] == 2}) == \
+        [(2, 0), (2, 1), (2, 2)]
+    for epoch in (0, 1):
+        keys = [k for r in records if r["epoch"] == epoch for k in r["keys"]]
+        assert len(keys) == len(set(keys)) == SAMPLES, epoch  # each once, none lost
 
 
 def test_the_readme_accelerate_loop_trains_on_the_loader(shards):

@@ -103,7 +103,9 @@ def _load(path: Path) -> dict[str, Any] | None:
 
 
 def _check_fingerprint(path: Path, saved: dict[str, Any], mine: dict[str, Any]) -> None:
-    differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+    # Checkpoints once recorded the world size here; a run now resumes on any (elastic.py).
+    differ = sorted(k for k in set(saved) | set(mine)
+                    if saved.get(k) != mine.get(k) and k != "world_size")
     if differ:
         detail = "; ".join(f"{k}: {saved.get(k)!r} there, {mine.get(k)!r} here" for k in differ)
         raise ValueError(f"{path} was made for another run ({detail}). Use another --out "

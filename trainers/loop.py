@@ -127,7 +127,7 @@ class Trainer:
                                    offloaded=cfg.offload_optimizer)
         # What a checkpoint must match to continue this run (checked before anything loads).
         self.fingerprint = {**fingerprint, **task.describe(), "precision": self.precision.name,
-                            "world_size": self.dist.world_size, "optimizer": cfg.optimizer,
+                            "optimizer": cfg.optimizer,
                             "weight_decay": cfg.weight_decay, "momentum": cfg.momentum,
                             "grad_accum": cfg.grad_accum, "seed": cfg.seed,
                             "offload_optimizer": cfg.offload_optimizer}
@@ -151,11 +151,12 @@ class Trainer:
     # -- state -----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Collective under DDP: every rank's loader position and RNGs are gathered."""
+        """Collective under DDP: every rank's loader position and RNGs are gathered (the
+        loader's state holds every rank's: it resumes on another number of ranks too)."""
         return {"model": unwrap(self.task.model).state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "precision": self.precision.state_dict(),
-                "loader": gather(self.loader.state_dict(), self.dist),
+                "loader": self.loader.state_dict(), "world_size": self.dist.world_size,
                 "rng": gather(rng_state(), self.dist), "fingerprint": self.fingerprint,
                 "train_config": json.dumps(asdict(self.cfg), default=str)}
 
@@ -170,13 +171,20 @@ class Trainer:
         if int(state["step"]) > self.cfg.steps:
             raise ValueError(f"the run folder's checkpoint is at step {state['step']}, past "
                              f"--steps {self.cfg.steps}; use a new --out or more steps")
-        self.loader.load_state_dict(state["loader"][self.dist.rank])  # checks, loads nothing else
+        self.loader.load_state_dict(_whole(state["loader"]))  # checks, loads nothing else
         unwrap(self.task.model).load_state_dict(state["model"])
         if isinstance(self.optimizer, OffloadedOptimizer):
             self.optimizer.sync_from_model()
         self.optimizer.load_state_dict(state["optimizer"])
         self.precision.load_state_dict(state["precision"])
-        set_rng_state(state["rng"][self.dist.rank])
+        saved_world = int(state.get("world_size", len(state["rng"])))
+        if saved_world == self.dist.world_size:
+            set_rng_state(state["rng"][self.dist.rank])
+        elif self.dist.is_main:  # the ranks' RNGs stay as seeded for this world size
+            log.warning("resuming a checkpoint of %d ranks on %d: the data continues with "
+                        "the rest of its epoch split over the new ranks; the global batch is "
+                        "now %d ranks x --batch-size", saved_world, self.dist.world_size,
+                        self.dist.world_size)
         self.step = int(state["step"])
         self.summary_so_far = state.get("summary", {})
         return True
@@ -294,3 +302,13 @@ class Trainer:
 def log_line(path: Path, record: dict[str, Any]) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def _whole(saved: Any) -> dict[str, Any]:
+    """The loader state of a checkpoint: checkpoints written before loader states held every
+    rank's kept one state per rank, in a list."""
+    if isinstance(saved, list):
+        from pipeline.loading.elastic import merge_states
+
+        return merge_states(saved)
+    return saved

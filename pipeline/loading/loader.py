@@ -31,11 +31,12 @@ from typing import Any, TypeVar
 from torch.utils.data import IterableDataset, get_worker_info
 
 from pipeline.errors import DataError, OnError, SkipLog, handle
+from pipeline.loading import consumed, elastic
 from pipeline.loading.batch import EncodedBatch
 from pipeline.loading.holdout import KeyHoldout, select
 from pipeline.loading.options import LoaderOptions
 from pipeline.loading.prefetch import Stage
-from pipeline.loading.readplan import EpochPlan, plan_epoch
+from pipeline.loading.readplan import EpochPlan, plan_epoch, plan_rest
 from pipeline.loading.shardlist import Source
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,9 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         self.reader, self.timeout_s = reader, timeout_s
         self.epoch, self._batches_done = 0, 0
         self._reader_state: dict[str, Any] | None = None
+        # The rest of an epoch resumed on another number of ranks (elastic.py): planned by
+        # plan_rest while self.epoch is its epoch.
+        self._rest: dict[str, Any] | None = None
         self.skips = SkipLog()
         self._stage: Stage[Produced] | None = None
         self._closed = False
@@ -102,16 +106,33 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
                 "batch_size": self.batch_size, "shuffle_buffer": self.shuffle_buffer}
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
-        return plan_epoch(**self._plan_args(self.epoch if epoch is None else epoch))
+        epoch = self.epoch if epoch is None else epoch
+        if self._rest is not None and epoch == self._rest["epoch"]:
+            done, partial = consumed.union([self._rest["consumed"]])
+            return plan_rest(**self._plan_args(epoch), done=done, partial=partial,
+                             consumed=self._rest["consumed"])
+        return plan_epoch(**self._plan_args(epoch))
 
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` from its beginning on the next iteration (no-op if already there)."""
         self._not_iterating("set_epoch")
         if epoch != self.epoch:
             self.epoch, self._batches_done, self._reader_state = epoch, 0, None
+            self._rest = None
+
+    def _next_epoch(self) -> None:
+        self.epoch, self._batches_done, self._reader_state = self.epoch + 1, 0, None
+        self._rest = None  # the next epoch is whole, on this rank count
 
     def __len__(self) -> int:
-        batches = self._batches_per_epoch(self.plan())
+        """Batches in an epoch. In the rest of an epoch resumed on another number of ranks
+        (which counts the batches the saved ranks had run, plus its own), the larger of that
+        and a whole epoch's: a trainer that asks len() once and stops there (Lightning) then
+        runs this epoch and the next ones each to the loader's own end."""
+        batches = self._batches_per_epoch(plan_epoch(**self._plan_args(self.epoch)))
+        now = self._epoch_length(self.plan(), self._rest)
+        if batches is not None and now is not None:
+            batches = max(batches, now)
         if batches is None:
             raise TypeError("this loader's length is unknown: its shards have no sample counts "
                             "(read a folder with manifest.json)")
@@ -132,10 +153,10 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
             # An evaluation pass starts at its epoch's beginning (module docstring).
             self._batches_done, self._reader_state = 0, None
         self._restored = False
-        batches = self._batches_per_epoch(self.plan())
+        batches = self._epoch_length(self.plan(), self._rest)
         if batches is not None and self._batches_done >= batches:
             # Saved after the epoch's last batch, before the next pass began: start that pass.
-            self.epoch, self._batches_done, self._reader_state = self.epoch + 1, 0, None
+            self._next_epoch()
         resumed = self._reader_state is not None
         yielded = yield from self._pass()
         if resumed and not yielded and self._reader_state is None and self._batches_done == 0:
@@ -176,7 +197,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
                             "ran out; the rest of its data is left out this epoch", self.epoch,
                             self.rank, self._batches_done)
             if stage.completed or cut_short:  # not when close() ended the pass early
-                self.epoch, self._batches_done, self._reader_state = self.epoch + 1, 0, None
+                self._next_epoch()
         except Exception:
             if self.agree_to_stop is not None and not voted:
                 # This rank is failing: tell the others its data ended, rather than leave them
@@ -238,6 +259,15 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         """How many batches an epoch yields, when that is known before reading it."""
         return plan.batches
 
+    def _epoch_length(self, plan: EpochPlan, rest: dict[str, Any] | None) -> int | None:
+        """Batches of the epoch `plan` reads; for the rest of an epoch resumed on another
+        number of ranks, counting the batches the saved ranks had run (so that a trainer's
+        batch count within the epoch, restored from the same checkpoint, ends with it)."""
+        batches = self._batches_per_epoch(plan)
+        if batches is None or not plan.rest or not rest:
+            return batches
+        return batches + int(rest.get("batches_before", 0))
+
     @abstractmethod
     def _produce(self, plan: EpochPlan, reader_state: dict[str, Any] | None,
                  stop: threading.Event) -> Iterator[Produced]:
@@ -245,9 +275,20 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
 
     # -- state -----------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, gather: bool = True) -> dict[str, Any]:
         """The position after the last batch handed out: JSON-compatible, credential-free
-        (shard URLs appear only as a fingerprint), with every skip so far."""
+        (shard URLs appear only as a fingerprint), with every skip so far.
+
+        A whole state holds every rank's position and resumes on any rank and any number of
+        ranks (elastic.py). Under torch.distributed it is gathered from all ranks, so call it
+        on every rank (as Lightning and tools/train.py do); `gather=False` gives this rank's
+        own, which `pipeline.merge_states` joins, and which resumes on this rank alone.
+        """
+        local = self._local_state()
+        states = elastic.gather(local, self.world_size) if gather else None
+        return elastic.merge_states(states) if states is not None else local
+
+    def _local_state(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, "kind": self.kind, "source": self.source.describe(),
                 "source_fingerprint": self.source.fingerprint(), "world_size": self.world_size,
                 "rank": self.rank, "seed": self.seed, "backend": self.backend,
@@ -255,30 +296,89 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
                 "batch_size": self.batch_size, "shuffle": self.shuffle,
                 "shuffle_buffer": self.shuffle_buffer, "epoch": self.epoch,
                 "batches": self._batches_done, "reader_state": self._reader_state,
-                "skipped": list(self.skips.entries)}
+                "skipped": list(self.skips.entries), "rest": self._rest}
 
     # backend before reader: a portable loader streams, and the backend is what to change.
-    _MUST_MATCH = ("version", "kind", "source_fingerprint", "world_size", "rank", "seed",
-                   "backend", "reader", "batch_size", "shuffle", "shuffle_buffer")
+    _MUST_MATCH = ("version", "kind", "source_fingerprint", "seed", "backend", "reader",
+                   "batch_size", "shuffle", "shuffle_buffer")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state`; raises ValueError naming what differs from this loader."""
+        """Continue from `state`; raises ValueError naming what differs from this loader. A
+        whole state (with every rank's position) loads on any rank at any world size; a
+        rank's own state only on that rank at that world size."""
         self._not_iterating("load_state_dict")
-        mine = self.state_dict()
+        self._check_matches(state)
+        if "ranks" not in state:
+            for field in ("world_size", "rank"):
+                self._check_field(state, field, getattr(self, field))
+            self._load_entry(state, list(state.get("skipped", [])))
+        elif int(state["world_size"]) == self.world_size:
+            entry = state["ranks"][self.rank]
+            self._load_entry(entry, list(entry.get("skipped") or []))
+        else:
+            self._load_elsewhere(state)
+        self._restored = True
+
+    def _check_matches(self, state: dict[str, Any]) -> None:
         # States saved before there was a portable backend were DALI's: they lack the field.
         state = {"backend": "dali", **state}
+        if state["backend"] != self.backend:
+            raise ValueError(_other_backend(state["backend"], self.backend))
+        mine = self._local_state()
         for field in self._MUST_MATCH:
-            if field == "backend" and state[field] != mine[field]:
-                raise ValueError(_other_backend(state[field], mine[field]))
-            if state.get(field) != mine[field]:
-                what = "the shards (their names or counts)" if field == "source_fingerprint" \
-                    else f"{field}: {state.get(field)!r} in the state, {mine[field]!r} here"
-                raise ValueError(f"loader state does not match this loader; it differs in "
-                                 f"{what}. Build the loader as it was when the state was saved")
-        self.epoch, self._batches_done = int(state["epoch"]), int(state["batches"])
-        self._reader_state = state["reader_state"]
-        self.skips.entries = list(state.get("skipped", []))
-        self._restored = True
+            self._check_field(state, field, mine[field])
+
+    @staticmethod
+    def _check_field(state: dict[str, Any], field: str, mine: Any) -> None:
+        if state.get(field) != mine:
+            what = "the shards (their names or counts)" if field == "source_fingerprint" \
+                else f"{field}: {state.get(field)!r} in the state, {mine!r} here"
+            raise ValueError(f"loader state does not match this loader; it differs in "
+                             f"{what}. Build the loader as it was when the state was saved")
+
+    def _load_entry(self, entry: dict[str, Any], skipped: list[dict[str, Any]]) -> None:
+        self.epoch, self._batches_done = int(entry["epoch"]), int(entry["batches"])
+        self._reader_state, self._rest = entry["reader_state"], entry.get("rest")
+        self.skips.entries = skipped
+
+    def _load_elsewhere(self, state: dict[str, Any]) -> None:
+        """A whole state saved at another world size: continue with the rest of its epoch
+        split over this world's ranks (elastic.py)."""
+        old = int(state["world_size"])
+        epoch, rest = elastic.rest_of_epoch(
+            state["ranks"], lambda entry: self._finished(entry, old), self._consumed_of)
+        # The batches the saved ranks had run count as this epoch's first (they step together).
+        before = max((int(e["batches"]) for e in state["ranks"] if int(e["epoch"]) == epoch),
+                     default=0) if rest else 0
+        if rest is not None:
+            rest["batches_before"] = before
+        self.epoch, self._batches_done, self._reader_state = epoch, before, None
+        self._rest = rest
+        self.skips.entries = elastic.skips_for(self.rank, state["ranks"])
+        plan = self.plan()  # fails here, not mid-run, when the rest cannot be split
+        log.info("loader state saved on %d ranks resumed on %d: epoch %d continues with %s "
+                 "samples on this rank", old, self.world_size, epoch,
+                 plan.length if rest else "all its")
+
+    def _finished(self, entry: dict[str, Any], world_size: int) -> bool:
+        """Whether a saved rank (of `world_size`) had handed out its whole epoch."""
+        if entry.get("reader_state") is None:
+            return False
+        # Rank 0's plan: every rank of a plan reads the same length.
+        args = {**self._plan_args(int(entry["epoch"])), "rank": 0, "world_size": world_size}
+        rest = entry.get("rest")
+        if rest and int(rest["epoch"]) == int(entry["epoch"]):
+            done, partial = consumed.union([rest["consumed"]])
+            plan = plan_rest(**args, done=done, partial=partial, consumed=rest["consumed"])
+        else:
+            plan = plan_epoch(**args)
+        batches = self._epoch_length(plan, rest)
+        return batches is not None and int(entry["batches"]) >= batches
+
+    def _consumed_of(self, entry: dict[str, Any]) -> list[dict[str, Any] | None]:
+        """What a saved rank's entry says it had read (consumed.py): its reader's snapshot."""
+        reader_state = entry.get("reader_state")
+        return [reader_state.get("consumed") if reader_state else None]
 
     def _not_iterating(self, what: str) -> None:
         if self._stage is not None:

@@ -173,31 +173,46 @@ def samples(plan: EpochPlan, on_error: OnError, skips: SkipLog,
     """The epoch's samples for this rank, shuffled through a bounded buffer."""
     fetcher = _Fetcher(list(plan.shards))
     try:
-        stream = _read_all(fetcher, len(plan.shards), on_error, skips, limits)
+        stream = _read_all(fetcher, plan, on_error, skips, limits)
+        if plan.stride:  # the rest of an epoch with fewer shards than ranks (readplan.py)
+            stream = (s for n, s in enumerate(stream) if n % plan.world_size == plan.rank)
         yield from _shuffled(stream, plan)
     finally:
         fetcher.close()
 
 
-def _read_all(fetcher: _Fetcher, count: int, on_error: OnError, skips: SkipLog,
+def _read_all(fetcher: _Fetcher, plan: EpochPlan, on_error: OnError, skips: SkipLog,
               limits: TarLimits) -> Iterator[dict[str, object]]:
-    for _ in range(count):
+    for i in plan.ids or range(len(plan.shards)):
         shard = fetcher.next_shard()
         if shard is None:
             return
+        # The keys read before a resume on another number of ranks are passed over, their
+        # skips too (reported by the run that met them).
+        read_before = plan.exclude.get(i, frozenset())
         # This shard's skips pass through `here` so that a failure can say how many of its
         # samples are left: its count less those read and those already skipped.
         here, done = SkipLog(announce=skips.announce), 0
         try:
             for sample in iter_samples(shard, redact(shard.spec.url), limits=limits,  # type: ignore[arg-type]
                                        on_error=on_error, skips=here):
+                _forget(here, read_before)
+                if sample["__key__"] in read_before:
+                    continue
                 done += 1 + _move(here, skips)
                 yield sample
+            _forget(here, read_before)
             _move(here, skips)
         except DataError as err:
+            _forget(here, read_before)
             done += _move(here, skips)
             shard.cancel()  # the rest of this shard is not read
             handle(_with_loss(err, shard.spec, done), on_error, skips)
+
+
+def _forget(log: SkipLog, read_before: frozenset[str]) -> None:
+    if read_before and log.entries:
+        log.entries = [e for e in log.entries if e.get("key") not in read_before]
 
 
 def _move(src: SkipLog, dst: SkipLog) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from pipeline.errors import DataError, OnError, SkipLog, handle
-from pipeline.loading import reader_dali, reader_stream
+from pipeline.loading import consumed, reader_dali, reader_stream
 from pipeline.loading.batch import EncodedBatch
 from pipeline.loading.options import Backend, ReaderKind, portable_conflict
 from pipeline.loading.readplan import EpochPlan
@@ -28,10 +28,15 @@ log = logging.getLogger(__name__)
 def encoded(reader: str, plan: EpochPlan, state: dict[str, Any] | None, on_error: OnError,
             exts: tuple[str, ...], extras: tuple[str, ...] = ()) -> Iterator[EncodedBatch]:
     """The epoch's encoded batches from `state` on, through the chosen reader; `extras`:
-    further members to carry by extension (EncodedBatch.extras)."""
-    if reader == "dali":
-        return reader_dali.batches(plan, state, exts=exts, extras=extras)
-    return reader_stream.batches(plan, state, on_error, exts=exts, extras=extras)
+    further members to carry by extension (EncodedBatch.extras). Each batch's state says
+    what was read up to it (consumed.py). The rest of an epoch resumed on another number of
+    ranks is streamed whatever the reader: it passes over keys read before, which DALI's
+    reader cannot."""
+    if reader == "dali" and not plan.rest:
+        found = reader_dali.batches(plan, state, exts=exts, extras=extras)
+    else:
+        found = reader_stream.batches(plan, state, on_error, exts=exts, extras=extras)
+    return consumed.follow(found, plan, state)
 
 
 def pick_reader(source: Source, reader: ReaderKind, kind: str, backend: str = "dali") -> str:

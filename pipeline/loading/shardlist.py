@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import fsspec
 
 from pipeline.shards.listing import count_from_index, list_shards, preflight
 from pipeline.shards.manifest import MANIFEST, load_manifest
 from pipeline.urls import check_scheme, expand_braces, redact
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -94,9 +97,9 @@ def _from_manifest(text: str) -> Source | None:
     return Source(shards, m.classes, m.modality)
 
 
-def epoch_order(shards: Sequence[ShardSpec], seed: int, epoch: int,
-                shuffle: bool) -> list[ShardSpec]:
-    """This epoch's shard order: a permutation drawn from (seed, epoch) alone."""
+def epoch_order(shards: Iterable[T], seed: int, epoch: int, shuffle: bool) -> list[T]:
+    """This epoch's shard order: a permutation drawn from (seed, epoch) alone (the same for
+    the shards as for their indices: it depends only on how many there are)."""
     order = list(shards)
     if shuffle:
         random.Random(f"shards/{seed}/{epoch}").shuffle(order)

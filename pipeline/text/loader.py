@@ -38,6 +38,7 @@ from pipeline.loading.loader import Loader, Produced
 from pipeline.loading.readplan import EpochPlan
 from pipeline.loading.shardlist import Source
 from pipeline.samples.checks import TEXT_EXTS, CheckLimits, check_text
+from pipeline.text import elastic as text_elastic
 from pipeline.text import masking, packing
 from pipeline.text.config import Objective, TextConfig
 from pipeline.text.tokenizer import Tokenizer, load_tokenizer
@@ -119,8 +120,8 @@ class TextLoader(Loader):
                 "mask_prob": c.mask_prob, "max_doc_bytes": c.max_doc_bytes,
                 **self.tokenizer.describe()}
 
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "text": self._text_fields()}
+    def _local_state(self) -> dict[str, Any]:
+        return {**super()._local_state(), "text": self._text_fields()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = self._text_fields()
@@ -132,30 +133,48 @@ class TextLoader(Loader):
                                  "Build the loader as it was when the state was saved")
         super().load_state_dict(state)
 
+    def _consumed_of(self, entry: dict[str, Any]) -> list[dict[str, Any] | None]:
+        return text_elastic.consumed_of(entry.get("reader_state"))
+
+    def _load_elsewhere(self, state: dict[str, Any]) -> None:
+        old_rest = next((e.get("rest") for e in state["ranks"] if e.get("rest")), None)
+        super()._load_elsewhere(state)
+        if self._rest is not None:  # documents cut between batches start at their next token
+            self._rest["offsets"] = text_elastic.offsets(state["ranks"], self._rest["epoch"],
+                                                         old_rest)
+
     # -- the reader stage: documents -> tokens ---------------------------------------------------
 
     def _reads(self, plan: EpochPlan, before: dict[str, Any] | None, stop: threading.Event
                ) -> Generator[tuple[Any, dict[str, Any]], None, None]:
         """(tokenized read, reader state after it); `before` is where the reader starts."""
+        ids = text_elastic.shard_ids(plan)
+        cut = {(int(i), k): int(t) for i, k, t in (self._rest or {}).get("offsets", [])} \
+            if plan.rest else {}
         for enc in readers.encoded(self.reader, plan, before, self.on_error, TEXT_EXTS):
             if stop.is_set():
                 return
+            # Every sample of the read, documents or not (text/elastic.py).
+            read = list(zip(enc.urls, enc.keys, strict=True))
+            read += [(s["source"], s["key"]) for s in enc.skips if s.get("key")]
             select(self.holdout, enc)  # a split by key hash (holdout.py)
-            texts, keys = self._documents(enc)
+            texts, keys, urls = self._documents(enc)
             docs = self.tokenizer.encode_batch(texts) if texts else []
-            yield (before, docs, keys, enc.skips), enc.state
+            docs = text_elastic.trim(docs, urls, keys, ids, cut)
+            yield (before, docs, keys, enc.skips, urls, read), enc.state
             before = enc.state
 
-    def _documents(self, enc: EncodedBatch) -> tuple[list[str], list[str]]:
-        texts, keys, skips = [], [], SkipLog()
+    def _documents(self, enc: EncodedBatch) -> tuple[list[str], list[str], list[str]]:
+        texts, keys, urls, skips = [], [], [], SkipLog()
         for i in range(len(enc)):
             try:
                 texts.append(self._document(enc.data[i], enc.urls[i], enc.keys[i]))
                 keys.append(enc.keys[i])
+                urls.append(enc.urls[i])
             except DataError as err:
                 handle(err.located(source=enc.urls[i], key=enc.keys[i]), self.on_error, skips)
         enc.skips.extend(skips.entries)
-        return texts, keys
+        return texts, keys, urls
 
     def _document(self, raw: np.ndarray, url: str, key: str) -> str:
         data = raw.tobytes()
@@ -195,26 +214,30 @@ class TextLoader(Loader):
     def _packed(self, plan: EpochPlan, reads: Iterator[Any], drop: int, index: int,
                 stop: threading.Event) -> Iterator[Produced]:
         packer = packing.Packer(self.cfg.batch_size * self.cfg.seq_len)
-        sep = self.tokenizer.sep_id
-        for n, ((before, docs, keys, skips), after) in enumerate(reads):
-            piece = packing.Piece.of(before, docs, keys, sep, skips)
+        sep, shards = self.tokenizer.sep_id, text_elastic.shard_ids(plan)
+        for n, ((before, docs, keys, skips, urls, read), after) in enumerate(reads):
+            piece = packing.Piece.of(before, docs, keys, sep, skips, urls, read)
             if n == 0 and drop:  # resuming inside this read: its first tokens went out
                 piece.offset, piece.reported = drop, True
             packer.add(piece, after)
             while packer.ready() and not stop.is_set():
-                yield self._emit(packer.take(), packer.position(), plan.epoch, index)
+                item = self._emit(packer.take(), packer.position(), plan.epoch, index)
+                item[1]["elastic"] = text_elastic.in_progress(packer, shards)
+                yield item
                 index += 1
         while packer.available or packer.pending_skips():  # the epoch's last, short batch
             cut = packer.take()
             ids, attention = packing.rows(cut.tokens, self.cfg.seq_len, self.tokenizer.pad_id)
-            yield self._batch_or_skips(ids, attention, cut.keys, cut.skips, packer.position(),
-                                       plan.epoch, index)
+            item = self._batch_or_skips(ids, attention, cut.keys, cut.skips, packer.position(),
+                                        plan.epoch, index)
+            item[1]["elastic"] = text_elastic.in_progress(packer, shards)
+            yield item
             index += 1
 
     def _truncated(self, plan: EpochPlan, reads: Iterator[Any], index: int,
                    stop: threading.Event) -> Iterator[Produced]:
         c = self.cfg
-        for (_before, docs, keys, skips), after in reads:
+        for (_before, docs, keys, skips, _urls, _read), after in reads:
             if stop.is_set():
                 return
             ids, attention, _cut = packing.truncated_rows(docs, c.seq_len,

@@ -32,17 +32,23 @@ class Piece:
     skips: list[dict[str, str]] = field(default_factory=list)  # met during this read
     offset: int = 0  # tokens already emitted
     reported: bool = False  # its skips went out with a batch
+    # Each document's shard URL, and (URL, key) of every sample of the read, documents or
+    # not: what a position in this read has used up (pipeline/text/elastic.py).
+    urls: list[str] = field(default_factory=list)
+    read: list[tuple[str, str]] = field(default_factory=list)
 
     @classmethod
     def of(cls, before: dict[str, Any] | None, docs: list[np.ndarray], keys: list[str],
-           sep_id: int, skips: list[dict[str, str]]) -> Piece:
+           sep_id: int, skips: list[dict[str, str]], urls: list[str] | None = None,
+           read: list[tuple[str, str]] | None = None) -> Piece:
         lengths = np.array([len(d) + 1 for d in docs], dtype=np.int64)
         starts = np.cumsum(lengths) - lengths
         sep = np.array([sep_id], dtype=np.int32)
         parts = [part for doc in docs for part in (doc, sep)]
         tokens = np.concatenate(parts).astype(np.int32, copy=False) if parts \
             else np.zeros(0, np.int32)
-        return cls(before, tokens, starts, list(keys), list(skips))
+        return cls(before, tokens, starts, list(keys), list(skips), urls=list(urls or []),
+                   read=list(read or []))
 
     @property
     def left(self) -> int:

@@ -1,0 +1,113 @@
+"""What a rank has read of its epoch, by shard and key: the part of a position that does not
+depend on the rank or on how many ranks there are.
+
+A reader's own position (DALI's checkpoint, the streaming reader's sample count) continues a
+rank exactly, but only with the same plan. To resume on another number of ranks, the loader
+must know which samples are used up; every encoded batch's state therefore carries a snapshot:
+
+    {"done": [3, 7], "partial": [[12, ["k041", "k007"]]]}
+
+shards by their index in the source (after the shards dropped before planning), whole (their
+count reached) or in part (the keys read so far). A sample counts as read once the reader has
+handed it out, whatever came of it next: decoded, skipped as bad, or on the other side of a
+holdout split. With a shuffle buffer only a few shards are in part at a time, so a snapshot
+stays small (about the buffer's keys) however long the epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from pipeline.loading.batch import EncodedBatch
+from pipeline.loading.readplan import EpochPlan
+from pipeline.urls import redact
+
+Snapshot = dict[str, Any]  # {"done": [index, ...], "partial": [[index, [key, ...]], ...]}
+
+
+class Tracker:
+    """Counts a rank's reads per shard, from `start` (a snapshot, or None: nothing read)."""
+
+    def __init__(self, plan: EpochPlan, start: Snapshot | None) -> None:
+        self.index: dict[str, int] = {}
+        self.total: dict[int, int] = {}
+        for spec, i in zip(plan.shards, plan.ids, strict=True):
+            self.index[spec.url] = self.index[redact(spec.url)] = i
+            if spec.samples is not None and not plan.stride:  # strided: counts are not ours
+                self.total[i] = spec.samples + len(plan.exclude.get(i, ()))
+        self.done: set[int] = set()
+        self.partial: dict[int, list[str]] = {}
+        self.add_snapshot(start or plan.consumed)
+
+    def add_snapshot(self, snap: Snapshot | None) -> None:
+        if not snap:
+            return
+        self.done.update(int(i) for i in snap["done"])
+        for i, keys in snap["partial"]:
+            for key in keys:
+                self._add(int(i), key)
+
+    def add(self, enc: EncodedBatch) -> None:
+        """The samples of `enc` as the reader read them (before any drop), and its skips:
+        a skip with a key is a sample read; one without (a shard lost whole or from some
+        point on) ends that shard."""
+        for url, key in zip(enc.urls, enc.keys, strict=True):
+            self._add_url(url, key)
+        for skip in enc.skips:
+            i = self.index.get(skip.get("source", ""))
+            if i is None:
+                continue
+            if skip.get("key"):
+                self._add(i, skip["key"])
+            else:
+                self.done.add(i)
+                self.partial.pop(i, None)
+
+    def _add_url(self, url: str, key: str) -> None:
+        i = self.index.get(url)
+        if i is not None:
+            self._add(i, key)
+
+    def _add(self, i: int, key: str) -> None:
+        if i in self.done:
+            return
+        keys = self.partial.setdefault(i, [])
+        keys.append(key)
+        if i in self.total and len(keys) >= self.total[i]:
+            self.done.add(i)
+            del self.partial[i]
+
+    def snapshot(self) -> Snapshot:
+        return {"done": sorted(self.done),
+                "partial": [[i, list(keys)] for i, keys in sorted(self.partial.items())]}
+
+
+def follow(batches: Iterator[EncodedBatch], plan: EpochPlan, state: dict[str, Any] | None
+           ) -> Iterator[EncodedBatch]:
+    """`batches`, each one's state with the snapshot of what was read up to it added. Not
+    tracked where a shard's count is unknown (one rank only: nothing to resume elsewhere),
+    which would keep every key of the epoch."""
+    if any(s.samples is None for s in plan.shards) and not plan.stride:
+        yield from batches
+        return
+    tracker = Tracker(plan, state.get("consumed") if state else None)
+    for enc in batches:
+        tracker.add(enc)
+        enc.state = {**enc.state, "consumed": tracker.snapshot()}
+        yield enc
+
+
+def union(snapshots: list[Snapshot | None]) -> tuple[set[int], dict[int, set[str]]]:
+    """(whole shards, keys read of the others) of several ranks' snapshots together."""
+    done: set[int] = set()
+    partial: dict[int, set[str]] = {}
+    for snap in snapshots:
+        if not snap:
+            continue
+        done.update(int(i) for i in snap["done"])
+        for i, keys in snap["partial"]:
+            partial.setdefault(int(i), set()).update(keys)
+    for i in done:
+        partial.pop(i, None)
+    return done, partial

@@ -1,0 +1,90 @@
+"""Packed text resumed on another number of ranks: what a rank's position says it had read.
+
+A packed position is (the reader's state before the first read not used up, tokens of that
+read emitted): the reader's snapshot (pipeline/loading/consumed.py) covers the reads before.
+Of the read in progress, the documents whose tokens all went out are read too, and so are its
+samples that never became documents (skipped, held out); the one document cut between two
+batches is read up to a number of tokens. A batch's state carries that as
+
+    {"also": [[shard, key], ...], "cut": [shard, key, tokens] or None}
+
+so that the rest of the epoch, on any ranks, starts that document at its next token and reads
+none of the others twice (`offsets`, `trim`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pipeline.loading.readplan import EpochPlan
+from pipeline.text.packing import Packer
+from pipeline.urls import redact
+
+
+def shard_ids(plan: EpochPlan) -> dict[str, int]:
+    """Each shard's index in the source, by URL as given and as the reader names it."""
+    ids: dict[str, int] = {}
+    for spec, i in zip(plan.shards, plan.ids, strict=False):
+        ids[spec.url] = ids[redact(spec.url)] = i
+    return ids
+
+
+def in_progress(packer: Packer, ids: dict[str, int]) -> dict[str, Any] | None:
+    """What the packer's first read has used up (the module docstring's form)."""
+    if not packer.pieces or not ids:
+        return None
+    piece = packer.pieces[0]
+    ends = np.append(piece.starts[1:], len(piece.tokens))
+    open_docs = {(piece.urls[d], piece.keys[d]) for d in range(len(piece.keys))
+                 if ends[d] > piece.offset}
+    also = [[ids[u], k] for u, k in piece.read if (u, k) not in open_docs and u in ids]
+    cut = next(([ids[piece.urls[d]], piece.keys[d], int(piece.offset - piece.starts[d])]
+                for d in range(len(piece.keys))
+                if piece.starts[d] < piece.offset < ends[d] and piece.urls[d] in ids), None)
+    return {"also": also, "cut": cut}
+
+
+def consumed_of(reader_state: dict[str, Any] | None) -> list[dict[str, Any] | None]:
+    """The snapshots a saved text rank's position stands for (see Loader._consumed_of)."""
+    if not reader_state:
+        return [None]
+    before = reader_state.get("reader")
+    # No reader state before: the read in progress is the epoch's first; nothing before it.
+    snaps = [before.get("consumed") if before else {"done": [], "partial": []}]
+    extra = reader_state.get("elastic")
+    if extra:
+        by_shard: dict[int, list[str]] = {}
+        for i, key in extra["also"]:
+            by_shard.setdefault(int(i), []).append(key)
+        snaps.append({"done": [], "partial": [[i, keys] for i, keys in by_shard.items()]})
+    return snaps
+
+
+def offsets(ranks: list[dict[str, Any]], epoch: int, old: dict[str, Any] | None
+            ) -> list[list[Any]]:
+    """[[shard, key, tokens], ...]: where the rest of `epoch` starts each cut document; a
+    document cut again after an earlier resume started it late adds both."""
+    earlier = old.get("offsets", []) if old and int(old["epoch"]) == epoch else []
+    start = {(int(i), k): int(t) for i, k, t in earlier}
+    found = dict(start)
+    for entry in ranks:
+        state = entry.get("reader_state") or {}
+        cut = (state.get("elastic") or {}).get("cut")
+        if int(entry["epoch"]) == epoch and cut:
+            i, key, tokens = int(cut[0]), cut[1], int(cut[2])
+            found[(i, key)] = start.get((i, key), 0) + tokens
+    return [[i, k, t] for (i, k), t in sorted(found.items())]
+
+
+def trim(docs: list[np.ndarray], urls: list[str], keys: list[str], ids: dict[str, int],
+         cut: dict[tuple[int, str], int]) -> list[np.ndarray]:
+    """`docs`, each one cut before a resume starting at its next token."""
+    if not cut:
+        return docs
+    out = []
+    for doc, url, key in zip(docs, urls, keys, strict=True):
+        skip = cut.get((ids.get(url, -1), key), 0)
+        out.append(doc[skip:] if skip else doc)
+    return out
