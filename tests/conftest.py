@@ -74,8 +74,10 @@ def isolated_home(tmp_path_factory: pytest.TempPathFactory):
         os.environ["HOME"] = old
 
 
-# fsspec runs one event-loop thread per process for http(s) and other async filesystems.
+# fsspec runs one event-loop thread per process for http(s) and other async filesystems; that
+# loop's default executor runs its DNS lookups (s3fs): threads asyncio_0, asyncio_1, ...
 LONG_LIVED_THREADS = {"fsspecIO"}
+LONG_LIVED_PREFIXES = ("test-", "asyncio_")
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +87,7 @@ def no_thread_left_behind():
     before = set(threading.enumerate())
     yield
     stray = [t for t in threading.enumerate() if t not in before and t.is_alive()
-             and not t.name.startswith("test-") and t.name not in LONG_LIVED_THREADS]
+             and not t.name.startswith(LONG_LIVED_PREFIXES) and t.name not in LONG_LIVED_THREADS]
     for thread in stray:
         thread.join(timeout=5)  # a stage that is stopping gets a moment to finish
     stray = [t.name for t in stray if t.is_alive()]

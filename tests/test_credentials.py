@@ -1,7 +1,9 @@
 """Secrets in shard URLs reach no output, for every loader and tool at once: shards served on
 127.0.0.1 with a signed-URL query string, one of them broken, read by the image, text and
 point-cloud loaders (errors, skip entries, loader state, every log record at DEBUG) and by
-make_shards, verify_shards and train_tokenizer (stdout, stderr, every file they write)."""
+make_shards, verify_shards and train_tokenizer (stdout, stderr, every file they write); and a
+secret among the storage options (`storage_options=`, `--storage-option`) in none of those
+either (test_s3.py: the same against a real S3 endpoint, train.py's run folder too)."""
 
 from __future__ import annotations
 
@@ -100,3 +102,38 @@ def test_tools_never_show_url_secrets(tmp_path):
     for path in (f for folder in written for f in folder.rglob("*") if f.is_file()):
         assert SECRET.encode() not in path.read_bytes(), f"the secret is in {path.name}"
     assert json.loads((out / "manifest.json").read_text())["total_samples"] == 24
+
+
+OPTIONS = {"key": f"AKIA{SECRET}", "secret": SECRET, "client_kwargs": {"region_name": "x"}}
+
+
+@pytest.mark.parametrize("modality", sorted(LOADERS))
+def test_storage_options_reach_no_loader_output(tmp_path, modality, caplog):
+    """Storage options hold credentials: not in a loader's state, config, logs or errors (the
+    local file system takes and ignores them; test_s3.py reads a real S3 endpoint)."""
+    shards = _shards(tmp_path, modality)
+    make = LOADERS[modality]
+    with caplog.at_level(logging.DEBUG):
+        with make(str(shards), storage_options=OPTIONS) as loader:
+            assert sum(len(b) for b in loader) > 0
+            state = json.dumps(loader.state_dict()) + repr(loader.cfg) + repr(loader.source)
+        with pytest.raises(FileNotFoundError) as missing:
+            make([str(shards / "nope.tar")], storage_options=OPTIONS)
+    logs = "\n".join(r.getMessage() for r in caplog.records)
+    for where, text in {"state": state, "error": str(missing.value), "logs": logs}.items():
+        assert SECRET not in text, f"the secret reached the {where}"
+
+
+def test_storage_option_flags_reach_no_tool_output(tmp_path):
+    docs = make_text_corpus(tmp_path / "docs", docs=12)
+    out, flags = tmp_path / "out", ["--storage-option", f"secret={SECRET}"]
+    runs = [run_tool("make_shards", "text", docs, out, "--max-count", 5, *flags),
+            run_tool("make_shards", "text", docs, out, *flags),  # refused: already there
+            run_tool("verify_shards", out, *flags),
+            run_tool("train_tokenizer", out, "--out", tmp_path / "tok" / "t.json",
+                     "--vocab-size", 300, *flags)]
+    assert [r.returncode for r in runs] == [0, 2, 0, 0], [r.stderr[-300:] for r in runs]
+    for proc in runs:
+        assert SECRET not in proc.stdout + proc.stderr
+    for path in (f for folder in (out, tmp_path / "tok") for f in folder.rglob("*")):
+        assert SECRET.encode() not in path.read_bytes(), f"the secret is in {path.name}"

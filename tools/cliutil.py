@@ -1,13 +1,16 @@
-"""Helpers shared by the command-line tools: sizes, parts, logging, error exits."""
+"""Helpers shared by the command-line tools: sizes, parts, storage options, logging, error
+exits."""
 
 from __future__ import annotations
 
 import argparse
+import copy
+import json
 import logging
 import re
 import sys
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.I)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -61,6 +64,56 @@ def device_name(text: str) -> str:
     if not re.fullmatch(r"auto|cpu|gpu|cuda(:\d+)?", text):
         raise argparse.ArgumentTypeError(f"{text!r}: choose auto, cpu, cuda or cuda:N")
     return text
+
+
+def storage_option(text: str) -> tuple[list[str], Any]:
+    """`--storage-option KEY=VALUE`: the key's path (`client_kwargs.endpoint_url` is
+    ["client_kwargs", "endpoint_url"]) and the value, parsed as JSON where it parses (`true`,
+    `3`, `{"a": 1}`; `'"123"'` for a string of digits), else the text as given. Messages never
+    repeat the value: it may be a secret."""
+    key, sep, value = text.partition("=")
+    path = key.strip().split(".")
+    if not sep or not all(part.strip() for part in path):
+        raise argparse.ArgumentTypeError("expected KEY=VALUE, e.g. client_kwargs.endpoint_url="
+                                         "http://127.0.0.1:9000 or anon=true (a dotted KEY "
+                                         "sets a nested option)")
+    try:
+        parsed: Any = json.loads(value)
+    except ValueError:
+        parsed = value
+    return [part.strip() for part in path], parsed
+
+
+def add_storage_options(p: argparse.ArgumentParser, what: str = "shard URLs") -> None:
+    """The repeatable `--storage-option KEY=VALUE` flag; `args.storage_options` is then
+    fsspec's nested keyword arguments ({} without the flag)."""
+    p.add_argument("--storage-option", dest="storage_options", type=storage_option,
+                   action=_StorageOptions, default={}, metavar="KEY=VALUE",
+                   help=f"an fsspec option for the {what} (s3://, gs://, ...): endpoint, "
+                   "profile, anonymous access; repeatable; a dotted KEY nests "
+                   "(client_kwargs.endpoint_url=URL), a VALUE that parses as JSON is taken "
+                   "as such (anon=true). Never written to a manifest, log or run folder")
+
+
+class _StorageOptions(argparse.Action):
+    """Adds one parsed `--storage-option` to the nested dict; refuses a key given twice, or
+    given a value and options beneath it."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        path, value = values
+        options = copy.deepcopy(getattr(namespace, self.dest, None) or {})
+        where = options
+        for depth, part in enumerate(path[:-1]):
+            where = where.setdefault(part, {})
+            if not isinstance(where, dict):
+                raise argparse.ArgumentError(self, f"{'.'.join(path)}: "
+                                             f"{'.'.join(path[:depth + 1])} already has a value")
+        if path[-1] in where:
+            raise argparse.ArgumentError(self, f"{'.'.join(path)} is given twice (or also has "
+                                         "options beneath it)")
+        where[path[-1]] = value
+        setattr(namespace, self.dest, options)
 
 
 def setup_logging(quiet: bool) -> None:

@@ -7,6 +7,13 @@
     python tools/make_shards.py parquet 'hf/data/train-*.parquet' shards/train --image-column img
     python tools/make_shards.py imagefolder SRC OUT --part 0/4   # one of four machines
     python tools/make_shards.py merge OUT                       # after all parts
+    python tools/make_shards.py imagefolder SRC OUT --engine ray --ray-address auto  # on Ray
+    python tools/make_shards.py imagefolder SRC s3://bucket/train \
+        --storage-option client_kwargs.endpoint_url=https://objects.example.org
+
+OUT may be an fsspec URL (s3://, gs://, memory://...): each shard and .idx is written whole
+locally, uploaded under a hidden temporary key, then moved to its final name; the journal
+lives there too (a rerun resumes), the manifest comes last.
 """
 
 from __future__ import annotations
@@ -14,9 +21,9 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from pathlib import Path
 
 from cliutil import (
+    add_storage_options,
     parse_part,
     parse_size,
     positive_int,
@@ -33,6 +40,7 @@ from pipeline.errors import DataError
 from pipeline.executor import WorkerError
 from pipeline.samples.checks import CheckLimits
 from pipeline.shards.manifest import Manifest, load_manifest, merge_parts
+from pipeline.urls import redact
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,11 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     for kind, text in helps.items():
         p = sub.add_parser(kind, help=text)
         p.add_argument("src", help="the source: " + text)
-        p.add_argument("out", type=Path, help="output folder for the shards")
+        p.add_argument("out", help="output folder for the shards, or an fsspec URL prefix "
+                       "(s3://bucket/train)")
         _common_options(p)
         _kind_options(p, kind)
     merge = sub.add_parser("merge", help="combine the manifests of --part runs")
-    merge.add_argument("out", type=Path, help="the folder holding every part's shards")
+    merge.add_argument("out", help="the folder (or URL prefix) holding every part's shards")
+    add_storage_options(merge, "folder's URL")
     return parser
 
 
@@ -74,12 +84,20 @@ def _common_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-timeout", type=positive_seconds, default=900.0, metavar="SECONDS",
                    help="a worker with no result this long is hung: stop with an error naming "
                         "its inputs (default 900; with --workers 1 work runs inline, untimed)")
+    p.add_argument("--engine", choices=("local", "ray"), default="local",
+                   help="local: worker processes on this machine; ray: Ray tasks on a cluster "
+                   "(--ray-address) or on a local Ray of --workers CPUs; the shards are the "
+                   "same bytes either way (pip install 'shardflow[ray]')")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="with --engine ray: the cluster to run on (host:6379, ray://host:10001, "
+                   "or auto: the one this machine belongs to)")
     p.add_argument("--part", type=parse_part, default=(0, 1), metavar="I/N",
                    help="convert only slice I (0-based) of N; merge the parts afterwards")
     p.add_argument("--on-error", choices=("raise", "skip"), default="raise",
                    help="raise: stop at the first bad input; skip: record it and go on")
     p.add_argument("--overwrite", action="store_true", help="replace shards already in OUT")
     p.add_argument("--quiet", action="store_true", help="no progress bar or warnings")
+    add_storage_options(p, "URLs of OUT and of a shards source")
 
 
 def _kind_options(p: argparse.ArgumentParser, kind: str) -> None:
@@ -96,7 +114,7 @@ def _kind_options(p: argparse.ArgumentParser, kind: str) -> None:
         p.add_argument("--max-file-size", type=parse_size, default=parse_size("1GiB"),
                        help="refuse input files larger than this (default 1GiB)")
     if kind in ("imagefolder", "pointcloud", "manifest", "parquet"):
-        p.add_argument("--classes-from", type=Path, default=None, metavar="MANIFEST",
+        p.add_argument("--classes-from", default=None, metavar="MANIFEST",
                        help="number classes as in this earlier manifest.json (e.g. the "
                        "training split's), so that splits agree")
     if kind == "manifest":
@@ -127,12 +145,12 @@ def _parquet_options(p: argparse.ArgumentParser) -> None:
                    help="column of unique sample keys (default: <file>_<row:08d>)")
 
 
-def _classes_from(path: Path | None) -> dict[str, int] | None:
+def _classes_from(path: str | None, options: dict[str, object]) -> dict[str, int] | None:
     if path is None:
         return None
-    classes = load_manifest(str(path)).classes
+    classes = load_manifest(path, options).classes
     if not classes:
-        raise ValueError(f"--classes-from {path}: that manifest has no class map")
+        raise ValueError(f"--classes-from {redact(path)}: that manifest has no class map")
     return classes
 
 
@@ -148,16 +166,17 @@ def config_from_args(args: argparse.Namespace) -> ConvertConfig:
         path_column=getattr(args, "path_column", "path"),
         label_column=getattr(args, "label_column", "label"),
         max_file_bytes=getattr(args, "max_file_size", 2**30),
-        classes=_classes_from(getattr(args, "classes_from", None)),
+        classes=_classes_from(getattr(args, "classes_from", None), args.storage_options),
         parquet=ParquetOptions(getattr(args, "image_column", None),
                                getattr(args, "text_column", None),
                                getattr(args, "parquet_label", None),
                                getattr(args, "key_column", None)),
         max_member_bytes=getattr(args, "max_member_size", 256 * 2**20),
-        workers=args.workers, overwrite=args.overwrite, worker_timeout_s=args.worker_timeout)
+        workers=args.workers, overwrite=args.overwrite, worker_timeout_s=args.worker_timeout,
+        storage_options=args.storage_options, engine=args.engine, ray_address=args.ray_address)
 
 
-def print_summary(m: Manifest, out: Path, seconds: float) -> None:
+def print_summary(m: Manifest, out: str, seconds: float) -> None:
     size = sum(s.bytes for s in m.shards)
     print(f"{out}: {len(m.shards)} shards, {m.total_samples} samples, {size / 1e6:.1f} MB "
           f"in {seconds:.1f} s ({size / 1e6 / max(seconds, 1e-9):.1f} MB/s)")
@@ -186,7 +205,7 @@ def print_summary(m: Manifest, out: Path, seconds: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.kind == "merge":
-        m = merge_parts(args.out)
+        m = merge_parts(args.out, args.storage_options)
         print(f"merged: {len(m.shards)} shards, {m.total_samples} samples -> manifest.json")
         return 0
     setup_logging(args.quiet)
@@ -199,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_postfix_str(f"{nbytes / 1e6 / max(bar.format_dict['elapsed'], 1e-3):.1f} MB/s",
                                 refresh=False)
         manifest = convert(cfg, progress)
-    print_summary(manifest, args.out, time.perf_counter() - start)
+    print_summary(manifest, redact(cfg.out), time.perf_counter() - start)
     return 0
 
 

@@ -25,7 +25,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from cliutil import device_name, positive_int, run_main, setup_logging
+from cliutil import add_storage_options, device_name, positive_int, run_main, setup_logging
 from tqdm import tqdm
 
 from pipeline.loading.shardlist import resolve_source
@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compress DDP gradients with torch's communication hooks")
     p.add_argument("--log-keys", action="store_true", help="write each step's keys to keys.jsonl")
     p.add_argument("--quiet", action="store_true")
+    add_storage_options(p, "URLs of --data and --eval-data")
     return p
 
 
@@ -155,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     if info.is_main and not args.quiet:  # which tuned choices the loaders use, and why not
         logging.getLogger("pipeline.loading.tuning").setLevel(logging.INFO)
     distributed.init(info, use_cuda=args.device != "cpu" and torch.cuda.is_available())
-    split = split_eval(resolve_source(args.data), args.eval_data, info.world_size)
+    split = split_eval(resolve_source(args.data, storage_options=args.storage_options),
+                       args.eval_data, info.world_size, args.storage_options)
     torch.manual_seed(args.seed)
     # The same seed on every rank: every rank starts from the same weights.
     opts = TaskOptions(**{f.name: getattr(args, f.name) for f in fields(TaskOptions)})

@@ -15,15 +15,16 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from cliutil import positive_int, run_main, setup_logging
+from cliutil import add_storage_options, positive_int, run_main, setup_logging
 
 from pipeline.errors import DataError, OnError, SkipLog, handle
 from pipeline.samples.checks import CheckLimits, check_text
 
 
-def documents(source: str, on_error: OnError, skips: SkipLog, limit: int
-              ) -> Iterator[str]:
+def documents(source: str, on_error: OnError, skips: SkipLog, limit: int,
+              options: dict[str, Any] | None = None) -> Iterator[str]:
     import fsspec
 
     from pipeline.loading.shardlist import resolve_source
@@ -31,8 +32,8 @@ def documents(source: str, on_error: OnError, skips: SkipLog, limit: int
     from pipeline.urls import redact
 
     checks = CheckLimits(max_text_bytes=limit)
-    for shard in resolve_source(source).shards:
-        with fsspec.open(shard.url, "rb") as f:
+    for shard in resolve_source(source, storage_options=options).shards:
+        with fsspec.open(shard.url, "rb", **shard.storage_options) as f:
             for sample in iter_samples(f, redact(shard.url), on_error=on_error, skips=skips):
                 if "txt" not in sample:
                     continue
@@ -43,15 +44,15 @@ def documents(source: str, on_error: OnError, skips: SkipLog, limit: int
                                        key=str(sample["__key__"])), on_error, skips)
 
 
-def train(source: str, out: Path, vocab_size: int, on_error: OnError, limit: int
-          ) -> tuple[int, SkipLog]:
+def train(source: str, out: Path, vocab_size: int, on_error: OnError, limit: int,
+          options: dict[str, Any] | None = None) -> tuple[int, SkipLog]:
     from pipeline.text.tokenizer import train_bpe
 
     skips, count = SkipLog(), 0
 
     def counted() -> Iterator[str]:
         nonlocal count
-        for doc in documents(source, on_error, skips, limit):
+        for doc in documents(source, on_error, skips, limit, options):
             count += 1
             yield doc
 
@@ -68,11 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--on-error", choices=("raise", "skip"), default="skip")
     p.add_argument("--max-doc-bytes", type=positive_int, default=16 * 1024 * 1024)
     p.add_argument("--quiet", action="store_true")
+    add_storage_options(p)
     args = p.parse_args(argv)
     setup_logging(args.quiet)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     count, skips = train(args.source, args.out, args.vocab_size, args.on_error,
-                         args.max_doc_bytes)
+                         args.max_doc_bytes, args.storage_options)
     if not count:
         raise ValueError(f"{args.source}: no usable .txt documents to train on")
     print(f"{args.out}: BPE tokenizer trained on {count} documents"

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cliutil import positive_int, positive_seconds, run_main
+from cliutil import add_storage_options, positive_int, positive_seconds, run_main
 
 from pipeline.atomic import write_atomic
 from pipeline.loading.readplan import plan_epoch
@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help="also write the whole report (shards, problems, split) as JSON here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_storage_options(p)
     return p
 
 
@@ -127,7 +128,7 @@ def verify_with_progress(args: argparse.Namespace) -> tuple[list[ShardReport], A
             bar.set_postfix(samples=samples)
 
         return verify(args.source, workers=args.jobs, timeout_s=args.worker_timeout,
-                      progress=progress)
+                      progress=progress, storage_options=args.storage_options)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,8 @@ loader and task meet.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -60,6 +61,8 @@ class TaskOptions:
     prefetch: int | None = None  # None: the tuning file's, else the loaders' default
     tuning_file: Path | None = None  # None: tuning.default_path(), when it exists
     use_tuning: bool = True  # False: --no-tuning
+    # fsspec's options for the URLs of `data` (endpoint, credentials): never shown or saved
+    storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -76,13 +79,16 @@ class EvalSplit:
         return KeyHoldout(side, self.by_key) if self.by_key else None
 
 
-def split_eval(source: Source, eval_data: str | None, world_size: int = 1) -> EvalSplit:
-    """The evaluation data: `eval_data` when given, else every 10th shard of `source` (sorted
-    by name, at least one), never trained on. With too few shards for that (one, or one held
-    out would leave a rank without a shard), 10% of the samples by key hash instead: the same
-    samples on every rank and after a resume (pipeline/loading/holdout.py)."""
+def split_eval(source: Source, eval_data: str | None, world_size: int = 1,
+               storage_options: Mapping[str, Any] | None = None) -> EvalSplit:
+    """The evaluation data: `eval_data` when given (its URLs opened with `storage_options`),
+    else every 10th shard of `source` (sorted by name, at least one), never trained on. With
+    too few shards for that (one, or one held out would leave a rank without a shard), 10% of
+    the samples by key hash instead: the same samples on every rank and after a resume
+    (pipeline/loading/holdout.py)."""
     if eval_data:
-        return EvalSplit(source, resolve_source(eval_data), f"--eval-data {redact(eval_data)}")
+        return EvalSplit(source, resolve_source(eval_data, storage_options=storage_options),
+                         f"--eval-data {redact(eval_data)}")
     shards = sorted(source.shards, key=lambda s: s.url)
     held = shards[HOLD_OUT_EVERY - 1:: HOLD_OUT_EVERY] or shards[-1:]
     train = tuple(s for s in shards if s not in held)
@@ -218,7 +224,7 @@ def _classes(opts: TaskOptions, train: Source) -> int:
     known, where = None, ""
     if train.classes:
         known, where = len(train.classes), f"its class map ({len(train.classes)} classes)"
-    elif (stats := _label_stats(opts.data)) is not None:
+    elif (stats := _label_stats(opts.data, opts.storage_options)) is not None:
         known = stats.ranges[-1][1] + 1
         where = f"its label statistics (labels up to {known - 1})"
     given = opts.num_classes
@@ -234,12 +240,12 @@ def _classes(opts: TaskOptions, train: Source) -> int:
     return given
 
 
-def _label_stats(data: str) -> LabelStats | None:
+def _label_stats(data: str, storage_options: Mapping[str, Any]) -> LabelStats | None:
     """The label statistics of the manifest `data` names (a folder or a .json), if any."""
     base = data.rstrip("/")
     url = base if base.endswith(".json") else f"{base}/{MANIFEST}"
-    fs, path = fsspec.core.url_to_fs(url)
-    return load_manifest(url).labels if fs.isfile(path) else None
+    fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    return load_manifest(url, storage_options).labels if fs.isfile(path) else None
 
 
 def _image(opts: TaskOptions, split: EvalSplit, ranks: _Ranks, train_options: dict[str, Any],

@@ -61,7 +61,7 @@ def build_corpus(work: Path, clouds: int, points: int, batch_size: int, threads:
 
     per_class = max(clouds // 6, 1)
     folder = make_pointcloud_folder(work / "clouds", per_class=per_class, points=points)
-    convert(ConvertConfig(kind="pointcloud", src=str(folder), out=work / "shards",
+    convert(ConvertConfig(kind="pointcloud", src=str(folder), out=str(work / "shards"),
                           max_count=max(clouds // 8, 1), workers=threads))
     clouds = per_class * 6
     return Corpus(work / "shards", clouds, clouds * points, batch_size, threads, **options)

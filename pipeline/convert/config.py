@@ -1,7 +1,8 @@
 """The options of a conversion (`tools/make_shards.py`'s flags, one to one), validated here.
 
 Everything that decides the output bytes is compared on a rerun (the journal's `args`), so a
-resumed job is the same job; workers, overwrite and the worker timeout are not.
+resumed job is the same job; workers, overwrite, the worker timeout, the engine and the storage
+options are not (storage options hold credentials: they are never recorded or shown).
 """
 
 from __future__ import annotations
@@ -10,13 +11,15 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
 from pipeline.convert.parquet import ParquetOptions
 from pipeline.convert.sources import SOURCE_KINDS, TextOptions
 from pipeline.errors import OnError, check_on_error
 from pipeline.samples.checks import CheckLimits
 from pipeline.shards.manifest import MANIFEST, part_manifest_name
-from pipeline.urls import redact
+from pipeline.storage import Store, check_storage_options
+from pipeline.urls import is_remote, redact
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,7 @@ class ConvertConfig:
 
     kind: str
     src: str
-    out: Path
+    out: str  # a folder, or an fsspec URL prefix (s3://bucket/train); a Path is taken too
     prefix: str = "train"
     max_count: int = 10_000
     max_size: int = 512 * 1024 * 1024
@@ -44,9 +47,20 @@ class ConvertConfig:
     overwrite: bool = field(default=False, compare=False)
     # seconds a chunk of inputs may take in a worker process before it is declared hung
     worker_timeout_s: float = field(default=900.0, compare=False)
+    # fsspec's options for the URLs of the source (kind "shards") and of `out`: endpoint,
+    # credentials... (pipeline/storage.py); never recorded, compared or shown
+    storage_options: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # where the workers run: "local" (processes here) or "ray" (Ray tasks: engine_ray.py) on
+    # the cluster at `ray_address`, or on a local Ray of `workers` CPUs when it is None. The
+    # output bytes are the same either way, so neither is recorded or compared.
+    engine: Literal["local", "ray"] = field(default="local", compare=False)
+    ray_address: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "out", Path(self.out))  # a str from Python callers too
+        # A local folder as pathlib writes it (so a journal from before URLs still matches).
+        out = str(self.out)
+        object.__setattr__(self, "out", out.rstrip("/") if is_remote(out) else str(Path(out)))
+        check_storage_options(self.storage_options)
         if self.kind not in SOURCE_KINDS:
             raise ValueError(f"kind={self.kind!r}: choose one of {', '.join(SOURCE_KINDS)}")
         check_on_error(self.on_error)
@@ -60,11 +74,23 @@ class ConvertConfig:
         index, count = self.part
         if count < 1 or not 0 <= index < count:
             raise ValueError(f"part={index}/{count}: expected i/n with 0 <= i < n (0-based)")
+        self._check_engine()
+
+    def _check_engine(self) -> None:
+        if self.engine not in ("local", "ray"):
+            raise ValueError(f"engine={self.engine!r}: choose local or ray")
+        if self.ray_address is not None and self.engine != "ray":
+            raise ValueError(f"ray_address={redact(self.ray_address)!r} is for engine='ray' "
+                             "(make_shards --engine ray --ray-address ADDR)")
 
     @property
     def stem(self) -> str:
         index, count = self.part
         return self.prefix if count == 1 else f"{self.prefix}-p{index:03d}"
+
+    def store(self) -> Store:
+        """Where the shards go (a folder or an object-store prefix)."""
+        return Store(self.out, self.storage_options)
 
     @property
     def manifest_name(self) -> str:
@@ -73,8 +99,9 @@ class ConvertConfig:
     def job_args(self) -> dict[str, object]:
         """The arguments as recorded in the manifest and compared on resume (URLs redacted)."""
         args = asdict(self)
-        args.update(src=redact(self.src), out=str(self.out), part=list(self.part))
-        for name in ("workers", "overwrite", "worker_timeout_s"):
+        args.update(src=redact(self.src), out=redact(self.out), part=list(self.part))
+        for name in ("workers", "overwrite", "worker_timeout_s", "storage_options", "engine",
+                     "ray_address"):
             args.pop(name)
         if self.kind != "parquet":  # the other kinds' arguments stay as they were
             args.pop("parquet")

@@ -12,12 +12,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pipeline import executor
-from pipeline.convert import outdir
+from pipeline.convert import engine_ray, outdir
 from pipeline.convert.config import ConvertConfig
 from pipeline.convert.outdir import JOURNAL, Journal
 from pipeline.convert.parquet import ParquetPlan, plan_parquet
@@ -46,6 +47,7 @@ from pipeline.shards.listing import list_shards, preflight
 from pipeline.shards.manifest import LabelStats, Manifest, ShardInfo
 from pipeline.shards.tarread import TarLimits, iter_samples
 from pipeline.shards.writer import ShardWriter
+from pipeline.storage import Store
 from pipeline.urls import redact
 
 log = logging.getLogger(__name__)
@@ -82,8 +84,8 @@ def order_tasks(tasks: list[InputItem], cfg: ConvertConfig) -> list[InputItem]:
 
 def shard_tasks(cfg: ConvertConfig, skips: SkipLog) -> Iterator[dict[str, object] | DataError]:
     """Samples of existing shards (this part's slice of them), keys made safe and unique."""
-    urls = list_shards(cfg.src)
-    preflight(urls, cfg.src)
+    urls = list_shards(cfg.src, cfg.storage_options)
+    preflight(urls, cfg.src, cfg.storage_options)
     index, count = cfg.part
     urls = urls[index * len(urls) // count: (index + 1) * len(urls) // count]
     stream = _unique_keys(_read_shards(urls, cfg, skips))
@@ -99,7 +101,7 @@ def _read_shards(urls: list[str], cfg: ConvertConfig, skips: SkipLog
     limits = TarLimits(cfg.max_member_bytes)
     for url in urls:
         try:
-            with fsspec.open(url, "rb") as f:
+            with fsspec.open(url, "rb", **cfg.storage_options) as f:
                 yield from iter_samples(f, redact(url), limits=limits, on_error=cfg.on_error,
                                         skips=skips)
         except DataError as err:
@@ -143,6 +145,8 @@ class _Work:
     limits: CheckLimits
     text: TextOptions
     max_file_bytes: int
+    # fsspec's options for URLs a CSV/JSONL manifest lists (never shown)
+    storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
 Task = InputItem | RowChunk | dict[str, object] | DataError
@@ -158,15 +162,20 @@ def run_task(task: Task, work: _Work) -> list[dict[str, object] | DataError]:
             return [repair_sample(task, work.limits)]
         except DataError as err:
             return [err]
-    return build_samples(task, work.limits, work.text, work.max_file_bytes)
+    return build_samples(task, work.limits, work.text, work.max_file_bytes,
+                         work.storage_options)
 
 
 # -- the job ---------------------------------------------------------------------------------------
 
 def convert(cfg: ConvertConfig, progress: Progress | None = None) -> Manifest:
     """Run (or finish) a conversion; returns the manifest it wrote."""
+    if cfg.engine == "ray" and not engine_ray.connected():
+        with engine_ray.session(cfg.ray_address, cfg.workers):  # up before OUT is touched
+            return convert(cfg, progress)
     outdir.not_in_place(cfg)
-    journal = outdir.prepare_out(cfg)
+    store = cfg.store()
+    journal = outdir.prepare_out(cfg, store)
     skips = SkipLog()
     plan = make_plan(cfg)
     tasks: Iterable[Task]
@@ -176,17 +185,21 @@ def convert(cfg: ConvertConfig, progress: Progress | None = None) -> Manifest:
         tasks = row_tasks(plan, cfg.part, cfg.shuffle_seed, ahead)
     else:
         tasks = shard_tasks(cfg, skips) if cfg.kind == "shards" else order_tasks(plan.tasks, cfg)
-    writer = ShardWriter(cfg.out, cfg.stem, max_count=cfg.max_count, max_size=cfg.max_size,
-                         start_index=len(journal.shards))
-    job = _Job(cfg, journal, writer, skips, progress)
-    job.total = plan.part_rows(cfg.part) if isinstance(plan, ParquetPlan) \
-        else _expected_samples(tasks)
-    try:
-        job.run(tasks, _Work(cfg.limits, cfg.text, cfg.max_file_bytes), ahead)
-    except BaseException:
-        writer.abort()
-        raise
-    return job.finish(plan)
+    # Shards are written whole in a local folder (the output folder itself, or one to upload
+    # from to an object store) and only then get their final names (_Job._finish_shard).
+    with store.staging() as staging:
+        writer = ShardWriter(staging, cfg.stem, max_count=cfg.max_count, max_size=cfg.max_size,
+                             start_index=len(journal.shards))
+        job = _Job(cfg, journal, writer, skips, progress)
+        job.total = plan.part_rows(cfg.part) if isinstance(plan, ParquetPlan) \
+            else _expected_samples(tasks)
+        try:
+            work = _Work(cfg.limits, cfg.text, cfg.max_file_bytes, cfg.storage_options)
+            job.run(tasks, work, ahead)
+        except BaseException:
+            writer.abort()
+            raise
+        return job.finish(plan)
 
 
 class _Job:
@@ -195,6 +208,7 @@ class _Job:
     def __init__(self, cfg: ConvertConfig, journal: Journal, writer: ShardWriter,
                  skips: SkipLog, progress: Progress | None) -> None:
         self.cfg, self.journal, self.writer, self.progress = cfg, journal, writer, progress
+        self.store = cfg.store()  # where finished shards, the journal and the manifest go
         self.skips = skips
         self.skips.extend(journal.skipped)
         self.total: int | None = None
@@ -208,7 +222,7 @@ class _Job:
         self.end = (start_task, start_result)
         # A parquet task is a chunk of rows (up to a few MB): one per submit bounds what waits.
         chunk = 1 if self.cfg.kind == "parquet" else executor.CHUNK
-        results = executor.ordered_map(run_task, _skip(tasks, start_task - ahead), work,
+        results = _ordered_map(self.cfg)(run_task, _skip(tasks, start_task - ahead), work,
                                        self.cfg.workers, chunk=chunk,
                                        timeout_s=self.cfg.worker_timeout_s, describe=_describe)
         with contextlib.closing(results):  # stop the workers here, also on an error
@@ -234,25 +248,27 @@ class _Job:
         info = self.writer.finish()
         if info is None:
             return
+        # The index first, as the writer renames it first: a shard is never without it.
+        self.store.publish(self.writer.out, info.name[: -len(".tar")] + ".idx", info.name)
         self.bytes += info.bytes
         self.journal.shards.append(info.to_json())
         self.journal.position = list(position)
         self.journal.skipped = list(self.skips.entries)
         self.tally.save(self.journal)
-        self.journal.save(self.cfg.out)
+        self.journal.save(self.store)
 
     def finish(self, plan: Plan) -> Manifest:
         self._finish_shard(self.end)  # a rerun after this point has nothing left to convert
         shards = [ShardInfo.from_json(s) for s in self.journal.shards]
         modality = plan.modality
         if self.cfg.kind == "shards":
-            modality = _modality_of(self.cfg.out, shards)
+            modality = _modality_of(self.store, shards)
         manifest = Manifest(shards, modality, plan.classes, list(self.skips.entries),
                             plan.ignored, self.cfg.job_args(), reencoded=self.tally.reencoded,
                             offset_clouds=self.tally.offset_clouds,
                             labels=self.tally.label_stats())
-        manifest.save(self.cfg.out / self.cfg.manifest_name)
-        (self.cfg.out / JOURNAL).unlink(missing_ok=True)
+        self.store.write_bytes(self.cfg.manifest_name, manifest.encode())  # last: finished
+        self.store.delete(JOURNAL)
         return manifest
 
 
@@ -300,20 +316,27 @@ def _expected_samples(tasks: Iterable[object]) -> int | None:
     return None
 
 
+def _ordered_map(cfg: ConvertConfig
+                 ) -> Callable[..., Generator[list[dict[str, object] | DataError], None, None]]:
+    """The engine: worker processes here, or Ray tasks (engine_ray.py); same order, same
+    results, so the same shards."""
+    return engine_ray.ordered_map if cfg.engine == "ray" else executor.ordered_map
+
+
 def _skip(tasks: Iterable[Task], n: int) -> Iterator[Task]:
     for i, task in enumerate(tasks):
         if i >= n:
             yield task
 
 
-def _modality_of(out: Path, shards: list[ShardInfo]) -> str:
+def _modality_of(out: Store, shards: list[ShardInfo]) -> str:
     """A re-sharded dataset's modality, from the extensions in its first index."""
     from pipeline.shards.daliindex import parse_index
 
     if not shards:
         return "unknown"
-    exts = {e[0] for s in parse_index((out / (shards[0].name[:-4] + ".idx")).read_text())
-            for e in s}
+    index = out.read_bytes(shards[0].name[:-4] + ".idx").decode()
+    exts = {e[0] for s in parse_index(index) for e in s}
     for modality, names in (("image", set(IMAGE_EXTS)), ("text", set(TEXT_EXTS)),
                             ("pointcloud", set(POINTCLOUD_EXTS))):
         if exts & names:

@@ -2,7 +2,8 @@
 
 The journal (`.make_shards.journal.json`) records the finished shards and the position in the
 task list after each one, so running the same command again after a kill continues where it
-stopped; a finished job is marked by its manifest, written last.
+stopped; a finished job is marked by its manifest, written last. The folder may be an object
+store prefix (pipeline/storage.py): the journal lives there too, so a rerun resumes anywhere.
 """
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-from pipeline.atomic import write_atomic
 from pipeline.convert.config import ConvertConfig
 from pipeline.shards.listing import list_shards
+from pipeline.storage import Store
+from pipeline.urls import is_remote
 
 log = logging.getLogger(__name__)
 JOURNAL = ".make_shards.journal.json"
@@ -35,42 +36,41 @@ class Journal:
     offset_clouds: int = 0
     labels: list[list[int]] | None = None
 
-    def save(self, out: Path) -> None:
-        write_atomic(out / JOURNAL, json.dumps(asdict(self)).encode())
+    def save(self, out: Store) -> None:
+        out.write_bytes(JOURNAL, json.dumps(asdict(self)).encode())
 
     @classmethod
-    def load(cls, out: Path) -> Journal:
-        return cls(**json.loads((out / JOURNAL).read_text()))
+    def load(cls, out: Store) -> Journal:
+        return cls(**json.loads(out.read_bytes(JOURNAL)))
 
 
-def prepare_out(cfg: ConvertConfig) -> Journal:
+def prepare_out(cfg: ConvertConfig, out: Store) -> Journal:
     """Refuse, clean or resume the output folder; returns the journal to continue from."""
-    out = cfg.out
-    out.mkdir(parents=True, exist_ok=True)
-    for tmp in out.glob(".*.tmp"):
-        tmp.unlink()  # leftovers of a killed run: never under a final name, safe to drop
+    out.makedirs()
+    for tmp in out.names(".*.tmp"):
+        out.delete(tmp)  # leftovers of a killed run: never under a final name, safe to drop
     if cfg.overwrite:
         _clean(out, cfg)
-    elif (out / cfg.manifest_name).exists():
+    elif out.exists(cfg.manifest_name):
         raise FileExistsError(f"{out} already holds a finished conversion ({cfg.manifest_name});"
                               " pass --overwrite to replace it")
-    elif (out / JOURNAL).exists():
+    elif out.exists(JOURNAL):
         return _resume(out, cfg)
     elif foreign := _foreign_shards(out, cfg):
-        raise FileExistsError(f"{out} already holds shards ({foreign[0].name} and "
+        raise FileExistsError(f"{out} already holds shards ({foreign[0]} and "
                               f"{len(foreign) - 1} more); pass --overwrite to replace them")
     return Journal(cfg.job_args(), labels=[])
 
 
-def _resume(out: Path, cfg: ConvertConfig) -> Journal:
+def _resume(out: Store, cfg: ConvertConfig) -> Journal:
     journal = Journal.load(out)
     if not _same_job(journal, cfg):
         raise FileExistsError(f"{out} holds an unfinished conversion made with other arguments;"
                               " rerun that command to finish it, or pass --overwrite")
     for name in _owned(out, cfg):
-        if name.name not in {str(s["name"]) for s in journal.shards} | {
+        if name not in {str(s["name"]) for s in journal.shards} | {
                 str(s["name"])[:-4] + ".idx" for s in journal.shards}:
-            name.unlink()  # renamed after the journal's last save: it will be written again
+            out.delete(name)  # renamed after the journal's last save: it will be written again
     log.info("resuming %s after %d finished shards", out, len(journal.shards))
     return journal
 
@@ -85,32 +85,31 @@ def _same_job(journal: Journal, cfg: ConvertConfig) -> bool:
     return mine == theirs
 
 
-def _owned(out: Path, cfg: ConvertConfig) -> list[Path]:
+def _owned(out: Store, cfg: ConvertConfig) -> list[str]:
     pattern = f"{cfg.stem}-[0-9]*"
-    return sorted(list(out.glob(pattern + ".tar")) + list(out.glob(pattern + ".idx")))
+    return sorted(out.names(pattern + ".tar") + out.names(pattern + ".idx"))
 
 
-def _foreign_shards(out: Path, cfg: ConvertConfig) -> list[Path]:
+def _foreign_shards(out: Store, cfg: ConvertConfig) -> list[str]:
     # Sibling parts of the same job may share the folder (one per machine).
     sibling = f"{cfg.prefix}-p" if cfg.part[1] > 1 else None
-    return [p for p in sorted(out.glob("*.tar"))
-            if not (sibling and p.name.startswith(sibling) and not p.name.startswith(cfg.stem))]
+    return [name for name in out.names("*.tar")
+            if not (sibling and name.startswith(sibling) and not name.startswith(cfg.stem))]
 
 
-def _clean(out: Path, cfg: ConvertConfig) -> None:
-    doomed = _owned(out, cfg) + _foreign_shards(out, cfg) + [out / JOURNAL, out / cfg.manifest_name]
+def _clean(out: Store, cfg: ConvertConfig) -> None:
+    doomed = _owned(out, cfg) + _foreign_shards(out, cfg) + [JOURNAL, cfg.manifest_name]
     if cfg.part[1] == 1:
-        doomed += list(out.glob("*.idx")) + list(out.glob("manifest*.json"))
-    for path in doomed:
-        path.unlink(missing_ok=True)
+        doomed += out.names("*.idx") + out.names("manifest*.json")
+    for name in doomed:
+        out.delete(name)
 
 
 def not_in_place(cfg: ConvertConfig) -> None:
     """Refuse to write into the folder being read: --overwrite would delete the source."""
-    if cfg.kind != "shards" or "://" in cfg.src:
+    if cfg.kind != "shards" or ("://" in cfg.src) != is_remote(cfg.out):
         return
-    out = cfg.out.resolve()
-    sources = [Path(u).resolve() for u in list_shards(cfg.src)]
-    if any(p.parent == out for p in sources):
-        raise ValueError(f"{cfg.out} holds the source shards; write the new shards to another "
+    out = cfg.store()
+    if any(out.holds(url) for url in list_shards(cfg.src, cfg.storage_options)):
+        raise ValueError(f"{out} holds the source shards; write the new shards to another "
                          "folder")

@@ -15,9 +15,10 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import fsspec
@@ -270,21 +271,24 @@ def _no_repeats(src: Path, paths: list[str]) -> None:
 # -- the worker side: one task -> samples --------------------------------------------------
 
 def build_samples(task: InputItem, limits: checks.CheckLimits, text: TextOptions,
-                  max_file_bytes: int) -> list[Sample | DataError]:
-    """Read and check one task's file; data errors are returned, not raised, per sample."""
+                  max_file_bytes: int, storage_options: Mapping[str, Any] | None = None
+                  ) -> list[Sample | DataError]:
+    """Read and check one task's file (a URL opened with `storage_options`); data errors are
+    returned, not raised, per sample."""
     try:
         if task.mode in ("lines", "jsonl"):
             return list(_text_samples(task, limits, text))
-        return [_one_sample(task, _read_file(task.path, max_file_bytes), limits)]
+        data = _read_file(task.path, max_file_bytes, storage_options or {})
+        return [_one_sample(task, data, limits)]
     except DataError as err:
         return [err.located(source=task.path, key=task.key)]
 
 
-def _read_file(path: str, max_bytes: int) -> bytes:
+def _read_file(path: str, max_bytes: int, storage_options: Mapping[str, Any]) -> bytes:
     """The whole file, refusing more than max_bytes without reading past the limit."""
     regular_file(path)
     try:
-        with fsspec.open(path, "rb") as f:
+        with fsspec.open(path, "rb", **storage_options) as f:
             data = f.read(max_bytes + 1)
     except FileNotFoundError:
         raise DataError("missing-file", "the file does not exist") from None

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from pipeline.errors import OnError, check_on_error
+from pipeline.storage import check_storage_options
 
 ReaderKind = Literal["auto", "dali", "stream"]  # e.g. reader="stream" for remote shards
 # Where batches land and training runs, e.g. device="cuda:1"; "gpu" is the older spelling of
@@ -54,10 +56,15 @@ class LoaderOptions:
     allow_pipe: bool = False  # `pipe:` URLs run a shell command: refused unless allowed
     timeout_s: float | None = 600.0  # no batch for this long: the loader is hung, raise
     backend: Backend = "auto"  # "dali", "portable" (no DALI needed) or "auto"
+    # fsspec's options for the source's URLs (s3://, gs://, ...), e.g. {"anon": True} or
+    # {"client_kwargs": {"endpoint_url": URL}, "key": ..., "secret": ...}: used to resolve and
+    # read the shards, never shown, logged or saved (a loader's state has none)
+    storage_options: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         positive(self, "batch_size", "prefetch")
         check_on_error(self.on_error)
+        check_storage_options(self.storage_options)
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device={self.device!r}: choose cpu, cuda, cuda:N or auto")
         choice(self, "decode", ("auto", "cpu", "gpu"))

@@ -115,7 +115,7 @@ class _Fetcher:
     def _stream(self, shard: _Shard, start: int) -> None:
         delivered = start
         try:
-            with fsspec.open(shard.spec.url, "rb") as f:
+            with fsspec.open(shard.spec.url, "rb", **shard.spec.storage_options) as f:
                 if start:
                     f.seek(start)
                 while chunk := f.read(CHUNK):

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import fsspec
 
 from pipeline.shards.listing import count_from_index, list_shards, preflight
 from pipeline.shards.manifest import MANIFEST, load_manifest
+from pipeline.storage import check_storage_options
 from pipeline.urls import check_scheme, expand_braces, redact
 
 T = TypeVar("T")
@@ -33,6 +34,10 @@ class ShardSpec:
     url: str
     samples: int | None = None  # None: not known before reading
     sha256: str | None = None  # from manifest.json, when there is one
+    # fsspec's keyword arguments to open `url` (endpoint, credentials): one mapping shared by
+    # a source's shards; never shown, compared or saved
+    storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False,
+                                               compare=False)
 
 
 @dataclass(frozen=True)
@@ -66,34 +71,40 @@ class Source:
         return f"{len(self.shards)} shards from {first}"
 
 
-def resolve_source(source: str | Path | Sequence[str], *, allow_pipe: bool = False) -> Source:
-    """Resolve any accepted form of `source`; FileNotFoundError lists every missing shard."""
+def resolve_source(source: str | Path | Sequence[str], *, allow_pipe: bool = False,
+                   storage_options: Mapping[str, Any] | None = None) -> Source:
+    """Resolve any accepted form of `source`; FileNotFoundError lists every missing shard.
+    `storage_options`: fsspec's keyword arguments for its URLs, kept with each shard."""
+    check_storage_options(storage_options)
+    options = dict(storage_options or {})
     if isinstance(source, (str, Path)):
         text = str(source)
-        found = _from_manifest(text)
+        found = _from_manifest(text, options)
         if found is not None:
             return found
-        urls = list_shards(text) if not text.startswith("pipe:") else [text]
+        urls = list_shards(text, options) if not text.startswith("pipe:") else [text]
     else:
         urls = [u for item in source for u in expand_braces(str(item))]
     for url in urls:
         check_scheme(url, allow_pipe=allow_pipe)
-    preflight(urls, str(source))
-    return Source(tuple(ShardSpec(u, count_from_index(u)) for u in urls))
+    preflight(urls, str(source), options)
+    return Source(tuple(ShardSpec(u, count_from_index(u), storage_options=options)
+                        for u in urls))
 
 
-def _from_manifest(text: str) -> Source | None:
+def _from_manifest(text: str, options: Mapping[str, Any]) -> Source | None:
     base = text.rstrip("/")
     if base.endswith(".json"):
         manifest_url, base = base, base.rsplit("/", 1)[0]
     else:
         manifest_url = f"{base}/{MANIFEST}"
-    fs, path = fsspec.core.url_to_fs(manifest_url)
+    fs, path = fsspec.core.url_to_fs(manifest_url, **options)
     if not fs.exists(path):
         return None
-    m = load_manifest(manifest_url)
-    shards = tuple(ShardSpec(f"{base}/{s.name}", s.samples, s.sha256) for s in m.shards)
-    preflight([s.url for s in shards], text)
+    m = load_manifest(manifest_url, options)
+    shards = tuple(ShardSpec(f"{base}/{s.name}", s.samples, s.sha256, options)
+                   for s in m.shards)
+    preflight([s.url for s in shards], text, options)
     return Source(shards, m.classes, m.modality)
 
 

@@ -4,13 +4,18 @@ is a regular file, checked before any reading starts.
     list_shards("shards/train")          a folder's *.tar / *.tar.gz / *.tgz, sorted
     list_shards("s3://b/train-{000..099}.tar")   brace ranges and globs, any fsspec URL
     preflight(urls, source)              one error naming every missing shard
+
+`storage_options` (fsspec's keyword arguments: endpoint, credentials) go to every fsspec call;
+they are never shown.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import fsspec
 
@@ -20,7 +25,7 @@ from pipeline.urls import check_scheme, expand_braces, is_remote, redact, scrub
 SHARD_PATTERNS = ("*.tar", "*.tar.gz", "*.tgz")  # tarread gunzips a stream by its magic
 
 
-def list_shards(src: str) -> list[str]:
+def list_shards(src: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
     """Shard URLs from a folder, a glob, a brace pattern, or a comma-free single URL."""
     check_scheme(src)
     local = Path(src)
@@ -29,12 +34,12 @@ def list_shards(src: str) -> list[str]:
                                        for p in local.glob(pattern))]
     urls = []
     for url in expand_braces(src):
-        urls.extend(_glob(url) if any(c in url for c in "*?[") else [url])
+        urls.extend(_glob(url, storage_options) if any(c in url for c in "*?[") else [url])
     return urls
 
 
-def _glob(url: str) -> list[str]:
-    fs, path = fsspec.core.url_to_fs(url)
+def _glob(url: str, storage_options: Mapping[str, Any] | None) -> list[str]:
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     found = sorted(fs.glob(path))
     return [fs.unstrip_protocol(p) if "://" in url else p for p in found]
 
@@ -58,11 +63,12 @@ def regular_file(path: str, samples: int | None = 1) -> None:
                         samples=samples)
 
 
-def preflight(urls: list[str], source: str) -> None:
+def preflight(urls: list[str], source: str,
+              storage_options: Mapping[str, Any] | None = None) -> None:
     """One error listing every missing shard (and one for a source that matches none)."""
     if not urls:
         raise FileNotFoundError(f"{scrub(source)}: no shards found")
-    missing = [u for u in urls if not u.startswith("pipe:") and not _exists(u)]
+    missing = [u for u in urls if not u.startswith("pipe:") and not _exists(u, storage_options)]
     if missing:
         listed = ", ".join(redact(u) for u in missing[:20])
         more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
@@ -84,8 +90,8 @@ def _regular(url: str) -> bool:
     return True
 
 
-def _exists(url: str) -> bool:
-    fs, path = fsspec.core.url_to_fs(url)
+def _exists(url: str, storage_options: Mapping[str, Any] | None) -> bool:
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     return bool(fs.exists(path))
 
 

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import fsspec
 
 from pipeline.atomic import write_atomic
+from pipeline.storage import Store
+from pipeline.urls import redact
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -134,8 +137,11 @@ class Manifest:
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: not a shardflow manifest ({exc!r})") from None
 
+    def encode(self) -> bytes:
+        return (json.dumps(self.to_json(), indent=1) + "\n").encode()
+
     def save(self, path: Path) -> None:
-        write_atomic(path, (json.dumps(self.to_json(), indent=1) + "\n").encode())
+        write_atomic(path, self.encode())
 
 
 def _counts(entries: list[dict[str, str]]) -> dict[str, int]:
@@ -145,34 +151,44 @@ def _counts(entries: list[dict[str, str]]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def load_manifest(url: str) -> Manifest:
-    """Read `manifest.json` from a folder or URL (anything fsspec opens)."""
-    with fsspec.open(url, "rt", encoding="utf-8") as f:
-        try:
-            doc = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{url}: manifest is not valid JSON ({exc})") from None
-    return Manifest.from_json(doc, url)
+def load_manifest(url: str, storage_options: Mapping[str, Any] | None = None) -> Manifest:
+    """Read `manifest.json` from a folder or URL (anything fsspec opens; `storage_options`:
+    fsspec's keyword arguments for it)."""
+    with fsspec.open(url, "rb", **(storage_options or {})) as f:
+        return parse_manifest(f.read(), redact(url))
 
 
-def merge_parts(out: Path) -> Manifest:
-    """Combine every part manifest in `out` into `manifest.json`; all n parts must be there."""
-    parts = {int(m.group(1)): (int(m.group(2)), p) for p in sorted(out.iterdir())
-             if (m := _PART.match(p.name))}
+def parse_manifest(data: bytes, where: str) -> Manifest:
+    """A manifest from its bytes; `where` names it in errors."""
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{where}: manifest is not valid JSON ({exc})") from None
+    return Manifest.from_json(doc, where)
+
+
+def merge_parts(out: str | Path, storage_options: Mapping[str, Any] | None = None
+                ) -> Manifest:
+    """Combine every part manifest in `out` (a folder or an fsspec URL prefix) into
+    `manifest.json`; all n parts must be there."""
+    store = Store(out, storage_options)
+    parts = {int(m.group(1)): (int(m.group(2)), name) for name in store.names("manifest.*.json")
+             if (m := _PART.match(name))}
     if not parts:
-        raise FileNotFoundError(f"{out}: no part manifests (manifest.part-*-of-*.json)")
+        raise FileNotFoundError(f"{store}: no part manifests (manifest.part-*-of-*.json)")
     count = next(iter(parts.values()))[0]
     missing = sorted(set(range(count)) - set(parts))
     if missing or any(n != count for n, _ in parts.values()):
-        raise ValueError(f"{out}: parts {missing} of {count} are missing or part counts differ;"
-                         " finish every part before merging")
-    manifests = [load_manifest(str(parts[i][1])) for i in range(count)]
-    merged = _merge(manifests, out)
-    merged.save(out / MANIFEST)
+        raise ValueError(f"{store}: parts {missing} of {count} are missing or part counts "
+                         "differ; finish every part before merging")
+    manifests = [parse_manifest(store.read_bytes(parts[i][1]), store.where(parts[i][1]))
+                 for i in range(count)]
+    merged = _merge(manifests, store)
+    store.write_bytes(MANIFEST, merged.encode())
     return merged
 
 
-def _merge(manifests: list[Manifest], out: Path) -> Manifest:
+def _merge(manifests: list[Manifest], out: Store) -> Manifest:
     first = manifests[0]
 
     def job(m: Manifest) -> dict[str, object]:

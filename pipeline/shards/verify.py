@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,16 +67,19 @@ class VerifyOptions:
     tar_limits: TarLimits = field(default_factory=TarLimits)
     modality: str | None = None
     num_classes: int | None = None
+    # fsspec's options for the shard URLs (endpoint, credentials): never shown
+    storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
 
-def shard_urls(source: str) -> tuple[list[str], Manifest | None]:
+def shard_urls(source: str, storage_options: Mapping[str, Any] | None = None
+               ) -> tuple[list[str], Manifest | None]:
     """Shard URLs and the manifest, from a folder/URL holding manifest.json or shard URLs."""
     base = source.rstrip("/")
-    fs, path = fsspec.core.url_to_fs(base)
+    fs, path = fsspec.core.url_to_fs(base, **(storage_options or {}))
     if fs.isdir(path) and fs.exists(f"{path}/{MANIFEST}"):
-        manifest = load_manifest(f"{base}/{MANIFEST}")
+        manifest = load_manifest(f"{base}/{MANIFEST}", storage_options)
         return [f"{base}/{s.name}" for s in manifest.shards], manifest
-    return list_shards(source), None
+    return list_shards(source, storage_options), None
 
 
 def verify_shard(url: str, expected: ShardInfo | None, opts: VerifyOptions) -> ShardReport:
@@ -85,7 +88,7 @@ def verify_shard(url: str, expected: ShardInfo | None, opts: VerifyOptions) -> S
     members: dict[str, tuple[int, int]] = {}
     try:
         regular_file(url, samples=None)  # a FIFO named .tar would block the open forever
-        with fsspec.open(url, "rb") as raw:
+        with fsspec.open(url, "rb", **opts.storage_options) as raw:
             reader = _HashingReader(raw)
             try:
                 for sample in iter_samples(reader, report.url, limits=opts.tar_limits,  # type: ignore[arg-type]
@@ -106,7 +109,7 @@ def verify_shard(url: str, expected: ShardInfo | None, opts: VerifyOptions) -> S
         return report
     report.bytes, report.sha256 = reader.count, reader.sha.hexdigest()
     _compare(report, expected, skips)
-    _check_index(url, members, skips)
+    _check_index(url, members, skips, opts.storage_options)
     report.problems = skips.entries
     return report
 
@@ -148,12 +151,13 @@ def _compare(report: ShardReport, expected: ShardInfo | None, skips: SkipLog) ->
                                 source=report.url))
 
 
-def _check_index(url: str, members: dict[str, tuple[int, int]], skips: SkipLog) -> None:
+def _check_index(url: str, members: dict[str, tuple[int, int]], skips: SkipLog,
+                 storage_options: Mapping[str, Any]) -> None:
     """The .idx beside the shard must point at exactly the bytes we read for each member."""
     if url.endswith((".tar.gz", ".tgz")):
         return  # DALI cannot read a compressed shard, index or not: the streaming reader does
     idx_url = beside(url, ".idx")
-    fs, path = fsspec.core.url_to_fs(idx_url)
+    fs, path = fsspec.core.url_to_fs(idx_url, **storage_options)
     try:
         regular_file(idx_url)  # a FIFO where the .idx belongs would block the read
     except DataError as err:
@@ -168,7 +172,7 @@ def _check_index(url: str, members: dict[str, tuple[int, int]], skips: SkipLog) 
     except (ValueError, UnicodeDecodeError) as exc:
         skips.add(DataError("bad-index", str(exc), source=redact(idx_url)))
         return
-    with fsspec.open(url, "rb") as f:
+    with fsspec.open(url, "rb", **storage_options) as f:
         for _ext, offset, size, name in entries:
             f.seek(offset)
             if members.get(name) != (size, zlib.crc32(f.read(size))):
@@ -186,19 +190,21 @@ def _verify_one(item: tuple[str, ShardInfo | None], opts: VerifyOptions) -> Shar
 
 def verify(source: str, *, workers: int = 1, limits: CheckLimits | None = None,
            timeout_s: float | None = None,
-           progress: Callable[[int, int], None] | None = None
+           progress: Callable[[int, int], None] | None = None,
+           storage_options: Mapping[str, Any] | None = None
            ) -> tuple[list[ShardReport], Manifest | None]:
     """Verify every shard of `source`; reports come back in shard order. With workers > 1 a
     shard whose check takes over `timeout_s` is reported hung (executor.WorkerError).
     `progress(samples, shards)` is called as each shard's report arrives: (its samples, the
-    total number of shards)."""
-    urls, manifest = shard_urls(source)
+    total number of shards). `storage_options`: fsspec's keyword arguments for its URLs."""
+    urls, manifest = shard_urls(source, storage_options)
     if not urls:
         raise FileNotFoundError(f"{redact(source)}: no shards found")
     expected = manifest.shards if manifest else [None] * len(urls)
     opts = VerifyOptions(limits or CheckLimits(), TarLimits(),
                          manifest.modality if manifest else None,
-                         len(manifest.classes) if manifest and manifest.classes else None)
+                         len(manifest.classes) if manifest and manifest.classes else None,
+                         dict(storage_options or {}))
     items = list(zip(urls, expected, strict=True))
     reports = []
     for report in executor.ordered_map(_verify_one, items, opts, workers, chunk=1,

@@ -169,7 +169,7 @@ def text_shards(root: Path, docs: int, workers: int = 1) -> Path:
     from pipeline.convert import ConvertConfig, convert
 
     folder = make_text_corpus(root / "docs", docs=docs)
-    convert(ConvertConfig(kind="text", src=str(folder), out=root / "shards", max_count=100,
+    convert(ConvertConfig(kind="text", src=str(folder), out=str(root / "shards"), max_count=100,
                           workers=workers))
     return root / "shards"
 

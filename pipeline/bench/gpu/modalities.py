@@ -113,7 +113,7 @@ def image_shards(ctx: Ctx) -> Path:
 
     folder = make_photo_corpus(ctx.work / "photos", count=ctx.sizes.dali_images)
     out = ctx.work / "image-shards"
-    convert(ConvertConfig(kind="imagefolder", src=str(folder), out=out, max_count=200,
+    convert(ConvertConfig(kind="imagefolder", src=str(folder), out=str(out), max_count=200,
                           workers=min(ctx.sizes.convert_workers, os.cpu_count() or 1)))
     return out
 
