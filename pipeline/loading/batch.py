@@ -98,3 +98,21 @@ class PointBatch:
 
     def __len__(self) -> int:
         return len(self.keys)
+
+
+@dataclass
+class TabularBatch:
+    """Rows of tabular (click-through-rate) data on the target device: `dense` float32 (N, D),
+    the numeric fields after the loader's transforms (missing filled, log1p, clipped);
+    `sparse` int64 (N, F), each categorical field's id in [0, num_buckets[f]) (hashed, or a
+    vocabulary id); `label` float32 (N,) in {0, 1}. `keys` name each row as
+    "<block key>:<row in block>", so a run can audit exactly which rows it read."""
+
+    dense: Any  # torch.Tensor
+    sparse: Any
+    label: Any
+    keys: list[str]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
