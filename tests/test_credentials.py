@@ -19,7 +19,7 @@ from pipeline import image_loader, pointcloud_loader, text_loader
 from pipeline.builtin import make_pointcloud_folder, make_text_corpus
 from pipeline.convert import ConvertConfig, convert
 from pipeline.errors import DataError
-from pipeline.loading import reader_stream
+from pipeline.loading import fetch
 
 SECRET = "SECRETSIG"
 QUERY = f"?X-Amz-Signature={SECRET}&X-Amz-Credential=AKIA{SECRET}"
@@ -62,7 +62,7 @@ LOADERS = {
 
 @pytest.mark.parametrize("modality", sorted(LOADERS))
 def test_loaders_never_show_url_secrets(tmp_path, modality, monkeypatch, caplog):
-    monkeypatch.setattr(reader_stream, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(fetch, "BACKOFF_S", 0.01)
     shards = _shards(tmp_path, modality)
     names = sorted(p.name for p in shards.glob("*.tar"))
     make = LOADERS[modality]

@@ -465,9 +465,9 @@ def test_streaming_resume_counts_each_skip_once(tmp_path):
 
 
 def test_fetch_failures_never_show_url_secrets(tmp_path, monkeypatch):
-    from pipeline.loading import reader_stream
+    from pipeline.loading import fetch
 
-    monkeypatch.setattr(reader_stream, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(fetch, "BACKOFF_S", 0.01)
     (tmp_path / "a.tar").write_bytes(b"x" * 2048)
     with http_server(tmp_path, _BrokenHandler) as base:
         url = f"{base}/a.tar?X-Amz-Signature=SECRETSIG&token=SECRETTOK"
@@ -518,10 +518,10 @@ class _FlakyRangeHandler(QuietHandler):
 
 
 def test_a_dropped_download_is_resumed_and_nothing_is_lost(shards, monkeypatch):
-    from pipeline.loading import reader_stream
+    from pipeline.loading import fetch
 
-    monkeypatch.setattr(reader_stream, "BACKOFF_S", 0.01)
-    monkeypatch.setattr(reader_stream, "CHUNK", 16384)
+    monkeypatch.setattr(fetch, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(fetch, "CHUNK", 16384)
     _FlakyRangeHandler.dropped = set()
     with http_server(shards, _FlakyRangeHandler) as base:
         loader = image_loader(base, batch_size=16, train=False, device="cpu", **OPTS)

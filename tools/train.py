@@ -25,7 +25,14 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from cliutil import add_storage_options, device_name, positive_int, run_main, setup_logging
+from cliutil import (
+    add_storage_options,
+    device_name,
+    parse_size,
+    positive_int,
+    run_main,
+    setup_logging,
+)
 from tqdm import tqdm
 
 from pipeline.loading.shardlist import resolve_source
@@ -112,6 +119,15 @@ def add_loader_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch", type=positive_int, default=None, metavar="N",
                    help="batches each loader stage prepares ahead; default: the tuning "
                    "file's, else 2")
+    p.add_argument("--shards-in-flight", type=positive_int, default=2, metavar="N",
+                   help="streaming reader: shards fetched at once per rank, their samples "
+                   "interleaved (default 2)")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="streaming reader: keep remote shards in this local folder (shared by "
+                   "the ranks of a machine), so later epochs read them from disk")
+    p.add_argument("--cache-limit", type=parse_size, default=parse_size("32GiB"),
+                   metavar="SIZE", help="the cache's bound (least recently used shards go "
+                   "first; default 32GiB)")
     tuning = p.add_mutually_exclusive_group()
     tuning.add_argument("--tuning-file", type=Path, default=None, metavar="PATH",
                         help="the loader tuning file to use (written by tools/bench_loader.py "

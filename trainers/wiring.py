@@ -59,6 +59,9 @@ class TaskOptions:
     pad_token: str | None = None  # text: the padding token of a tokenizer.json without one
     loader_threads: int | None = None  # None: the tuning file's, else cores // local ranks
     prefetch: int | None = None  # None: the tuning file's, else the loaders' default
+    shards_in_flight: int = 2  # the streaming reader's fetches at once per rank
+    cache_dir: str | None = None  # the streaming reader's local cache of remote shards
+    cache_limit: int = 32 * 2**30
     tuning_file: Path | None = None  # None: tuning.default_path(), when it exists
     use_tuning: bool = True  # False: --no-tuning
     # fsspec's options for the URLs of `data` (endpoint, credentials): never shown or saved
@@ -160,7 +163,8 @@ def loader_options(opts: TaskOptions, source: Source, local_world: int = 1
     given = {name: value for name, value in flags.items() if value is not None}
     asked = {"batch_size": opts.batch_size, "seed": opts.seed, "device": opts.device,
              "decode": opts.decode, "on_error": opts.on_error, "reader": opts.reader,
-             "backend": opts.backend, **given}
+             "backend": opts.backend, "shards_in_flight": opts.shards_in_flight,
+             "cache_dir": opts.cache_dir, "cache_limit": opts.cache_limit, **given}
     options = _tuned(opts, source, asked) if opts.use_tuning else dict(asked)
     tuned = {name: value for name, value in options.items() if asked.get(name) != value}
     if graph and "threads" not in options:

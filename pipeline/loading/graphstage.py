@@ -193,7 +193,7 @@ class GraphLoader(Loader):
     def _prepared(self, plan: EpochPlan, state: dict[str, Any] | None,
                   stop: threading.Event) -> Iterator[Item]:
         for enc in readers.encoded(self.reader, plan, state, self.on_error, self.members,
-                                   self.extras):
+                                   self.extras, self.stream):
             if stop.is_set():
                 return
             checked = self._check_each(enc, lambda e, i: self._check_one(e, i, plan.epoch))

@@ -36,7 +36,9 @@ from pipeline.loading.batch import EncodedBatch
 from pipeline.loading.holdout import KeyHoldout, select
 from pipeline.loading.options import LoaderOptions
 from pipeline.loading.prefetch import Stage
+from pipeline.loading.reader_stream import StreamOptions
 from pipeline.loading.readplan import EpochPlan, plan_epoch, plan_rest
+from pipeline.loading.shardcache import ShardCache
 from pipeline.loading.shardlist import Source
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
 
     kind = "base"
     holdout: KeyHoldout | None = None  # read one side of a split by key hash (holdout.py)
+    stream = StreamOptions()  # how the streaming reader fetches (set from the options)
 
     def __init__(self, source: Source, *, batch_size: int, seed: int, rank: int,
                  world_size: int, shuffle: bool, shuffle_buffer: int, on_error: OnError,
@@ -97,6 +100,8 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
                         backend=backend)
         if rank == 0:  # a shard dropped before the rank split is counted once, by rank 0
             self.skips.extend(early.entries)
+        cache = ShardCache(cfg.cache_dir, cfg.cache_limit) if cfg.cache_dir else None
+        self.stream = StreamOptions(cfg.shards_in_flight, cache)
 
     # -- epochs ----------------------------------------------------------------------------
 
@@ -384,6 +389,12 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         if self._stage is not None:
             raise RuntimeError(f"{what}() while the loader is being iterated; call it between "
                                "passes")
+
+    @property
+    def fetch_stats(self) -> Any:
+        """What the streaming reader fetched so far (remote bytes and shards, cache hits):
+        fetch.FetchStats."""
+        return self.stream.stats
 
     # -- skips and lifetime ----------------------------------------------------------------
 

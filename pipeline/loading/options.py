@@ -60,9 +60,15 @@ class LoaderOptions:
     # {"client_kwargs": {"endpoint_url": URL}, "key": ..., "secret": ...}: used to resolve and
     # read the shards, never shown, logged or saved (a loader's state has none)
     storage_options: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
+    # The streaming reader (remote shards, or no DALI): shards fetched at once per rank, their
+    # samples interleaved; a local folder caching remote shards, bounded by cache_limit bytes
+    # (least recently used out; shared by the ranks of a machine). See loading/shardcache.py.
+    shards_in_flight: int = 2
+    cache_dir: str | None = None
+    cache_limit: int = 32 * 2**30
 
     def __post_init__(self) -> None:
-        positive(self, "batch_size", "prefetch")
+        positive(self, "batch_size", "prefetch", "shards_in_flight", "cache_limit")
         check_on_error(self.on_error)
         check_storage_options(self.storage_options)
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):

@@ -26,16 +26,18 @@ log = logging.getLogger(__name__)
 
 
 def encoded(reader: str, plan: EpochPlan, state: dict[str, Any] | None, on_error: OnError,
-            exts: tuple[str, ...], extras: tuple[str, ...] = ()) -> Iterator[EncodedBatch]:
+            exts: tuple[str, ...], extras: tuple[str, ...] = (),
+            stream: reader_stream.StreamOptions | None = None) -> Iterator[EncodedBatch]:
     """The epoch's encoded batches from `state` on, through the chosen reader; `extras`:
     further members to carry by extension (EncodedBatch.extras). Each batch's state says
     what was read up to it (consumed.py). The rest of an epoch resumed on another number of
     ranks is streamed whatever the reader: it passes over keys read before, which DALI's
-    reader cannot."""
+    reader cannot. `stream`: how the streaming reader fetches (shards in flight, cache)."""
     if reader == "dali" and not plan.rest:
         found = reader_dali.batches(plan, state, exts=exts, extras=extras)
     else:
-        found = reader_stream.batches(plan, state, on_error, exts=exts, extras=extras)
+        found = reader_stream.batches(plan, state, on_error, exts=exts, extras=extras,
+                                      options=stream)
     return consumed.follow(found, plan, state)
 
 

@@ -151,7 +151,8 @@ class TextLoader(Loader):
         ids = text_elastic.shard_ids(plan)
         cut = {(int(i), k): int(t) for i, k, t in (self._rest or {}).get("offsets", [])} \
             if plan.rest else {}
-        for enc in readers.encoded(self.reader, plan, before, self.on_error, TEXT_EXTS):
+        for enc in readers.encoded(self.reader, plan, before, self.on_error, TEXT_EXTS,
+                                   stream=self.stream):
             if stop.is_set():
                 return
             # Every sample of the read, documents or not (text/elastic.py).
