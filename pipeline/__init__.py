@@ -17,6 +17,10 @@ def __getattr__(name: str) -> object:
         from pipeline.pointcloud.loader import pointcloud_loader
 
         return pointcloud_loader
+    if name == "tabular_loader":
+        from pipeline.tabular.loader import tabular_loader
+
+        return tabular_loader
     if name == "merge_states":
         from pipeline.loading.elastic import merge_states
 

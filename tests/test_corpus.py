@@ -455,16 +455,19 @@ CATEGORIES: dict[str, list[str]] = {
     "added: a shard replaced after indexing (stale .idx)": [CORPUS, RAISE_SHARD],
     "samples: a required field missing": [
         CORPUS, RAISE_SAMPLE, TOOLS + "test_manifest_row_without_label_is_named",
-        TOOLS + "test_verify_flags_bad_labels_and_missing_fields"],
+        TOOLS + "test_verify_flags_bad_labels_and_missing_fields",
+        "test_tabular_convert::test_bad_rows_skipped_are_counted_per_reason_with_their_lines"],
     "samples: label out of range or not a number (also 1_0, non-ASCII digits, > int64)": [
         CORPUS, RAISE_SAMPLE, TOOLS + "test_verify_flags_bad_labels_and_missing_fields",
-        TOOLS + "test_manifest_integer_labels_with_a_bad_one_are_not_renumbered"],
+        TOOLS + "test_manifest_integer_labels_with_a_bad_one_are_not_renumbered",
+        "test_tabular_convert::test_bad_rows_raise_naming_file_and_line"],
     "samples: .pyd/.pkl/.pickle/.pth never unpickled": [
         CORPUS, TOOLS + "test_iter_samples_never_unpickles",
         TOOLS + "test_payload_would_run_if_unpickled"],
     "samples: .npy with object dtype refused": [
         CORPUS, RAISE_SAMPLE, "test_pointcloud_io::test_object_npy_refused_without_unpickling",
-        TOOLS + "test_pointcloud_skip_each_bad_cloud"],
+        TOOLS + "test_pointcloud_skip_each_bad_cloud",
+        "test_tabular_convert::test_blocks_are_deterministic_and_refuse_what_they_are_not"],
     "images: truncated, corrupt, random bytes": [
         CORPUS, RAISE_SAMPLE, TOOLS + "test_images_skip_bad_keep_odd_but_valid",
         "test_image_loader::test_corrupt_jpeg_raises_naming_shard_and_key_or_is_skipped"],

@@ -4,6 +4,7 @@
     python tools/bench_loader.py [--images 800] [--batch-size 64] [--repeats 3] [--json PATH]
     python tools/bench_loader.py --modality text [--docs 2000]       # tokens/s
     python tools/bench_loader.py --modality pointcloud [--clouds 600] # points/s, voxelization
+    python tools/bench_loader.py --modality tabular [--rows 100000]   # rows/s, hashing/core
     python tools/bench_loader.py --source my_images/                  # your data, not ours
 
 Images:
@@ -198,6 +199,10 @@ def other_modality(args: argparse.Namespace) -> int:
             convert(ConvertConfig(kind="text", src=str(docs), out=shards, max_count=200,
                                   workers=args.threads))
         result, table = bench_text.run(shards, args.work, args.batch_size, args.repeats)
+    elif args.modality == "tabular":
+        from pipeline.bench import tabular as bench_tabular
+
+        result, table = bench_tabular.run(args)
     else:
         from pipeline.bench import pointcloud as bench_pointcloud
 
@@ -272,14 +277,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", choices=("auto", "dali", "portable"), default="auto",
                    help="shardflow's backend (and --tune's); 'shardflow portable' always runs "
                    "beside it; auto: DALI where it imports")
-    p.add_argument("--modality", choices=("image", "text", "pointcloud"), default="image")
+    p.add_argument("--modality", choices=("image", "text", "pointcloud", "tabular"),
+                   default="image")
     p.add_argument("--source", type=Path, default=None,
                    help="benchmark this data instead of the built-in corpus: an image folder "
                    "(class subfolders) for images, shards with manifest.json for text and "
-                   "point clouds")
+                   "point clouds, a Criteo-style TSV file for tabular")
     p.add_argument("--docs", type=positive_int, default=2000, help="text: built-in documents")
     p.add_argument("--clouds", type=positive_int, default=600,
                    help="pointcloud: built-in clouds")
+    p.add_argument("--rows", type=positive_int, default=100_000,
+                   help="tabular: built-in Criteo-style rows")
     args = p.parse_args(argv)
     setup_logging(quiet=True)
     shutil.rmtree(args.work, ignore_errors=True)

@@ -5,6 +5,9 @@
     python tools/make_shards.py text corpus/ shards/text --split-lines
     python tools/make_shards.py shards 'old/train-{000000..000099}.tar' shards/new
     python tools/make_shards.py parquet 'hf/data/train-*.parquet' shards/train --image-column img
+    python tools/make_shards.py tabular day_0.gz shards/criteo --preset criteo
+    python tools/make_shards.py tabular train.csv shards/t --label-column click \
+        --dense-columns price --categorical-columns site,device
     python tools/make_shards.py imagefolder SRC OUT --part 0/4   # one of four machines
     python tools/make_shards.py merge OUT                       # after all parts
     python tools/make_shards.py imagefolder SRC OUT --engine ray --ray-address auto  # on Ray
@@ -36,6 +39,7 @@ from tqdm import tqdm
 from pipeline.convert import ConvertConfig, convert
 from pipeline.convert.parquet import ParquetOptions
 from pipeline.convert.sources import TextOptions
+from pipeline.convert.tabular import PRESETS, TabularOptions, options_from_schema_file
 from pipeline.errors import DataError
 from pipeline.executor import WorkerError
 from pipeline.samples.checks import CheckLimits
@@ -53,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
              "pointcloud": "one subfolder per class of .npy/.ply/.off/.xyz files",
              "shards": "existing tar shards (folder, glob, brace pattern or URL)",
              "parquet": "a Parquet file, a folder of them, or a quoted glob pattern "
-                        "(one split of a Hugging Face dataset: 'data/train-*.parquet')"}
+                        "(one split of a Hugging Face dataset: 'data/train-*.parquet')",
+             "tabular": "CSV/TSV (gzip or not) or Parquet tables: a file, folder or quoted "
+                        "glob; rows packed in blocks (click logs: --preset criteo|avazu)"}
     for kind, text in helps.items():
         p = sub.add_parser(kind, help=text)
         p.add_argument("src", help="the source: " + text)
@@ -110,7 +116,7 @@ def _kind_options(p: argparse.ArgumentParser, kind: str) -> None:
     if kind in ("text", "shards", "parquet"):
         p.add_argument("--max-text-bytes", type=parse_size, default=CheckLimits.max_text_bytes,
                        help="refuse documents (or lines) longer than this (default 16MiB)")
-    if kind not in ("shards", "parquet"):
+    if kind not in ("shards", "parquet", "tabular"):
         p.add_argument("--max-file-size", type=parse_size, default=parse_size("1GiB"),
                        help="refuse input files larger than this (default 1GiB)")
     if kind in ("imagefolder", "pointcloud", "manifest", "parquet"):
@@ -126,6 +132,8 @@ def _kind_options(p: argparse.ArgumentParser, kind: str) -> None:
         p.add_argument("--text-field", default="text", help="JSONL field holding the text")
     if kind == "parquet":
         _parquet_options(p)
+    if kind == "tabular":
+        _tabular_options(p)
     if kind == "shards":
         p.add_argument("--max-member-size", type=parse_size, default=parse_size("256MiB"),
                        help="refuse tar members declaring more bytes than this")
@@ -143,6 +151,53 @@ def _parquet_options(p: argparse.ArgumentParser) -> None:
                    "order (the map goes to manifest.json's classes)")
     p.add_argument("--key-column", default=None, metavar="COLUMN",
                    help="column of unique sample keys (default: <file>_<row:08d>)")
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of column names")
+    return names
+
+
+def _delimiter(text: str) -> str:
+    value = {"\\t": "\t", "tab": "\t", "comma": ","}.get(text.lower(), text)
+    if len(value) != 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: one character, e.g. ',' or '\\t' (tab)")
+    return value
+
+
+def _tabular_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--label-column", dest="tabular_label", default=None, metavar="COLUMN",
+                   help="the 0/1 label column")
+    p.add_argument("--dense-columns", type=_names, default=(), metavar="A,B,...",
+                   help="numeric columns (empty, NA or NaN: missing)")
+    p.add_argument("--categorical-columns", type=_names, default=(), metavar="X,Y,...",
+                   help="categorical columns (strings or integers; empty: missing)")
+    p.add_argument("--names", type=_names, default=None, metavar="A,B,...",
+                   help="the columns of headerless files, in order (files then have no header)")
+    p.add_argument("--schema", default=None, metavar="JSON",
+                   help='a file {"label": ..., "dense": [...], "categorical": [...]} '
+                   '(optionally "names", "delimiter"); flags given beside it win')
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="criteo: headerless TSV label,I1..I13,C1..C26; avazu: CSV with header, "
+                   "label click, every column but id categorical")
+    p.add_argument("--delimiter", type=_delimiter, default=None,
+                   help="field separator (default by extension: .csv ',', .tsv/.tab tab); "
+                   "'\\t' or tab for a tab")
+    p.add_argument("--rows-per-block", type=positive_int, default=4096,
+                   help="rows per block (one tar member each; default 4096)")
+    p.add_argument("--max-row-size", type=parse_size, default=parse_size("1MiB"),
+                   help="a longer line is a bad row (default 1MiB)")
+
+
+def _tabular(args: argparse.Namespace) -> TabularOptions:
+    if args.kind != "tabular":
+        return TabularOptions()
+    opts = TabularOptions(args.tabular_label, args.dense_columns, args.categorical_columns,
+                          args.names, args.delimiter, args.rows_per_block, args.preset,
+                          args.max_row_size)
+    return options_from_schema_file(args.schema, opts) if args.schema else opts
 
 
 def _classes_from(path: str | None, options: dict[str, object]) -> dict[str, int] | None:
@@ -171,6 +226,7 @@ def config_from_args(args: argparse.Namespace) -> ConvertConfig:
                                getattr(args, "text_column", None),
                                getattr(args, "parquet_label", None),
                                getattr(args, "key_column", None)),
+        tabular=_tabular(args),
         max_member_bytes=getattr(args, "max_member_size", 256 * 2**20),
         workers=args.workers, overwrite=args.overwrite, worker_timeout_s=args.worker_timeout,
         storage_options=args.storage_options, engine=args.engine, ray_address=args.ray_address)
@@ -185,6 +241,8 @@ def print_summary(m: Manifest, out: str, seconds: float) -> None:
     elif m.labels:
         print(f"labels (no class map): {m.labels.to_json()['distinct']} distinct, "
               f"{m.labels.ranges[0][0]}..{m.labels.ranges[-1][1]}")
+    if m.tabular:
+        print(f"rows: {m.tabular['rows']} in {m.tabular['blocks']} blocks")
     if m.reencoded:
         print("repaired images the loaders would refuse: " + ", ".join(
             f"{reason}={n}" for reason, n in m.reencoded.items())

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pipeline.convert.parquet import ParquetOptions
 from pipeline.convert.sources import SOURCE_KINDS, TextOptions
+from pipeline.convert.tabular import TabularOptions
 from pipeline.errors import OnError, check_on_error
 from pipeline.samples.checks import CheckLimits
 from pipeline.shards.manifest import MANIFEST, part_manifest_name
@@ -41,6 +42,7 @@ class ConvertConfig:
     label_column: str = "label"
     classes: dict[str, int] | None = None  # reuse an earlier conversion's class map
     parquet: ParquetOptions = field(default_factory=ParquetOptions)  # the parquet kind's columns
+    tabular: TabularOptions = field(default_factory=TabularOptions)  # the tabular kind's
     max_file_bytes: int = 1024 * 1024 * 1024
     max_member_bytes: int = 256 * 1024 * 1024
     workers: int = field(default=os.cpu_count() or 1, compare=False)
@@ -75,6 +77,9 @@ class ConvertConfig:
         if count < 1 or not 0 <= index < count:
             raise ValueError(f"part={index}/{count}: expected i/n with 0 <= i < n (0-based)")
         self._check_engine()
+        if self.kind == "tabular":  # a preset fills in what the flags leave unset
+            object.__setattr__(self, "tabular", self.tabular.resolved())
+            self.tabular.validate()
 
     def _check_engine(self) -> None:
         if self.engine not in ("local", "ray"):
@@ -105,4 +110,6 @@ class ConvertConfig:
             args.pop(name)
         if self.kind != "parquet":  # the other kinds' arguments stay as they were
             args.pop("parquet")
+        if self.kind != "tabular":
+            args.pop("tabular")
         return json.loads(json.dumps(args))

@@ -34,6 +34,8 @@ from pipeline.convert.sources import (
     plan_pointcloud,
     plan_text,
 )
+from pipeline.convert.tabular import TabularPlan, plan_tabular
+from pipeline.convert.tabular_rows import RowBlock, block_tasks, build_block
 from pipeline.errors import DataError, SkipLog, handle
 from pipeline.samples.checks import (
     IMAGE_EXTS,
@@ -70,6 +72,8 @@ def make_plan(cfg: ConvertConfig) -> Plan:
         return plan_manifest(src, cfg.path_column, cfg.label_column, cfg.classes)
     if cfg.kind == "parquet":
         return plan_parquet(src, cfg.parquet, cfg.classes)
+    if cfg.kind == "tabular":
+        return plan_tabular(src, cfg.tabular)
     return Plan("unknown", [])  # shards: streamed, see shard_tasks
 
 
@@ -149,7 +153,7 @@ class _Work:
     storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
-Task = InputItem | RowChunk | dict[str, object] | DataError
+Task = InputItem | RowChunk | RowBlock | dict[str, object] | DataError
 
 
 def run_task(task: Task, work: _Work) -> list[dict[str, object] | DataError]:
@@ -157,6 +161,8 @@ def run_task(task: Task, work: _Work) -> list[dict[str, object] | DataError]:
         return [task]
     if isinstance(task, RowChunk):
         return build_rows(task, work.limits)
+    if isinstance(task, RowBlock):
+        return build_block(task)
     if isinstance(task, dict):
         try:
             return [repair_sample(task, work.limits)]
@@ -183,6 +189,8 @@ def convert(cfg: ConvertConfig, progress: Progress | None = None) -> Manifest:
     if isinstance(plan, ParquetPlan):
         ahead = journal.position[0]
         tasks = row_tasks(plan, cfg.part, cfg.shuffle_seed, ahead)
+    elif isinstance(plan, TabularPlan):
+        tasks = block_tasks(plan, cfg.part, cfg.shuffle_seed)
     else:
         tasks = shard_tasks(cfg, skips) if cfg.kind == "shards" else order_tasks(plan.tasks, cfg)
     # Shards are written whole in a local folder (the output folder itself, or one to upload
@@ -221,7 +229,7 @@ class _Job:
         start_task, start_result = self.journal.position
         self.end = (start_task, start_result)
         # A parquet task is a chunk of rows (up to a few MB): one per submit bounds what waits.
-        chunk = 1 if self.cfg.kind == "parquet" else executor.CHUNK
+        chunk = 1 if self.cfg.kind in ("parquet", "tabular") else executor.CHUNK
         results = _ordered_map(self.cfg)(run_task, _skip(tasks, start_task - ahead), work,
                                        self.cfg.workers, chunk=chunk,
                                        timeout_s=self.cfg.worker_timeout_s, describe=_describe)
@@ -267,6 +275,10 @@ class _Job:
                             plan.ignored, self.cfg.job_args(), reencoded=self.tally.reencoded,
                             offset_clouds=self.tally.offset_clouds,
                             labels=self.tally.label_stats())
+        if isinstance(plan, TabularPlan):  # rows, blocks and the schema the loader reads
+            manifest.tabular = {"schema": plan.schema.to_json(), "rows": self.tally.rows,
+                                "blocks": manifest.total_samples,
+                                "rows_per_block": plan.opts.rows_per_block}
         self.store.write_bytes(self.cfg.manifest_name, manifest.encode())  # last: finished
         self.store.delete(JOURNAL)
         return manifest
@@ -277,8 +289,9 @@ class _Tally:
     per reason, clouds stored with an offset, and the distinct labels."""
 
     def __init__(self, reencoded: dict[str, int], offset_clouds: int,
-                 labels: set[int] | None) -> None:
+                 labels: set[int] | None, rows: int = 0) -> None:
         self.reencoded, self.offset_clouds = reencoded, offset_clouds
+        self.rows = rows  # tabular rows written (a block sample holds many)
         self.labels = labels  # None: unknown (resumed from a journal that did not record them)
 
     @classmethod
@@ -288,17 +301,19 @@ class _Tally:
                 (a, b) for a, b in journal.labels)).values())
         else:
             labels = None if journal.shards else set()
-        return cls(dict(journal.reencoded), journal.offset_clouds, labels)
+        return cls(dict(journal.reencoded), journal.offset_clouds, labels, journal.rows)
 
     def add(self, sample: dict[str, object]) -> None:
         for reason in sample.get("__repairs__", ()):  # type: ignore[attr-defined]
             self.reencoded[reason] = self.reencoded.get(reason, 0) + 1
         self.offset_clouds += OFFSET_EXT in sample
+        self.rows += int(sample.get("__rows__", 0))  # type: ignore[call-overload]
         if self.labels is not None and isinstance(label := sample.get("cls"), bytes):
             self.labels.add(int(label))  # checked: an ASCII integer >= 0
 
     def save(self, journal: Journal) -> None:
         journal.reencoded, journal.offset_clouds = dict(self.reencoded), self.offset_clouds
+        journal.rows = self.rows
         stats = self.label_stats()
         journal.labels = None if self.labels is None else \
             [list(r) for r in stats.ranges] if stats else []
@@ -338,7 +353,7 @@ def _modality_of(out: Store, shards: list[ShardInfo]) -> str:
     index = out.read_bytes(shards[0].name[:-4] + ".idx").decode()
     exts = {e[0] for s in parse_index(index) for e in s}
     for modality, names in (("image", set(IMAGE_EXTS)), ("text", set(TEXT_EXTS)),
-                            ("pointcloud", set(POINTCLOUD_EXTS))):
+                            ("pointcloud", set(POINTCLOUD_EXTS)), ("tabular", {"npz"})):
         if exts & names:
             return modality
     return "unknown"
@@ -348,7 +363,7 @@ def _describe(item: Task) -> str:
     """An input as a worker error names it."""
     if isinstance(item, InputItem):
         return f"{redact(item.path)} key {item.key!r}"
-    if isinstance(item, RowChunk):
+    if isinstance(item, (RowChunk, RowBlock)):
         return item.describe()
     if isinstance(item, dict):
         return f"sample {item.get('__key__')!r}"

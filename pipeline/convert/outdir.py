@@ -35,6 +35,7 @@ class Journal:
     reencoded: dict[str, int] = field(default_factory=dict)
     offset_clouds: int = 0
     labels: list[list[int]] | None = None
+    rows: int = 0  # tabular rows in the finished shards
 
     def save(self, out: Store) -> None:
         out.write_bytes(JOURNAL, json.dumps(asdict(self)).encode())

@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 Sample = dict[str, object]
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 TEXT_RANGE_BYTES = 8 * 1024 * 1024
-SOURCE_KINDS = ("imagefolder", "manifest", "text", "pointcloud", "shards", "parquet")
+SOURCE_KINDS = ("imagefolder", "manifest", "text", "pointcloud", "shards", "parquet",
+                "tabular")
 
 
 @dataclass(frozen=True)

@@ -438,7 +438,8 @@ def _other_backend(saved: str, here: str) -> str:
             + (" (install nvidia-dali-cuda120 where it is missing)" if saved == "dali" else ""))
 
 
-_LOADER_OF = {"image": "image_loader", "text": "text_loader", "pointcloud": "pointcloud_loader"}
+_LOADER_OF = {"image": "image_loader", "text": "text_loader", "pointcloud": "pointcloud_loader",
+              "tabular": "tabular_loader"}
 
 
 def _check_modality(source: Source, kind: str) -> None:

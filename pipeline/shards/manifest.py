@@ -106,12 +106,15 @@ class Manifest:
     reencoded: dict[str, int] = field(default_factory=dict)
     offset_clouds: int = 0
     labels: LabelStats | None = None
+    # The tabular kind's: {"schema": {...}, "rows": N, "blocks": N, "rows_per_block": N}
+    tabular: dict[str, Any] | None = None
 
     @property
     def total_samples(self) -> int:
         return sum(s.samples for s in self.shards)
 
     def to_json(self) -> dict[str, object]:
+        extra = {"tabular": self.tabular} if self.tabular is not None else {}
         return {
             "format_version": FORMAT_VERSION, "tool": TOOL, "tool_version": self.tool_version,
             "modality": self.modality, "total_samples": self.total_samples,
@@ -120,7 +123,7 @@ class Manifest:
             "ignored": self.ignored, "args": self.args,
             "reencoded": dict(sorted(self.reencoded.items())),
             "offset_clouds": self.offset_clouds,
-            "labels": self.labels.to_json() if self.labels else None,
+            "labels": self.labels.to_json() if self.labels else None, **extra,
         }
 
     @classmethod
@@ -133,7 +136,8 @@ class Manifest:
                        # absent from manifests written before these were recorded
                        {str(k): int(v) for k, v in dict(doc.get("reencoded") or {}).items()},  # type: ignore[call-overload]
                        int(doc.get("offset_clouds") or 0),  # type: ignore[call-overload]
-                       LabelStats.from_json(doc.get("labels")))
+                       LabelStats.from_json(doc.get("labels")),
+                       dict(doc["tabular"]) if doc.get("tabular") else None)  # type: ignore[call-overload]
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: not a shardflow manifest ({exc!r})") from None
 
@@ -211,7 +215,16 @@ def _merge(manifests: list[Manifest], out: Store) -> Manifest:
         reencoded=_summed([m.reencoded for m in manifests]),
         offset_clouds=sum(m.offset_clouds for m in manifests),
         labels=_merged_labels(manifests),
+        tabular=_merged_tabular(manifests),
     )
+
+
+def _merged_tabular(manifests: list[Manifest]) -> dict[str, Any] | None:
+    if manifests[0].tabular is None:
+        return None
+    return {**manifests[0].tabular,
+            "rows": sum(int((m.tabular or {}).get("rows", 0)) for m in manifests),
+            "blocks": sum(m.total_samples for m in manifests)}
 
 
 def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
