@@ -5,6 +5,7 @@
     python tools/train.py --task image --data shards/train --eval-data shards/val --epochs 2
     python tools/train.py --task text --objective clm --data shards/text --out runs/t1 --steps 300
     python tools/train.py --task pointcloud --model voxnet --data shards/pc --out runs/p1 --epochs 5
+    python tools/train.py --task ctr --model dlrm --data shards/criteo --out runs/c1 --epochs 1
 
 Without --eval-data, every 10th shard of --data (sorted by name, at least one) is held out for
 evaluation and never trained on; with too few shards for that (one, or fewer than the ranks
@@ -50,7 +51,7 @@ from trainers.wiring import (
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", choices=("image", "text", "pointcloud"), required=True)
+    p.add_argument("--task", choices=("image", "text", "pointcloud", "ctr"), required=True)
     p.add_argument("--data", required=True, help="training shards (folder with manifest.json)")
     p.add_argument("--eval-data", default=None, help="held-out shards (default: a slice of --data)")
     p.add_argument("--out", type=Path, required=True, help="the run folder")
@@ -59,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     length.add_argument("--epochs", type=positive_int)
     p.add_argument("--model", default=None,
                    help="image: small-resnet (default) or a torchvision name; text: set by "
-                   "--objective; pointcloud: pointnet (default) or voxnet")
+                   "--objective; pointcloud: pointnet (default) or voxnet; ctr: dlrm "
+                   "(default) or deepfm")
     p.add_argument("--precision", choices=("auto", "bf16", "fp16", "fp32"), default="auto")
     p.add_argument("--device", type=device_name, default="auto",
                    help="where batches land and the model trains: auto, cpu, cuda or cuda:N")
@@ -78,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pointcloud: points per cloud (sampled or padded)")
     p.add_argument("--grid", type=positive_int, default=24,
                    help="pointcloud: voxel grid resolution (voxnet)")
+    add_ctr_flags(p)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--weight-decay", type=float, default=0.05)
@@ -137,6 +140,18 @@ def add_loader_flags(p: argparse.ArgumentParser) -> None:
                         help="use no tuning file")
 
 
+def add_ctr_flags(p: argparse.ArgumentParser) -> None:
+    """The click-through-rate task's model: table sizes, width, where the tables live."""
+    p.add_argument("--embedding-dim", type=positive_int, default=16,
+                   help="ctr: the width of each categorical field's embeddings")
+    p.add_argument("--num-buckets", type=positive_int, default=None, metavar="N",
+                   help="ctr: ids each categorical field is hashed into (a table of N rows "
+                   "per field); default: the tabular loader's (2**18)")
+    p.add_argument("--embeddings-on-cpu", action="store_true",
+                   help="ctr: keep the embedding tables in host memory, the network on "
+                   "--device (tables too large for the device; not under torchrun)")
+
+
 def add_data_fallbacks(p: argparse.ArgumentParser) -> None:
     """What to use where the data says nothing: no class map, no pad token."""
     p.add_argument("--num-classes", type=positive_int, default=None,
@@ -194,13 +209,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     add_to_summary(args.out, {"loader": built.loader_settings})
     print(f"{summary['steps']} steps in {summary['wall_s']:.1f} s ({summary['device']}, "
-          f"{summary['precision']}): loss {summary['final_loss']:.3f}, eval loss "
-          f"{summary.get('eval_loss', float('nan')):.3f}, eval accuracy "
-          f"{summary.get('accuracy', float('nan')):.3f}, {summary['samples_per_s']:.0f} "
+          f"{summary['precision']}): loss {summary['final_loss']:.3f}, "
+          f"{evaluation_line(summary)}, {summary['samples_per_s']:.0f} "
           f"samples/s; run folder {args.out}")
     print(f"loader: {describe_settings(built.loader_settings)}; evaluation: {split.how}")
     print(summary["bottleneck"]["advice"])
     return 0
+
+
+def evaluation_line(summary: dict[str, Any]) -> str:
+    """The held-out figures in a few words: AUC and logloss for ctr, else loss and accuracy."""
+    nan = float("nan")
+    if "auc" in summary:
+        return f"eval AUC {summary['auc']:.4f}, eval logloss {summary.get('logloss', nan):.4f}"
+    return (f"eval loss {summary.get('eval_loss', nan):.3f}, eval accuracy "
+            f"{summary.get('accuracy', nan):.3f}")
 
 
 def make_trainer(args: argparse.Namespace, built: Built, split: EvalSplit, info: Any
@@ -216,7 +239,7 @@ def make_trainer(args: argparse.Namespace, built: Built, split: EvalSplit, info:
         raise ValueError("--epochs needs the loader's length, which for packed text depends "
                          "on the token count; pass --steps")
     # With a held-out slice by key, an epoch has the same batches, each without that slice.
-    steps = args.steps or args.epochs * len(built.loader) // args.grad_accum
+    steps = args.steps or args.epochs * epoch_length(built.loader) // args.grad_accum
     if args.grad_compression != "none" and not info.active:
         raise ValueError("--grad-compression applies to DDP runs: start the run with torchrun")
     cfg = TrainConfig(run_dir=args.out, steps=steps, lr=args.lr, optimizer=args.optimizer,
@@ -235,6 +258,16 @@ def make_trainer(args: argparse.Namespace, built: Built, split: EvalSplit, info:
     data = {"data": split.train.fingerprint(),
             **({"held_out_by_key": f"{split.by_key}%"} if split.by_key else {})}
     return Trainer(task, built.loader, cfg, device, data, info), steps
+
+
+def epoch_length(loader: Any) -> int:
+    """Batches per epoch, for --epochs; a loader that cannot know it says why (tabular rows
+    over several ranks or part of the shards: rows per rank are known only once read)."""
+    try:
+        return len(loader)
+    except TypeError as err:
+        raise ValueError(f"--epochs needs the loader's length: {err}; pass --steps (for "
+                         "tabular data: or --eval-data, so that --data is read whole)") from None
 
 
 def local_world_size() -> int:

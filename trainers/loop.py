@@ -287,7 +287,7 @@ class Trainer:
         # different numbers of batches (rank 0 alone, say).
         self.task.model = unwrap(wrapped)
         self.task.model.eval()
-        totals = EvalTotals()
+        totals = getattr(self.task, "new_totals", EvalTotals)()
         try:
             for batch in loader:
                 if len(batch):
@@ -295,8 +295,7 @@ class Trainer:
                         totals.add(self.task.evaluate(batch))
         finally:
             self.task.model = wrapped
-        summed = sum_over_ranks([totals.loss_sum, totals.correct, totals.count], self.dist)
-        return EvalTotals(summed[0], int(summed[1]), int(summed[2])).metrics()
+        return totals.over_ranks(self.dist)
 
 
 def log_line(path: Path, record: dict[str, Any]) -> None:

@@ -39,6 +39,14 @@ class EvalTotals:
             return {"eval_loss": float("nan"), "accuracy": float("nan")}
         return {"eval_loss": self.loss_sum / self.count, "accuracy": self.correct / self.count}
 
+    def over_ranks(self, dist: Any) -> dict[str, float]:
+        """The metrics of every rank's totals together (collective under DDP). Totals that
+        are not sums (AUC ranks every held-out row: trainers/ctr_metrics.py) override this."""
+        from trainers.distributed import sum_over_ranks
+
+        summed = sum_over_ranks([self.loss_sum, self.correct, self.count], dist)
+        return EvalTotals(summed[0], int(summed[1]), int(summed[2])).metrics()
+
 
 class Task(Protocol):
     """A model and what to do with a batch. `describe()` identifies it in checkpoints."""
@@ -49,7 +57,9 @@ class Task(Protocol):
         """Loss (and logs) of one batch, under the loop's autocast."""
 
     def evaluate(self, batch: Any) -> EvalTotals:
-        """Sums for one held-out batch (no gradients; the loop disables them)."""
+        """Sums for one held-out batch (no gradients; the loop disables them). A task whose
+        totals are a subclass of EvalTotals also has `new_totals()`, the empty ones the loop
+        adds each batch's into."""
 
     def describe(self) -> dict[str, Any]:
         """What a checkpoint must match to be resumed by this task (model, classes...)."""

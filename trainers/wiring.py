@@ -38,8 +38,9 @@ GRAPH_TASKS = ("image", "pointcloud")  # loaders with decode threads (GraphOptio
 class TaskOptions:
     """The options that choose the data, the loaders and the model (train.py's flags)."""
 
-    task: str  # "image" | "text" | "pointcloud"
+    task: str  # "image" | "text" | "pointcloud" | "ctr"
     data: str
+    eval_data: str | None = None  # ctr: where the held-out data's schema is read from
     batch_size: int = 64
     seed: int = 0
     device: str = "auto"  # where batches land and the model trains
@@ -54,6 +55,9 @@ class TaskOptions:
     tokenizer: str = "bytes"
     num_points: int = 1024
     grid: int = 24
+    embedding_dim: int = 16  # ctr: the width of every categorical field's embeddings
+    num_buckets: int | None = None  # ctr: ids per field; None: the tabular loader's default
+    embeddings_on_cpu: bool = False  # ctr: tables in host memory, the network on `device`
     activation_checkpointing: bool = False
     num_classes: int | None = None  # when the manifest has no class map or label statistics
     pad_token: str | None = None  # text: the padding token of a tokenizer.json without one
@@ -129,13 +133,14 @@ def build_task(opts: TaskOptions, split: EvalSplit, rank: int, world: int,
     0 evaluates all of the held-out data (often too few shards to split); the other ranks add
     nothing to the sums they share. `local_world`: the ranks on this node (torchrun's
     LOCAL_WORLD_SIZE), which share its cores."""
-    builders = {"image": _image, "text": _text, "pointcloud": _pointcloud}
+    builders = {"image": _image, "text": _text, "pointcloud": _pointcloud, "ctr": _ctr}
     if opts.task not in builders:
         raise ValueError(f"--task {opts.task}: choose one of {', '.join(builders)}")
     if opts.loader_threads is not None and opts.task not in GRAPH_TASKS:
         raise ValueError("--loader-threads sets the decode threads of the image and "
-                         "pointcloud loaders; the text loader reads, tokenizes and packs in one "
-                         "stage of its own: drop the flag (--prefetch applies)")
+                         "pointcloud loaders; the text and tabular loaders read and prepare "
+                         "batches in one stage of their own: drop the flag (--prefetch "
+                         "applies)")
     if opts.tuning_file is not None and not Path(opts.tuning_file).is_file():
         raise FileNotFoundError(f"--tuning-file {opts.tuning_file}: no such file (write one "
                                 "with tools/bench_loader.py --tune, or drop the flag)")
@@ -275,7 +280,7 @@ def _text(opts: TaskOptions, split: EvalSplit, ranks: _Ranks, train_options: dic
     from trainers.text_task import LanguageModelling
 
     if opts.model:
-        raise ValueError("--model is for image and pointcloud tasks; text models follow "
+        raise ValueError("--model is for image, pointcloud and ctr tasks; text models follow "
                          "--objective (mlm: encoder, clm: decoder)")
     tokenizer = load_tokenizer(opts.tokenizer, pad_token=opts.pad_token)
     own: dict[str, Any] = {"seq_len": opts.seq_len, "objective": opts.objective}
@@ -304,4 +309,33 @@ def _pointcloud(opts: TaskOptions, split: EvalSplit, ranks: _Ranks,
     evaluation = None if held_options is None else PointCloudLoader(
         split.held, PointCloudConfig(train=False, **held_options, **own), 0, 1)
     task = PointCloudClassification(classes, model, device_of(loader), grid=opts.grid)
+    return loader, evaluation, task
+
+
+def _ctr(opts: TaskOptions, split: EvalSplit, ranks: _Ranks, train_options: dict[str, Any],
+         held_options: dict[str, Any] | None) -> tuple[Any, Any, Any]:
+    """Click logs: the tabular loader hashes each categorical field into its buckets; the
+    model's tables are sized by the loader's schema (the same buckets train and evaluate)."""
+    from pipeline.tabular import TabularConfig, TabularLoader
+    from pipeline.tabular.schema import source_info
+    from trainers.ctr_models import MODELS
+    from trainers.ctr_task import ClickThroughRate
+
+    model = opts.model or "dlrm"
+    if model not in MODELS:  # before any loader is built
+        raise ValueError(f"--model {model}: choose one of {', '.join(MODELS)} for ctr")
+    if opts.embeddings_on_cpu and ranks.world > 1:
+        raise ValueError("--embeddings-on-cpu puts the tables and the network on two device "
+                         "types, which DDP cannot wrap: drop the flag under torchrun (the "
+                         "tables then live on each rank's device)")
+    own: dict[str, Any] = {} if opts.num_buckets is None else {"num_buckets": opts.num_buckets}
+    store = opts.storage_options
+    loader = TabularLoader(split.train, TabularConfig(train=True, **train_options, **own),
+                           source_info(opts.data, split.train, store), ranks.rank, ranks.world)
+    evaluation = None if held_options is None else TabularLoader(
+        split.held, TabularConfig(train=False, **held_options, **own),
+        source_info(opts.eval_data or opts.data, split.held, store), 0, 1)
+    schema = loader.schema
+    task = ClickThroughRate(model, len(schema.dense), schema.num_buckets, device_of(loader),
+                            opts.embedding_dim, opts.embeddings_on_cpu)
     return loader, evaluation, task
