@@ -78,7 +78,7 @@ def test_two_ranks_to_one_reads_the_rest_of_the_epoch_once(images, reader):
         assert nxt == _keys(list(fresh))
 
 
-def test_one_rank_to_two_splits_the_rest_over_both(images):
+def test_one_rank_to_two_splits_the_rest_over_both(images, caplog):
     with _images(1, 0, images) as one:
         before = _keys(_take(one, 3))
         state = one.state_dict()
@@ -95,6 +95,7 @@ def test_one_rank_to_two_splits_the_rest_over_both(images):
     everything = before + rests[0] + rests[1]
     assert len(everything) == len(set(everything))
     assert len(everything) + dropped == 90  # what the even split leaves out is reported
+    assert dropped and f"{dropped} samples are left out this epoch" in caplog.text
 
 
 def test_little_left_every_rank_reads_it_and_keeps_its_share(images):

@@ -226,7 +226,10 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         return _not_all_skipped(produced, f"epoch {plan.epoch}{where}")
 
     def _report(self, plan: EpochPlan) -> None:
-        if plan.dropped and self._batches_done == 0:
+        # At the start of an epoch's reading (no reader position yet): also the start of the
+        # rest of an epoch resumed on another number of ranks, whose batch count does not
+        # start at 0 (it counts the batches the saved ranks had run).
+        if plan.dropped and self._reader_state is None:
             log.warning("epoch %d: each of %d ranks reads %s samples; %d samples are left out "
                         "this epoch so that every rank runs the same number of batches",
                         plan.epoch, plan.world_size, plan.length, plan.dropped)
