@@ -26,14 +26,22 @@ from pipeline.urls import redact
 Snapshot = dict[str, Any]  # {"done": [index, ...], "partial": [[index, [key, ...]], ...]}
 
 
+def shard_index(plan: EpochPlan) -> dict[str, int]:
+    """Each of the plan's shards' index in the source, by its URL as given and as the readers
+    name it (credentials redacted)."""
+    index: dict[str, int] = {}
+    for spec, i in zip(plan.shards, plan.ids, strict=False):
+        index[spec.url] = index[redact(spec.url)] = i
+    return index
+
+
 class Tracker:
     """Counts a rank's reads per shard, from `start` (a snapshot, or None: nothing read)."""
 
     def __init__(self, plan: EpochPlan, start: Snapshot | None) -> None:
-        self.index: dict[str, int] = {}
+        self.index = shard_index(plan)
         self.total: dict[int, int] = {}
         for spec, i in zip(plan.shards, plan.ids, strict=True):
-            self.index[spec.url] = self.index[redact(spec.url)] = i
             if spec.samples is not None and not plan.stride:  # strided: counts are not ours
                 self.total[i] = spec.samples + len(plan.exclude.get(i, ()))
         self.done: set[int] = set()

@@ -112,11 +112,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
         epoch = self.epoch if epoch is None else epoch
-        if self._rest is not None and epoch == self._rest["epoch"]:
-            done, partial = consumed.union([self._rest["consumed"]])
-            return plan_rest(**self._plan_args(epoch), done=done, partial=partial,
-                             consumed=self._rest["consumed"])
-        return plan_epoch(**self._plan_args(epoch))
+        return _plan(self._plan_args(epoch), self._rest)
 
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` from its beginning on the next iteration (no-op if already there)."""
@@ -375,12 +371,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         # Rank 0's plan: every rank of a plan reads the same length.
         args = {**self._plan_args(int(entry["epoch"])), "rank": 0, "world_size": world_size}
         rest = entry.get("rest")
-        if rest and int(rest["epoch"]) == int(entry["epoch"]):
-            done, partial = consumed.union([rest["consumed"]])
-            plan = plan_rest(**args, done=done, partial=partial, consumed=rest["consumed"])
-        else:
-            plan = plan_epoch(**args)
-        batches = self._epoch_length(plan, rest)
+        batches = self._epoch_length(_plan(args, rest), rest)
         return batches is not None and int(entry["batches"]) >= batches
 
     def _consumed_of(self, entry: dict[str, Any]) -> list[dict[str, Any] | None]:
@@ -431,6 +422,15 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _plan(args: dict[str, Any], rest: dict[str, Any] | None) -> EpochPlan:
+    """The plan of the epoch `args` name: the rest of it when `rest` (the rest of an epoch
+    resumed on another number of ranks, elastic.py) is of that epoch, else the whole."""
+    if rest is not None and int(rest["epoch"]) == args["epoch"]:
+        done, partial = consumed.union([rest["consumed"]])
+        return plan_rest(**args, done=done, partial=partial, consumed=rest["consumed"])
+    return plan_epoch(**args)
 
 
 def _other_backend(saved: str, here: str) -> str:

@@ -18,17 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.loading.readplan import EpochPlan
 from pipeline.text.packing import Packer
-from pipeline.urls import redact
-
-
-def shard_ids(plan: EpochPlan) -> dict[str, int]:
-    """Each shard's index in the source, by URL as given and as the reader names it."""
-    ids: dict[str, int] = {}
-    for spec, i in zip(plan.shards, plan.ids, strict=False):
-        ids[spec.url] = ids[redact(spec.url)] = i
-    return ids
 
 
 def in_progress(packer: Packer, ids: dict[str, int]) -> dict[str, Any] | None:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import DataError, SkipLog, handle
-from pipeline.loading import mix, readers, tuning
+from pipeline.loading import consumed, mix, readers, tuning
 from pipeline.loading.agreement import rank_agreement
 from pipeline.loading.batch import EncodedBatch, TextBatch
 from pipeline.loading.delivery import DeviceCopier
@@ -148,7 +148,7 @@ class TextLoader(Loader):
     def _reads(self, plan: EpochPlan, before: dict[str, Any] | None, stop: threading.Event
                ) -> Generator[tuple[Any, dict[str, Any]], None, None]:
         """(tokenized read, reader state after it); `before` is where the reader starts."""
-        ids = text_elastic.shard_ids(plan)
+        ids = consumed.shard_index(plan)
         cut = {(int(i), k): int(t) for i, k, t in (self._rest or {}).get("offsets", [])} \
             if plan.rest else {}
         for enc in readers.encoded(self.reader, plan, before, self.on_error, TEXT_EXTS,
@@ -215,7 +215,7 @@ class TextLoader(Loader):
     def _packed(self, plan: EpochPlan, reads: Iterator[Any], drop: int, index: int,
                 stop: threading.Event) -> Iterator[Produced]:
         packer = packing.Packer(self.cfg.batch_size * self.cfg.seq_len)
-        sep, shards = self.tokenizer.sep_id, text_elastic.shard_ids(plan)
+        sep, shards = self.tokenizer.sep_id, consumed.shard_index(plan)
         for n, ((before, docs, keys, skips, urls, read), after) in enumerate(reads):
             piece = packing.Piece.of(before, docs, keys, sep, skips, urls, read)
             if n == 0 and drop:  # resuming inside this read: its first tokens went out
