@@ -11,7 +11,9 @@ shards by their index in the source (after the shards dropped before planning), 
 count reached) or in part (the keys read so far). A sample counts as read once the reader has
 handed it out, whatever came of it next: decoded, skipped as bad, or on the other side of a
 holdout split. With a shuffle buffer only a few shards are in part at a time, so a snapshot
-stays small (about the buffer's keys) however long the epoch.
+stays small (about the buffer's keys) however long the epoch. It is written out only when
+the state is saved or resumed from (deferred.py): a batch's state holds how far each list of
+keys reached, not a copy of it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from pipeline.loading.batch import EncodedBatch
+from pipeline.loading.deferred import Deferred
 from pipeline.loading.readplan import EpochPlan
 from pipeline.urls import redact
 
@@ -44,8 +47,9 @@ class Tracker:
         for spec, i in zip(plan.shards, plan.ids, strict=True):
             if spec.samples is not None and not plan.stride:  # strided: counts are not ours
                 self.total[i] = spec.samples + len(plan.exclude.get(i, ()))
-        self.done: set[int] = set()
-        self.partial: dict[int, list[str]] = {}
+        self.done: set[int] = set()  # only grows
+        self.partial: dict[int, list[str]] = {}  # a shard's list only grows, until it is done
+        self._done_sorted: list[int] = []
         self.add_snapshot(start or plan.consumed)
 
     def add_snapshot(self, snap: Snapshot | None) -> None:
@@ -86,9 +90,15 @@ class Tracker:
             self.done.add(i)
             del self.partial[i]
 
-    def snapshot(self) -> Snapshot:
-        return {"done": sorted(self.done),
-                "partial": [[i, list(keys)] for i, keys in sorted(self.partial.items())]}
+    def snapshot(self) -> Deferred:
+        """The snapshot as of now, written out when a state is used (deferred.py). A length
+        per list of keys fixes it: lists are appended to, never changed otherwise."""
+        if len(self._done_sorted) != len(self.done):  # `done` only grows
+            self._done_sorted = sorted(self.done)
+        done = self._done_sorted
+        partial = [(i, keys, len(keys)) for i, keys in sorted(self.partial.items())]
+        return Deferred(lambda: {"done": list(done),
+                                 "partial": [[i, keys[:n]] for i, keys, n in partial]})
 
 
 def follow(batches: Iterator[EncodedBatch], plan: EpochPlan, state: dict[str, Any] | None

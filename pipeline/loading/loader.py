@@ -1,6 +1,7 @@
 """The `Loader`: one rank's batches, epoch after epoch, resumable, with one API for every
 modality. A modality supplies `_produce(plan, reader_state, stop)`, the batches of one epoch
-each paired with the reader's position after it; the Loader runs it in a background stage,
+each paired with the reader's position after it (a few at a time as a prefetch.Burst, where
+they come out together); the Loader runs it in a background stage,
 counts epochs and batches, and saves and restores the position.
 
     for epoch in range(epochs):      # each pass over the loader is one epoch; the next pass
@@ -33,9 +34,10 @@ from torch.utils.data import IterableDataset, get_worker_info
 from pipeline.errors import DataError, OnError, SkipLog, handle
 from pipeline.loading import consumed, elastic
 from pipeline.loading.batch import EncodedBatch
+from pipeline.loading.deferred import resolved
 from pipeline.loading.holdout import KeyHoldout, select
 from pipeline.loading.options import LoaderOptions
-from pipeline.loading.prefetch import Stage
+from pipeline.loading.prefetch import Burst, Stage
 from pipeline.loading.reader_stream import StreamOptions
 from pipeline.loading.readplan import EpochPlan, plan_epoch, plan_rest
 from pipeline.loading.shardcache import ShardCache
@@ -167,7 +169,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
 
     def _pass(self) -> Generator[Any, None, int]:
         """One pass over the current epoch from the saved position; returns batches yielded."""
-        plan, state = self.plan(), self._reader_state
+        plan, state = self.plan(), resolved(self._reader_state)
         self._report(plan)
         stage: Stage[Produced] = Stage(lambda stop: self._checked(plan, state, stop),
                                        depth=self.prefetch, name=f"shardflow-{self.kind}",
@@ -212,7 +214,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         return yielded
 
     def _checked(self, plan: EpochPlan, state: dict[str, Any] | None,
-                 stop: threading.Event) -> Iterator[Produced]:
+                 stop: threading.Event) -> Iterator[Produced | Burst]:
         """`_produce`, refusing a whole epoch of skipped samples (checked on passes that start
         at the epoch's beginning: a resumed pass has not seen what came before its state)."""
         produced = self._produce(plan, state, stop)
@@ -274,7 +276,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
 
     @abstractmethod
     def _produce(self, plan: EpochPlan, reader_state: dict[str, Any] | None,
-                 stop: threading.Event) -> Iterator[Produced]:
+                 stop: threading.Event) -> Iterator[Produced | Burst]:
         """The batches of `plan`'s epoch from `reader_state` on (None: from the start)."""
 
     # -- state -----------------------------------------------------------------------------
@@ -299,7 +301,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
                 "reader": self.reader,
                 "batch_size": self.batch_size, "shuffle": self.shuffle,
                 "shuffle_buffer": self.shuffle_buffer, "epoch": self.epoch,
-                "batches": self._batches_done, "reader_state": self._reader_state,
+                "batches": self._batches_done, "reader_state": resolved(self._reader_state),
                 "skipped": list(self.skips.entries), "rest": self._rest}
 
     # backend before reader: a portable loader streams, and the backend is what to change.
@@ -469,15 +471,16 @@ def _wait(ready: Any, batch: Any) -> None:
         value.record_stream(stream)
 
 
-def _not_all_skipped(produced: Iterator[Produced], epoch: str) -> Iterator[Produced]:
+def _not_all_skipped(produced: Iterator[Produced | Burst], epoch: str
+                     ) -> Iterator[Produced | Burst]:
     """`produced`, then a DataError if not one sample came through and some were skipped: an
     epoch of empty batches would pass for a finished one (a run "trains" on nothing)."""
-    read, skipped = 0, []
+    read, skipped = 0, list[dict[str, str]]()
     try:
         for item in produced:
-            batch, _state, _ready, skips = item
-            read += len(batch) if batch is not None else 0
-            skipped += skips
+            for batch, _state, _ready, skips in item if isinstance(item, Burst) else [item]:
+                read += len(batch) if batch is not None else 0
+                skipped += skips
             yield item
     finally:  # closed early (a break, close()): the stages below stop now, not when collected
         getattr(produced, "close", lambda: None)()

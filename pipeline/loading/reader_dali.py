@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import base64
 import functools
+import itertools
+import math
 import os
 import tarfile
 from collections.abc import Iterator
@@ -160,19 +162,39 @@ def _unpack(text: str) -> bytes:
 
 def _encoded(data: Any, labels: Any, infos: list[Any], take: int, state: dict[str, Any]
              ) -> EncodedBatch:
-    batch = EncodedBatch([], [], [], [], state)
-    for i in range(take):
-        # The first output that has a member for this sample says where it comes from.
-        source = next((s for info in infos if (s := np.array(info[i]).tobytes().decode())),
-                      "")
+    # The first output that has a member for a sample says where it comes from (the data
+    # member's source is there for every sample that has one: the usual case, one output).
+    sources = _strings(infos[0], take)
+    for info in infos[1:]:
+        if all(sources):
+            break
+        sources = [s or other for s, other in zip(sources, _strings(info, take), strict=True)]
+    batch = EncodedBatch([], [], _arrays(data, take), [], state)
+    for source, label in zip(sources, _arrays(labels, take), strict=True):
         url, _offset, member = source.rsplit(":", 2) if source.count(":") >= 2 else \
             ("(unknown shard)", "", "(unknown key)")
-        label = np.array(labels[i]).tobytes()
         batch.keys.append(split_name(member)[0])
         batch.urls.append(url)
-        batch.data.append(np.array(data[i]))
-        batch.labels.append(label if label else None)
+        batch.labels.append(label.tobytes() if len(label) else None)
     return batch
+
+
+def _arrays(column: Any, take: int) -> list[np.ndarray]:
+    """The first `take` samples of a CPU TensorList of bytes as 1-D uint8 arrays: views into
+    one copy of the whole list. Converting sample by sample cost about 1.5 us each, a tenth
+    of the text loader's time per document."""
+    sizes = [math.prod(shape) for shape in column.shape()]
+    try:
+        flat = np.array(column.as_reshaped_tensor([sum(sizes)])).reshape(-1)
+    except RuntimeError:  # not one contiguous buffer: sample by sample
+        return [np.array(column[i]).reshape(-1) for i in range(take)]
+    ends = list(itertools.accumulate(sizes[:take]))
+    return [flat[end - size: end] for size, end in zip(sizes, ends, strict=False)]
+
+
+def _strings(column: Any, take: int) -> list[str]:
+    """The first `take` samples of a TensorList of UTF-8 bytes (source_info) as str."""
+    return [bytes(a).decode() for a in _arrays(column, take)]
 
 
 def _add_extras(batch: EncodedBatch, columns: dict[str, Any], infos: list[Any], take: int
@@ -181,5 +203,6 @@ def _add_extras(batch: EncodedBatch, columns: dict[str, Any], infos: list[Any], 
     as an empty output ("empty" behaviour: "skip" would drop the sample unseen, "error" stop
     the epoch), so its source, empty only when missing, tells it from a 0-byte member."""
     for (ext, column), info in zip(columns.items(), infos, strict=False):
-        batch.extras[ext] = [np.array(column[i]).tobytes() if np.array(info[i]).size else None
-                             for i in range(take)]
+        present = [bool(source) for source in _strings(info, take)]
+        batch.extras[ext] = [a.tobytes() if there else None
+                             for a, there in zip(_arrays(column, take), present, strict=True)]

@@ -195,13 +195,19 @@ def check_text(data: bytes, limits: CheckLimits) -> str:
     if len(data) > limits.max_text_bytes:
         raise DataError("text-too-large", f"document has {len(data)} bytes, more than "
                         f"max_text_bytes={limits.max_text_bytes}; split it or raise the limit")
+    return text_of(data)
+
+
+def text_of(data: bytes) -> str:
+    """The document in `data`: strict UTF-8, no NUL byte, not empty or only whitespace
+    (`check_text` without the size limit, for a loader that has cut the document already)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise DataError("bad-utf8", f"not valid UTF-8 at byte {exc.start}") from None
     if "\x00" in text:
         raise DataError("nul-byte", f"text holds a NUL byte at character {text.index(chr(0))}")
-    if not text.strip():
+    if not text or text.isspace():  # what `not text.strip()` says, without a copy
         raise DataError("empty-text", "document is empty or only whitespace")
     return text
 

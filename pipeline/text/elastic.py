@@ -14,25 +14,32 @@ none of the others twice (`offsets`, `trim`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
 
-from pipeline.text.packing import Packer
+from pipeline.loading.deferred import Deferred
+from pipeline.text.packing import Packer, Piece
 
 
-def in_progress(packer: Packer, ids: dict[str, int]) -> dict[str, Any] | None:
-    """What the packer's first read has used up (the module docstring's form)."""
+def in_progress(packer: Packer, ids: dict[str, int]) -> Deferred | None:
+    """What the packer's first read has used up (the module docstring's form), written out
+    when the state is used (loading/deferred.py): a piece changes only its offset."""
     if not packer.pieces or not ids:
         return None
     piece = packer.pieces[0]
+    return Deferred(functools.partial(_used_up, piece, piece.offset, ids))
+
+
+def _used_up(piece: Piece, offset: int, ids: dict[str, int]) -> dict[str, Any]:
     ends = np.append(piece.starts[1:], len(piece.tokens))
     open_docs = {(piece.urls[d], piece.keys[d]) for d in range(len(piece.keys))
-                 if ends[d] > piece.offset}
+                 if ends[d] > offset}
     also = [[ids[u], k] for u, k in piece.read if (u, k) not in open_docs and u in ids]
-    cut = next(([ids[piece.urls[d]], piece.keys[d], int(piece.offset - piece.starts[d])]
+    cut = next(([ids[piece.urls[d]], piece.keys[d], int(offset - piece.starts[d])]
                 for d in range(len(piece.keys))
-                if piece.starts[d] < piece.offset < ends[d] and piece.urls[d] in ids), None)
+                if piece.starts[d] < offset < ends[d] and piece.urls[d] in ids), None)
     return {"also": also, "cut": cut}
 
 

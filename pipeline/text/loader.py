@@ -20,6 +20,7 @@ tokens out, as the image loader evens out samples.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Generator, Iterator, Sequence
@@ -35,16 +36,20 @@ from pipeline.loading.batch import EncodedBatch, TextBatch
 from pipeline.loading.delivery import DeviceCopier
 from pipeline.loading.holdout import select
 from pipeline.loading.loader import Loader, Produced
+from pipeline.loading.prefetch import Burst
 from pipeline.loading.readplan import EpochPlan
 from pipeline.loading.shardlist import Source
-from pipeline.samples.checks import TEXT_EXTS, CheckLimits, check_text
+from pipeline.samples.checks import TEXT_EXTS, text_of
 from pipeline.text import elastic as text_elastic
-from pipeline.text import masking, packing
+from pipeline.text import masking, packing, tokenize
 from pipeline.text.config import Objective, TextConfig
 from pipeline.text.tokenizer import Tokenizer, load_tokenizer
 from pipeline.urls import redact
 
 log = logging.getLogger(__name__)
+# Batches of one read handed to the consumer at once, at most (prefetch.Burst): a queue entry
+# is up to this many batches, so about (prefetch + 2) x BURST batches are in memory.
+BURST = 4
 
 
 def text_loader(source: str | Path | Sequence[str] | mix.Mixture, *, batch_size: int,
@@ -151,6 +156,19 @@ class TextLoader(Loader):
         ids = consumed.shard_index(plan)
         cut = {(int(i), k): int(t) for i, k, t in (self._rest or {}).get("offsets", [])} \
             if plan.rest else {}
+        # A tokenizer that encodes outside the GIL (HF's, in Rust threads) works on the next
+        # reads in a helper thread while this one packs and masks (tokenize.py).
+        encode = functools.partial(tokenize.packed, self.tokenizer, cut=cut, ids=ids)
+        depth = tokenize.AHEAD if tokenize.releases_gil(self.tokenizer) else 0
+        documents = self._documents_of(plan, before, stop)
+        for (before, keys, skips, urls, read, after), (tokens, starts) in \
+                tokenize.mapped(encode, documents, depth):
+            yield (before, tokens, starts, keys, skips, urls, read), after
+
+    def _documents_of(self, plan: EpochPlan, before: dict[str, Any] | None,
+                      stop: threading.Event) -> Iterator[tuple[tuple[Any, ...], Any]]:
+        """((state before the read, keys, skips, urls, samples read, state after), (texts,
+        urls, keys)) per read: the documents of each read, checked, ready to tokenize."""
         for enc in readers.encoded(self.reader, plan, before, self.on_error, TEXT_EXTS,
                                    stream=self.stream):
             if stop.is_set():
@@ -160,9 +178,7 @@ class TextLoader(Loader):
             read += [(s["source"], s["key"]) for s in enc.skips if s.get("key")]
             select(self.holdout, enc)  # a split by key hash (holdout.py)
             texts, keys, urls = self._documents(enc)
-            docs = self.tokenizer.encode_batch(texts) if texts else []
-            docs = text_elastic.trim(docs, urls, keys, ids, cut)
-            yield (before, docs, keys, enc.skips, urls, read), enc.state
+            yield (before, keys, enc.skips, urls, read, enc.state), (texts, urls, keys)
             before = enc.state
 
     def _documents(self, enc: EncodedBatch) -> tuple[list[str], list[str], list[str]]:
@@ -179,8 +195,6 @@ class TextLoader(Loader):
 
     def _document(self, raw: np.ndarray, url: str, key: str) -> str:
         data = raw.tobytes()
-        if not data:
-            raise DataError("empty-text", "no .txt member, or an empty one")
         limit = self.cfg.max_doc_bytes
         if len(data) > limit:
             cut = limit
@@ -190,12 +204,14 @@ class TextLoader(Loader):
                         "(max_doc_bytes=%d)", redact(url), key, len(data), cut, limit)
             self.truncated_docs += 1
             data = data[:cut]
-        return check_text(data, CheckLimits(max_text_bytes=max(len(data), 1)))
+        if not data:
+            raise DataError("empty-text", "no .txt member, or an empty one")
+        return text_of(data)
 
     # -- the text stage: pack, mask, to the device ------------------------------------------------
 
     def _produce(self, plan: EpochPlan, state: dict[str, Any] | None, stop: threading.Event
-                 ) -> Iterator[Produced]:
+                 ) -> Iterator[Produced | Burst]:
         before = state["reader"] if state else None
         index = int(state["batches"]) if state else 0
         # Read, tokenize, pack and mask in this one thread, the loader's stage: DALI's reader
@@ -213,19 +229,25 @@ class TextLoader(Loader):
             reads.close()
 
     def _packed(self, plan: EpochPlan, reads: Iterator[Any], drop: int, index: int,
-                stop: threading.Event) -> Iterator[Produced]:
+                stop: threading.Event) -> Iterator[Produced | Burst]:
         packer = packing.Packer(self.cfg.batch_size * self.cfg.seq_len)
-        sep, shards = self.tokenizer.sep_id, consumed.shard_index(plan)
-        for n, ((before, docs, keys, skips, urls, read), after) in enumerate(reads):
-            piece = packing.Piece.of(before, docs, keys, sep, skips, urls, read)
+        shards = consumed.shard_index(plan)
+        for n, ((before, tokens, starts, keys, skips, urls, read), after) in enumerate(reads):
+            piece = packing.Piece(before, tokens, starts, keys, skips, urls=urls, read=read)
             if n == 0 and drop:  # resuming inside this read: its first tokens went out
                 piece.offset, piece.reported = drop, True
             packer.add(piece, after)
+            burst = Burst()  # the batches of this read, handed over together (prefetch.py)
             while packer.ready() and not stop.is_set():
                 item = self._emit(packer.take(), packer.position(), plan.epoch, index)
                 item[1]["elastic"] = text_elastic.in_progress(packer, shards)
-                yield item
+                burst.append(item)
                 index += 1
+                if len(burst) == BURST:
+                    yield burst
+                    burst = Burst()
+            if burst:
+                yield burst
         while packer.available or packer.pending_skips():  # the epoch's last, short batch
             cut = packer.take()
             ids, attention = packing.rows(cut.tokens, self.cfg.seq_len, self.tokenizer.pad_id)
@@ -238,9 +260,10 @@ class TextLoader(Loader):
     def _truncated(self, plan: EpochPlan, reads: Iterator[Any], index: int,
                    stop: threading.Event) -> Iterator[Produced]:
         c = self.cfg
-        for (_before, docs, keys, skips, _urls, _read), after in reads:
+        for (_before, tokens, starts, keys, skips, _urls, _read), after in reads:
             if stop.is_set():
                 return
+            docs = packing.documents(tokens, starts)
             ids, attention, _cut = packing.truncated_rows(docs, c.seq_len,
                                                           self.tokenizer.pad_id,
                                                           self.tokenizer.sep_id)

@@ -2,7 +2,8 @@
 that survives a restart.
 
 The reader hands over documents a read at a time; each read becomes a `Piece`: its documents'
-tokens back to back, each document followed by the separator. The packer cuts batches of
+tokens back to back, each document followed by the separator (`join`, or a tokenizer's own
+`encode_packed`). The packer cuts batches of
 `rows x seq_len` tokens off the front of the pieces, so a document may continue from one row
 (or batch) into the next and no row is padded, except in the epoch's last batch.
 
@@ -36,19 +37,6 @@ class Piece:
     # not: what a position in this read has used up (pipeline/text/elastic.py).
     urls: list[str] = field(default_factory=list)
     read: list[tuple[str, str]] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, before: dict[str, Any] | None, docs: list[np.ndarray], keys: list[str],
-           sep_id: int, skips: list[dict[str, str]], urls: list[str] | None = None,
-           read: list[tuple[str, str]] | None = None) -> Piece:
-        lengths = np.array([len(d) + 1 for d in docs], dtype=np.int64)
-        starts = np.cumsum(lengths) - lengths
-        sep = np.array([sep_id], dtype=np.int32)
-        parts = [part for doc in docs for part in (doc, sep)]
-        tokens = np.concatenate(parts).astype(np.int32, copy=False) if parts \
-            else np.zeros(0, np.int32)
-        return cls(before, tokens, starts, list(keys), list(skips), urls=list(urls or []),
-                   read=list(read or []))
 
     @property
     def left(self) -> int:
@@ -123,6 +111,26 @@ def _unique(keys: list[str]) -> list[str]:
     # A document split across two pieces cannot happen (a piece holds whole documents), but
     # one spanning two rows of the same batch is listed once.
     return list(dict.fromkeys(keys))
+
+
+def join(docs: list[np.ndarray], sep_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Documents back to back, each followed by the separator: (tokens int32, where each
+    document starts int64), the form of a Piece."""
+    lengths = np.array([len(d) + 1 for d in docs], dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
+    sep = np.array([sep_id], dtype=np.int32)
+    parts = [part for doc in docs for part in (doc, sep)]
+    tokens = np.concatenate(parts).astype(np.int32, copy=False) if parts \
+        else np.zeros(0, np.int32)
+    return tokens, starts
+
+
+def documents(tokens: np.ndarray, starts: np.ndarray) -> list[np.ndarray]:
+    """Each document's tokens without its separator, from `join`'s form."""
+    if not len(starts):
+        return []
+    ends = np.append(starts[1:], len(tokens)) - 1
+    return [tokens[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
 
 
 def rows(tokens: np.ndarray, seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:

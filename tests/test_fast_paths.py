@@ -1,0 +1,211 @@
+"""The fast paths of the loaders give what the straightforward code gives: the byte
+tokenizer's whole-read encoding, masking that looks only at the drawn positions, DALI outputs
+converted in one copy, reader states written out only when used, batches handed over in
+bursts, and the tokenizer running ahead in helper threads."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline import text_loader
+from pipeline.builtin import make_text_corpus
+from pipeline.convert import ConvertConfig, convert
+from pipeline.loading import consumed, reader_dali
+from pipeline.loading.deferred import Deferred, resolved
+from pipeline.loading.prefetch import Burst, Stage, ahead
+from pipeline.loading.readplan import plan_epoch
+from pipeline.loading.shardlist import ShardSpec, Source
+from pipeline.text import masking, packing, tokenize
+from pipeline.text.tokenizer import ByteTokenizer
+
+OPTS = {"device": "cpu", "shuffle_buffer": 16, "prefetch": 2}
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fast")
+    docs = make_text_corpus(root / "docs", docs=90)
+    convert(ConvertConfig(kind="text", src=str(docs), out=root / "shards", max_count=12,
+                          workers=1))
+    return root
+
+
+# -- the byte tokenizer's whole-read encoding -----------------------------------------------------
+
+@pytest.mark.parametrize("texts", [["ab", "é日本", "x"], ["one"], ["a\x00b", "c"],
+                                   ["tail\x00", "\x00"], ["  ", "z" * 5000]])
+def test_byte_tokenizer_packs_a_read_as_the_per_document_path(texts):
+    tok = ByteTokenizer()
+    tokens, starts = tok.encode_packed(texts, tok.sep_id)
+    want_tokens, want_starts = packing.join(tok.encode_batch(texts), tok.sep_id)
+    assert tokens.dtype == want_tokens.dtype == np.int32
+    assert starts.dtype == want_starts.dtype == np.int64
+    assert np.array_equal(tokens, want_tokens) and np.array_equal(starts, want_starts)
+    docs = packing.documents(tokens, starts)
+    assert [bytes(d.astype(np.uint8)).decode() for d in docs] == texts
+
+
+def test_documents_of_an_empty_read_is_empty():
+    assert packing.documents(np.zeros(0, np.int32), np.zeros(0, np.int64)) == []
+
+
+# -- masking ------------------------------------------------------------------------------------
+
+def _reference_mlm(ids, attention, rng, *, mask_id, normal_ids, special_ids, prob):
+    """BERT's masking over the whole array, one step at a time: what masking.mlm must give."""
+    u = rng.random(ids.shape, dtype=np.float32)
+    chosen = (u < prob) & attention.astype(bool) & ~np.isin(ids, special_ids)
+    labels = np.where(chosen, ids, masking.IGNORE)
+    inputs = ids.copy()
+    inputs[chosen & (u < 0.8 * prob)] = mask_id
+    swap = chosen & (u >= 0.8 * prob) & (u < 0.9 * prob)
+    if swap.any():
+        inputs[swap] = normal_ids[rng.integers(0, len(normal_ids), int(swap.sum()))]
+    return inputs, labels
+
+
+@pytest.mark.parametrize("specials", [(256, 257, 258), tuple(range(250, 262))])
+@pytest.mark.parametrize("prob", [0.15, 0.6])
+def test_masking_gives_the_whole_array_reference_draw_for_draw(specials, prob):
+    data = np.random.default_rng(1)
+    normal = np.arange(250, dtype=np.int32)
+    for trial in range(40):
+        ids = data.integers(0, 262, (int(data.integers(1, 9)), 32)).astype(np.int64)
+        attention = np.ones_like(ids)
+        attention[-1, int(data.integers(0, 32)):] = 0  # an epoch's last, padded row
+        got = masking.mlm(ids, attention, masking.batch_rng(0, trial, 0, 1), mask_id=258,
+                          normal_ids=normal, special_ids=specials, prob=prob)
+        want = _reference_mlm(ids, attention, masking.batch_rng(0, trial, 0, 1), mask_id=258,
+                              normal_ids=normal, special_ids=specials, prob=prob)
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+
+
+# -- DALI's outputs in one copy ------------------------------------------------------------------
+
+class _Scattered:
+    """A TensorList whose samples are not one buffer: as_reshaped_tensor refuses, as DALI
+    does for such a list."""
+
+    def __init__(self, samples):
+        self.samples = [np.frombuffer(s, np.uint8) for s in samples]
+
+    def shape(self):
+        return [list(s.shape) for s in self.samples]
+
+    def as_reshaped_tensor(self, shape):
+        raise RuntimeError("not contiguous")
+
+    def __getitem__(self, i):
+        return self.samples[i]
+
+
+@pytest.mark.dali
+def test_dali_outputs_are_split_from_one_copy_or_sample_by_sample():
+    from nvidia.dali.backend import TensorListCPU
+
+    samples = [b"abc", b"", b"de", b"f" * 1000]
+    listed = TensorListCPU([np.frombuffer(s, np.uint8) if s else np.zeros(0, np.uint8)
+                            for s in samples])  # one buffer, as the reader's outputs
+    for tl, want in ((listed, samples), (_Scattered(samples), samples)):
+        for take in (len(want), 2):
+            got = reader_dali._arrays(tl, take)
+            assert [a.tobytes() for a in got] == want[:take]
+            assert all(a.dtype == np.uint8 and a.ndim == 1 for a in got)
+    assert reader_dali._strings(_Scattered([b"s:1:k.txt", b""]), 2) == ["s:1:k.txt", ""]
+
+
+# -- reader states written out when used ----------------------------------------------------------
+
+def test_a_deferred_part_is_computed_once_and_resolved_anywhere_in_a_state():
+    calls = []
+    part = Deferred(lambda: calls.append(1) or {"done": [1]})
+    state = {"reader": {"consumed": part, "n": 3}, "list": [part, 2], "plain": "x"}
+    want = {"reader": {"consumed": {"done": [1]}, "n": 3}, "list": [{"done": [1]}, 2],
+            "plain": "x"}
+    assert resolved(state) == want and resolved(state) == want
+    assert calls == [1]
+    assert json.loads(json.dumps(resolved(state))) == want
+    assert resolved(None) is None
+
+
+def test_a_snapshot_stays_what_was_read_when_it_was_taken(tmp_path):
+    specs = tuple(ShardSpec(str(tmp_path / f"s{i}.tar"), 3) for i in range(3))
+    plan = plan_epoch(Source(specs), epoch=0, seed=0, rank=0, world_size=1, batch_size=2,
+                      shuffle=False, shuffle_buffer=0)
+    tracker = consumed.Tracker(plan, None)
+    enc = _encoded([(specs[0].url, "a"), (specs[1].url, "x")])
+    tracker.add(enc)
+    first = tracker.snapshot()
+    tracker.add(_encoded([(specs[0].url, "b"), (specs[0].url, "c"), (specs[1].url, "y")]))
+    second = tracker.snapshot()
+    i0, i1 = (consumed.shard_index(plan)[s.url] for s in specs[:2])
+    assert resolved(first) == {"done": [], "partial": sorted([[i0, ["a"]], [i1, ["x"]]])}
+    assert resolved(second) == {"done": [i0], "partial": [[i1, ["x", "y"]]]}
+    tracker.add(_encoded([(specs[1].url, "z")]))
+    assert resolved(second)["partial"] == [[i1, ["x", "y"]]]  # unchanged by later reads
+
+
+def _encoded(samples):
+    from pipeline.loading.batch import EncodedBatch
+
+    return EncodedBatch([k for _, k in samples], [u for u, _ in samples],
+                        [np.zeros(1, np.uint8) for _ in samples], [None for _ in samples])
+
+
+# -- bursts and helper threads --------------------------------------------------------------------
+
+def test_a_stage_hands_a_burst_over_item_by_item_in_order():
+    def produce(stop):
+        yield 0
+        yield Burst([1, 2, 3])
+        yield Burst()
+        yield 4
+
+    stage = Stage(produce, depth=1, name="test-burst")
+    assert list(stage) == [0, 1, 2, 3, 4] and stage.completed
+    stage.close()
+
+
+def test_ahead_keeps_the_order_re_raises_and_leaves_no_thread():
+    def slow_square(x):
+        threading.Event().wait(0.001 * (x % 3))  # finish out of order in the pool
+        if x == 13:
+            raise ValueError("thirteen")
+        return x * x
+
+    got = list(ahead(slow_square, ((i, i) for i in range(12)), 4, name="test-ahead", workers=2))
+    assert got == [(i, i * i) for i in range(12)]
+    with pytest.raises(ValueError, match="thirteen"):
+        list(ahead(slow_square, ((i, i) for i in range(20)), 4, name="test-ahead", workers=2))
+    early = ahead(slow_square, ((i, i) for i in range(20)), 4, name="test-ahead", workers=2)
+    assert next(early) == (0, 0)
+    early.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-ahead")]
+
+
+def test_the_tokenizer_ahead_gives_the_batches_of_the_inline_path(shards, monkeypatch):
+    pytest.importorskip("tokenizers")
+    from pipeline.text.tokenizer import train_bpe
+
+    texts = [p.read_text(encoding="utf-8") for p in sorted((shards / "docs").iterdir())]
+    path = shards / "bpe.json"
+    train_bpe(texts, path, 300)
+    make = {"batch_size": 4, "seq_len": 24, "objective": "mlm", "tokenizer": path, **OPTS}
+
+    def epochs():
+        with text_loader(shards / "shards", **make) as loader:
+            return [b for _ in range(2) for b in loader]
+
+    threaded = epochs()
+    monkeypatch.setattr(tokenize, "releases_gil", lambda tok: False)
+    inline = epochs()
+    assert len(threaded) == len(inline) > 8
+    for a, b in zip(threaded, inline, strict=True):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+        assert a.keys == b.keys
