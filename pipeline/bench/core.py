@@ -31,8 +31,12 @@ class Timings:
         return work / self.median(name)
 
     def ratio(self, name: str, baseline: str) -> float:
-        """How many times faster `name` is than `baseline` (>1: faster)."""
-        return self.median(baseline) / self.median(name)
+        """How many times faster `name` is than `baseline` (>1: faster): the median over the
+        rounds of baseline time / name time, each pair from the same round. These machines
+        drift within a run (repeats of one contender measured 0.50-0.79 s in a row), and a
+        ratio of two medians mixes rounds far apart; a round's pair ran seconds apart."""
+        pairs = zip(self.seconds[baseline], self.seconds[name], strict=True)
+        return statistics.median(b / max(n, 1e-12) for b, n in pairs)
 
 
 def alternate(contenders: dict[str, Callable[[], object]], *, repeats: int = 3,
