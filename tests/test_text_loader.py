@@ -4,6 +4,7 @@ and the text tasks learning through tools/train.py."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -184,6 +185,40 @@ def test_state_from_another_text_setup_is_refused(corpus):
     with text_loader(shards, batch_size=4, seq_len=64, **OPTS) as other, \
             pytest.raises(ValueError, match="seq_len: 40 in the state, 64 here"):
         other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("reader", ["dali", "stream"])
+def test_reads_of_any_size_give_the_same_documents_and_resume_exactly(corpus, reader):
+    shards, texts = corpus
+    make = {"batch_size": 4, "seq_len": 40, "reader": reader, **OPTS, "shuffle_buffer": 0}
+    epochs = {}
+    for docs_per_read in (None, 4, 7):
+        with text_loader(shards, docs_per_read=docs_per_read, **make) as loader:
+            assert loader.read_docs == (256 if docs_per_read is None else docs_per_read)
+            epochs[docs_per_read] = passes(loader)
+    for batches in epochs.values():  # unshuffled: the same rows, whatever the read size
+        assert all(_same(a, b) for a, b in zip(batches, epochs[4], strict=True))
+        assert sorted(documents(batches)) == sorted(texts.values())
+    # A state saved before reads could be larger than a batch (no docs_per_read in it) is
+    # read on with reads of batch_size documents, exactly as it was saved.
+    with text_loader(shards, docs_per_read=4, **{**make, "shuffle_buffer": 16}) as old:
+        whole = passes(old)
+    with text_loader(shards, docs_per_read=4, **{**make, "shuffle_buffer": 16}) as old:
+        for _ in itertools.islice(old, 5):  # 5 batches, then the pass is left
+            pass
+        state = json.loads(json.dumps(old.state_dict()))
+    del state["text"]["docs_per_read"]
+    with text_loader(shards, **{**make, "shuffle_buffer": 16}) as new:
+        new.load_state_dict(state)
+        assert new.read_docs == 4
+        rest = passes(new)
+    assert len(rest) == len(whole) - 5 and all(_same(a, b) for a, b in zip(rest, whole[5:],
+                                                                          strict=True))
+    with text_loader(shards, docs_per_read=8, **make) as other, \
+            pytest.raises(ValueError, match="docs_per_read: 4 in the state, 8 here"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="docs_per_read=8: with packing=False"):
+        text_loader(shards, docs_per_read=8, packing=False, **make)
 
 
 # -- ranks ----------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ keys reached, not a copy of it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +27,7 @@ from pipeline.loading.deferred import Deferred
 from pipeline.loading.readplan import EpochPlan
 from pipeline.urls import redact
 
+_NEVER = math.inf  # the count of a shard whose count is unknown: never done by counting
 Snapshot = dict[str, Any]  # {"done": [index, ...], "partial": [[index, [key, ...]], ...]}
 
 
@@ -64,8 +66,16 @@ class Tracker:
         """The samples of `enc` as the reader read them (before any drop), and its skips:
         a skip with a key is a sample read; one without (a shard lost whole or from some
         point on) ends that shard."""
-        for url, key in zip(enc.urls, enc.keys, strict=True):
-            self._add_url(url, key)
+        for url, key in zip(enc.urls, enc.keys, strict=True):  # per sample: kept lean
+            i = self.index.get(url)
+            if i is not None and i not in self.done:
+                read = self.partial.get(i)
+                if read is None:
+                    read = self.partial[i] = []
+                read.append(key)
+                if len(read) >= self.total.get(i, _NEVER):
+                    self.done.add(i)
+                    del self.partial[i]
         for skip in enc.skips:
             i = self.index.get(skip.get("source", ""))
             if i is None:
@@ -76,17 +86,12 @@ class Tracker:
                 self.done.add(i)
                 self.partial.pop(i, None)
 
-    def _add_url(self, url: str, key: str) -> None:
-        i = self.index.get(url)
-        if i is not None:
-            self._add(i, key)
-
     def _add(self, i: int, key: str) -> None:
         if i in self.done:
             return
         keys = self.partial.setdefault(i, [])
         keys.append(key)
-        if i in self.total and len(keys) >= self.total[i]:
+        if len(keys) >= self.total.get(i, _NEVER):
             self.done.add(i)
             del self.partial[i]
 

@@ -170,12 +170,13 @@ def _encoded(data: Any, labels: Any, infos: list[Any], take: int, state: dict[st
             break
         sources = [s or other for s, other in zip(sources, _strings(info, take), strict=True)]
     batch = EncodedBatch([], [], _arrays(data, take), [], state)
-    for source, label in zip(sources, _arrays(labels, take), strict=True):
+    keys, urls = batch.keys, batch.urls
+    for source in sources:
         url, _offset, member = source.rsplit(":", 2) if source.count(":") >= 2 else \
             ("(unknown shard)", "", "(unknown key)")
-        batch.keys.append(split_name(member)[0])
-        batch.urls.append(url)
-        batch.labels.append(label.tobytes() if len(label) else None)
+        keys.append(split_name(member)[0])
+        urls.append(url)
+    batch.labels = [label.tobytes() if len(label) else None for label in _arrays(labels, take)]
     return batch
 
 

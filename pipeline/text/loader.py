@@ -91,6 +91,7 @@ class TextLoader(Loader):
             raise ValueError("objective='mlm' needs a mask token; this tokenizer has none "
                              "(train one with tools/train_tokenizer.py, or use 'bytes')")
         self.cfg, self.tokenizer = cfg, tokenizer
+        self.read_docs = cfg.read_size()
         # Tokenizing, packing and masking run on the CPU; batches land on `device`.
         self.placement = readers.resolve_placement(cfg.device, cfg.decode, self.kind,
                                                    gpu_decode=False)
@@ -106,9 +107,13 @@ class TextLoader(Loader):
         if cfg.packing:
             self.agree_to_stop = rank_agreement(world_size)
 
+    def _plan_args(self, epoch: int) -> dict[str, Any]:
+        # A plan's batches are the reader's reads: of docs_per_read documents (config.py).
+        return {**super()._plan_args(epoch), "batch_size": self.read_docs}
+
     def _batches_per_epoch(self, plan: EpochPlan) -> int | None:
         # Packed: as many as the epoch's tokens fill, unknown until read. The plan's count
-        # is of reads (batch_size documents each), not of batches.
+        # is of reads (docs_per_read documents each), not of batches.
         return None if self.cfg.packing else plan.batches
 
     def __len__(self) -> int:
@@ -123,20 +128,31 @@ class TextLoader(Loader):
         c = self.cfg
         return {"seq_len": c.seq_len, "objective": c.objective, "packing": c.packing,
                 "mask_prob": c.mask_prob, "max_doc_bytes": c.max_doc_bytes,
-                **self.tokenizer.describe()}
+                "docs_per_read": self.read_docs, **self.tokenizer.describe()}
 
     def _local_state(self) -> dict[str, Any]:
         return {**super()._local_state(), "text": self._text_fields()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        mine = self._text_fields()
         theirs = state.get("text") or {}
+        read_docs = self.read_docs
+        if "docs_per_read" not in theirs:
+            # Saved when a read was always batch_size documents: read so again, exactly.
+            theirs = {**theirs, "docs_per_read": self.cfg.batch_size}
+            if self.cfg.docs_per_read is None:
+                read_docs = self.cfg.batch_size
+        mine = {**self._text_fields(), "docs_per_read": read_docs}
         for name, value in mine.items():
             if theirs.get(name) != value:
                 raise ValueError(f"loader state does not match this loader; it differs in "
                                  f"{name}: {theirs.get(name)!r} in the state, {value!r} here. "
                                  "Build the loader as it was when the state was saved")
-        super().load_state_dict(state)
+        before, self.read_docs = self.read_docs, read_docs
+        try:
+            super().load_state_dict(state)
+        except Exception:
+            self.read_docs = before
+            raise
 
     def _consumed_of(self, entry: dict[str, Any]) -> list[dict[str, Any] | None]:
         return text_elastic.consumed_of(entry.get("reader_state"))
@@ -309,3 +325,4 @@ class TextLoader(Loader):
         return masking.mlm(ids, attention, rng, mask_id=tok.mask_id, normal_ids=tok.normal_ids,
                            special_ids=tok.special_ids,
                            prob=self.cfg.mask_prob)
+

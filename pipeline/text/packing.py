@@ -43,10 +43,11 @@ class Piece:
         return len(self.tokens) - self.offset
 
     def keys_between(self, lo: int, hi: int) -> list[str]:
-        """Keys of the documents with tokens in [lo, hi)."""
-        ends = np.append(self.starts[1:], len(self.tokens))
-        hit = (self.starts < hi) & (ends > lo)
-        return [k for k, h in zip(self.keys, hit, strict=True) if h]
+        """Keys of the documents with tokens in [lo, hi): a run of them, as every document
+        holds at least its separator (ends and starts both ascend)."""
+        first = int(np.searchsorted(self.starts, lo, side="right")) - 1  # the one holding lo
+        last = int(np.searchsorted(self.starts, hi, side="left"))  # the first starting at hi
+        return self.keys[max(first, 0): last]
 
 
 @dataclass

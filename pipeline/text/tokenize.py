@@ -22,9 +22,10 @@ from pipeline.text.tokenizer import Tokenizer
 # Where the tokenizer releases the GIL: reads tokenized ahead of the one being packed, and
 # the helper threads doing it. Two helpers, so that one encodes (in Rust, on every core) while
 # the other waits for the GIL to turn its ids into arrays: with one, the encoder sat idle in
-# that wait (measured on 2 cores: 0.78-0.84x `encode_batch` alone with 1 helper and 2 reads
-# ahead, 0.88-0.92x with 2 and 4). Memory: up to AHEAD reads of documents and their tokens.
-AHEAD = 4
+# that wait (measured on 2 cores with reads of 64 documents: 0.78-0.84x `encode_batch` alone
+# with 1 helper and 2 reads ahead, 0.88-0.92x with 2 and 4; with reads of 256, 2 ahead did as
+# well as 4). Memory: up to AHEAD reads of documents and their tokens besides the loader's.
+AHEAD = 2
 HELPERS = 2
 
 Documents = tuple[list[str], list[str], list[str]]  # (texts, urls, keys) of one read
