@@ -657,3 +657,26 @@ def test_an_evaluation_pass_starts_at_the_beginning_and_a_training_pass_continue
         first = next(iter(training)).keys
         rest = [k for b in training for k in b.keys]  # the rest of the same epoch
         assert len(first) + len(rest) == 60 and not set(first) & set(rest)
+
+
+def test_the_next_epochs_reader_started_ahead_gives_that_epoch(shards):
+    """DALI's reader of epoch e + 1 starts when epoch e's reads end (its shuffle buffer
+    fills while the last batches decode): the next pass reads exactly what a loader started
+    at epoch e + 1 reads; a state loaded, or an epoch set, drops it unused."""
+    make = functools.partial(image_loader, shards, batch_size=8, device="cpu", seed=2,
+                             reader="dali", **OPTS)
+    with make() as ahead, make() as fresh:
+        first = epoch(ahead)
+        assert ahead._primed._pipe is not None, "epoch 1's reader was not started"
+        assert ahead._primed._key[0] == ahead.plan() and ahead.plan().epoch == 1
+        second = epoch(ahead)
+        fresh.set_epoch(1)
+        assert fresh._primed._pipe is None
+        want = epoch(fresh)
+        assert second[0] == want[0] and second[0] != first[0]
+        assert all(torch.equal(a, b) for a, b in zip(second[1], want[1], strict=True))
+        state = ahead.state_dict()  # after epoch 1, with epoch 2's reader waiting
+        assert ahead._primed._pipe is not None
+        ahead.load_state_dict(state)
+        assert ahead._primed._pipe is None
+        assert epoch(ahead)[0] == epoch(fresh)[0]  # epoch 2, built afresh on both

@@ -197,8 +197,7 @@ class GraphLoader(Loader):
 
     def _prepared(self, plan: EpochPlan, state: dict[str, Any] | None,
                   stop: threading.Event) -> Iterator[Item]:
-        for enc in readers.encoded(self.reader, plan, state, self.on_error, self.members,
-                                   self.extras, self.stream):
+        for enc in self._encoded(plan, state, self.members, self.extras):
             if stop.is_set():
                 return
             checked = self._check_each(enc, lambda e, i: self._check_one(e, i, plan.epoch))

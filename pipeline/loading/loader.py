@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from torch.utils.data import IterableDataset, get_worker_info
 
 from pipeline.errors import DataError, OnError, SkipLog, handle
-from pipeline.loading import consumed, elastic
+from pipeline.loading import consumed, elastic, reader_dali
 from pipeline.loading.batch import EncodedBatch
 from pipeline.loading.deferred import resolved
 from pipeline.loading.holdout import KeyHoldout, select
@@ -75,6 +75,8 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         self._rest: dict[str, Any] | None = None
         self.skips = SkipLog()
         self._stage: Stage[Produced] | None = None
+        # DALI's reader for the next pass, started as this one's reads end (reader_dali.py)
+        self._primed = reader_dali.Primed()
         self._closed = False
         self._restored = False  # load_state_dict since the last pass: continue from it
         # Set by modalities whose ranks may hold different numbers of batches in an epoch
@@ -122,6 +124,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         if epoch != self.epoch:
             self.epoch, self._batches_done, self._reader_state = epoch, 0, None
             self._rest = None
+            self._primed.clear()
 
     def _next_epoch(self) -> None:
         self.epoch, self._batches_done, self._reader_state = self.epoch + 1, 0, None
@@ -261,6 +264,17 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         enc.skips.extend(reversed(skips.entries))
         return results[::-1]
 
+    def _encoded(self, plan: EpochPlan, state: dict[str, Any] | None, exts: tuple[str, ...],
+                 extras: tuple[str, ...] = ()) -> Iterator[EncodedBatch]:
+        """The reader's batches of `plan` from `state` (readers.encoded); once all are read,
+        DALI's reader of the next epoch is started for the next pass, which is that epoch
+        from its start unless a pass is left early or a state loaded (then it is dropped)."""
+        from pipeline.loading import readers
+
+        return readers.encoded(self.reader, plan, state, self.on_error, exts, extras,
+                               self.stream, primed=self._primed,
+                               then=lambda: plan_epoch(**self._plan_args(plan.epoch + 1)))
+
     def _batches_per_epoch(self, plan: EpochPlan) -> int | None:
         """How many batches an epoch yields, when that is known before reading it."""
         return plan.batches
@@ -314,6 +328,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         rank's own state only on that rank at that world size."""
         self._not_iterating("load_state_dict")
         self._check_matches(state)
+        self._primed.clear()
         if "ranks" not in state:
             for field in ("world_size", "rank"):
                 self._check_field(state, field, getattr(self, field))
@@ -417,6 +432,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         if self._stage is not None:
             self._stage.close()
             self._stage = None
+        self._primed.clear()
         self._closed = True
 
     def __enter__(self) -> Loader:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -27,18 +27,36 @@ log = logging.getLogger(__name__)
 
 def encoded(reader: str, plan: EpochPlan, state: dict[str, Any] | None, on_error: OnError,
             exts: tuple[str, ...], extras: tuple[str, ...] = (),
-            stream: reader_stream.StreamOptions | None = None) -> Iterator[EncodedBatch]:
+            stream: reader_stream.StreamOptions | None = None,
+            primed: reader_dali.Primed | None = None,
+            then: Callable[[], EpochPlan] | None = None) -> Iterator[EncodedBatch]:
     """The epoch's encoded batches from `state` on, through the chosen reader; `extras`:
     further members to carry by extension (EncodedBatch.extras). Each batch's state says
     what was read up to it (consumed.py). The rest of an epoch resumed on another number of
     ranks is streamed whatever the reader: it passes over keys read before, which DALI's
-    reader cannot. `stream`: how the streaming reader fetches (shards in flight, cache)."""
+    reader cannot. `stream`: how the streaming reader fetches (shards in flight, cache).
+    DALI's reader: `primed` may hold the pipeline started for this plan, and once every batch
+    is read, the one of `then()` (the next pass's plan) is started there."""
     if reader == "dali" and not plan.rest:
-        found = reader_dali.batches(plan, state, exts=exts, extras=extras)
+        found = reader_dali.batches(plan, state, exts=exts, extras=extras, primed=primed)
+        if primed is not None and then is not None:
+            found = _then_prime(found, primed, then, exts, extras)
     else:
         found = reader_stream.batches(plan, state, on_error, exts=exts, extras=extras,
                                       options=stream)
     return consumed.follow(found, plan, state)
+
+
+def _then_prime(batches: Iterator[EncodedBatch], primed: reader_dali.Primed,
+                then: Callable[[], EpochPlan], exts: tuple[str, ...], extras: tuple[str, ...]
+                ) -> Iterator[EncodedBatch]:
+    yield from batches
+    # Reached only when the epoch was read whole (not when its pass was left early).
+    try:
+        plan = then()
+    except ValueError:  # that epoch cannot be split: its own pass will say so
+        return
+    primed.start(plan, exts, extras)
 
 
 def pick_reader(source: Source, reader: ReaderKind, kind: str, backend: str = "dali") -> str:

@@ -150,8 +150,7 @@ class TabularLoader(Loader):
     def _reads(self, plan: EpochPlan, before: dict[str, Any] | None, stop: threading.Event
                ) -> Generator[tuple[Window, dict[str, Any]], None, None]:
         """(window of a read, reader state after it); `before` is where the reader starts."""
-        for enc in readers.encoded(self.reader, plan, before, self.on_error, (BLOCK_EXT,),
-                                   stream=self.stream):
+        for enc in self._encoded(plan, before, (BLOCK_EXT,)):
             if stop.is_set():
                 return
             blocks = self._check_each(enc, self._block)

@@ -6,11 +6,13 @@ rows of `seq_len` tokens -> masking ("mlm") or next-token labels ("clm") -> `Tex
         for batch in loader:
             ...  # batch.input_ids, batch.labels, batch.attention_mask: int64 (32, 256)
 
-One background stage overlaps with the training step: it reads documents, checks them
-(UTF-8, no NUL, not empty; longer than `max_doc_bytes`: truncated, with a warning naming
-shard and key), tokenizes them a read at a time, packs, masks and copies the batch to the
-device. No DALI operator tokenizes, so this is CPU work in the loader's queue (DALI's reader
-still reads local indexed shards, ahead, in its own threads).
+One background stage overlaps with the training step: it reads documents (`docs_per_read`
+at a time), checks them (UTF-8, no NUL, not empty; longer than `max_doc_bytes`: truncated,
+with a warning naming shard and key), tokenizes them a read at a time (tokenize.py: an HF
+tokenizer in helper threads, reads ahead, as it releases the GIL), packs, masks and copies
+the batch to the device; a read's batches go to the consumer together (prefetch.Burst). No
+DALI operator tokenizes, so this is CPU work in the loader's queue (DALI's reader still reads
+local indexed shards, ahead, in its own threads).
 
 With packing (the default) a batch is always `batch_size` full rows, except the epoch's last;
 how many batches an epoch has depends on the token count, so `len()` is unknown and ranks
@@ -185,8 +187,7 @@ class TextLoader(Loader):
                       stop: threading.Event) -> Iterator[tuple[tuple[Any, ...], Any]]:
         """((state before the read, keys, skips, urls, samples read, state after), (texts,
         urls, keys)) per read: the documents of each read, checked, ready to tokenize."""
-        for enc in readers.encoded(self.reader, plan, before, self.on_error, TEXT_EXTS,
-                                   stream=self.stream):
+        for enc in self._encoded(plan, before, TEXT_EXTS):
             if stop.is_set():
                 return
             # Every sample of the read, documents or not (text/elastic.py).
