@@ -58,16 +58,19 @@ def contenders(c: bi.Corpus, backend: str = "auto") -> dict[str, Any]:
     """Every contender; `backend` is shardflow's (the portable one is always run beside it).
     The DALI baselines only where nvidia.dali imports, MosaicML Streaming and LitData only
     where theirs do."""
+    # Each float variant runs right after its uint8 one: the pair compared is seconds apart
+    # within a round (these machines drift; see Timings.ratio).
     runs = {"shardflow": bi.Ours(c, backend=backend),
+            "shardflow float": bi.Ours(c, normalize=True, backend=backend),
             "shardflow portable": bi.Ours(c, backend="portable"),
             "torchvision-style uint8": bi.TorchvisionStyle(c),
+            "torchvision-style float": bi.TorchvisionStyle(c, normalize=True),
             "webdataset + PIL": bi.WebdatasetPil(c)}
     if dali_importable():
         runs.update({"DALI by hand": bi.DaliByHand(c),
                      "DALI decode only": bi.DaliByHand(c, decode_only=True)})
     runs.update({name: make(c) for name, make in OPTIONAL.items() if bi.importable(name)})
-    return {**runs, "shardflow float": bi.Ours(c, normalize=True, backend=backend),
-            "torchvision-style float": bi.TorchvisionStyle(c, normalize=True)}
+    return runs
 
 
 def report(c: bi.Corpus, timings: Any, runs: dict[str, Any], args: argparse.Namespace
@@ -80,6 +83,7 @@ def report(c: bi.Corpus, timings: Any, runs: dict[str, Any], args: argparse.Name
         timings.ratio("shardflow portable", "torchvision-style uint8"), 3)
     ratios["shardflow float/torchvision-style float"] = round(
         timings.ratio("shardflow float", "torchvision-style float"), 3)
+    ratios["shardflow float/shardflow"] = round(timings.ratio("shardflow float", "shardflow"), 3)
     return {
         "images": c.images, "batch_size": c.batch_size, "threads": c.threads,
         "backend": runs["shardflow"].loader.backend,  # what "shardflow" ran ("auto" resolved)
