@@ -26,7 +26,8 @@ $(STAMP): pyproject.toml
 # minutes and do not depend on the backend); the rest takes a few minutes on 2 cores.
 NODALI_TESTS := tests/test_portable.py tests/test_image_loader.py \
 	tests/test_pointcloud_loader.py tests/test_text_loader.py tests/test_corpus.py \
-	tests/test_make_shards.py tests/test_trainers.py tests/test_bench_loader.py
+	tests/test_make_shards.py tests/test_trainers.py tests/test_bench_loader.py \
+	tests/test_fast_paths.py
 NODALI_SKIP := not learn_the_primitives and not learn_below_the_unigram_entropy
 
 test: $(STAMP)

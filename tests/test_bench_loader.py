@@ -273,3 +273,16 @@ def test_tune_writes_the_fastest_configuration_for_uint8_and_float(tmp_path):
         assert tuning.resize_on_float in ("torch", "dali")
         assert f"with normalize=True, resize_on={tuning.resize_on_float}" in proc.stdout
     assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.slow
+def test_the_streaming_benchmark_resumes_fetching_only_what_is_left(tmp_path):
+    pytest.importorskip("moto")
+    pytest.importorskip("s3fs")
+    out = tmp_path / "stream.json"
+    run_tool("bench_stream", "--images", 48, "--shard-size", "200KB", "--repeats", 1,
+             "--json", out, check=True)
+    result = json.loads(out.read_text())
+    fetched = result["remote_bytes"]
+    assert result["shards"] >= 4 and fetched["cache_second"] == 0
+    assert 0 < fetched["resume_at_half"] < fetched["epoch"]

@@ -209,3 +209,33 @@ def test_the_tokenizer_ahead_gives_the_batches_of_the_inline_path(shards, monkey
     for a, b in zip(threaded, inline, strict=True):
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
         assert a.keys == b.keys
+
+
+def test_ahead_delivers_what_came_before_an_error_of_its_items():
+    def items():
+        yield from ((i, i) for i in range(5))
+        raise OSError("the reader broke")
+
+    got = []
+    with pytest.raises(OSError, match="the reader broke"):
+        for pair in ahead(lambda x: -x, items(), 3, name="test-ahead", workers=2):
+            got.append(pair)
+    assert got == [(i, -i) for i in range(5)]  # as without the helpers: all, then the error
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-ahead")]
+
+
+def test_a_packed_position_keeps_the_reads_layout_not_its_tokens():
+    from pipeline.text import elastic
+
+    packer = packing.Packer(8)
+    tokens, starts = ByteTokenizer().encode_packed(["abcdef", "ghij", "kl"], 257)
+    piece = packing.Piece(None, tokens, starts, ["a", "b", "c"], urls=["u"] * 3,
+                          read=[("u", "a"), ("u", "b"), ("u", "c"), ("u", "held-out")])
+    packer.add(piece, {})
+    packer.take()  # 8 tokens: "abcdef" and its separator, then "g" of the second
+    part = elastic.in_progress(packer, {"u": 0})
+    args = part._make.args
+    assert not any(isinstance(a, packing.Piece) for a in args)
+    assert all(a.size == 3 for a in args if isinstance(a, np.ndarray))  # starts, no tokens
+    packer.take()
+    assert resolved(part) == {"also": [[0, "a"], [0, "held-out"]], "cut": [0, "b", 1]}

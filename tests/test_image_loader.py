@@ -667,7 +667,7 @@ def test_the_next_epochs_reader_started_ahead_gives_that_epoch(shards):
                              reader="dali", **OPTS)
     with make() as ahead, make() as fresh:
         first = epoch(ahead)
-        assert ahead._primed._pipe is not None, "epoch 1's reader was not started"
+        assert _eventually(lambda: ahead._primed._pipe is not None), "not started ahead"
         assert ahead._primed._key[0] == ahead.plan() and ahead.plan().epoch == 1
         second = epoch(ahead)
         fresh.set_epoch(1)
@@ -680,3 +680,49 @@ def test_the_next_epochs_reader_started_ahead_gives_that_epoch(shards):
         ahead.load_state_dict(state)
         assert ahead._primed._pipe is None
         assert epoch(ahead)[0] == epoch(fresh)[0]  # epoch 2, built afresh on both
+
+
+def test_a_reader_started_ahead_is_dropped_by_a_pass_that_continues_its_epoch(
+        shards, caplog, monkeypatch):
+    make = functools.partial(image_loader, shards, batch_size=8, device="cpu", seed=3,
+                             reader="dali", **OPTS)
+    with make() as loader:
+        whole = epoch(loader)
+    with make() as loader:
+        for i, _ in enumerate(loader):
+            if i == 5:  # the reader stage has read the epoch (60 samples) by now
+                break
+        assert _eventually(lambda: loader._primed._pipe is not None)  # epoch 1's reader
+        unused, asked = loader._primed._pipe, []
+        take = loader._primed.take
+        monkeypatch.setattr(loader._primed, "take", lambda plan, *a: asked.append(
+            (plan.epoch, take(plan, *a))) or asked[-1][1])
+        rest = iter(loader)
+        next(rest)
+        # Handed back to this pass, which continues epoch 0 from a state: dropped unused
+        # (reading epoch 0's end, the pass starts epoch 1's reader again, afresh).
+        assert [epoch for epoch, _ in asked] == [0] and asked[0][1] is None
+        assert loader._primed._pipe is not unused
+        assert [k for b in [*list(rest)] for k in b.keys] == whole[0][8 * 7:]
+    # A failure to start it ahead is not the epoch's: it is logged, the epoch ends whole.
+    from pipeline.loading import reader_dali
+
+    def broken(self, plan, exts, extras):
+        raise OSError("no file descriptors left")
+
+    monkeypatch.setattr(reader_dali.Primed, "start", broken)
+    with make() as loader, caplog.at_level("WARNING"):
+        assert epoch(loader)[0] == whole[0]
+    assert "was not started ahead: no file descriptors left" in caplog.text
+
+
+def _eventually(condition, seconds: float = 10.0) -> bool:
+    """Whether `condition()` holds within `seconds` (the reader stage's thread sets it)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        threading.Event().wait(0.01)
+    return True

@@ -29,6 +29,7 @@ from cliutil import parse_size, positive_int, setup_logging
 from pipeline.builtin import make_photo_corpus
 from pipeline.convert import ConvertConfig, convert
 from pipeline.loading import readers
+from pipeline.loading.deferred import resolved
 from pipeline.loading.reader_stream import StreamOptions
 from pipeline.loading.readplan import plan_epoch
 from pipeline.loading.shardcache import ShardCache
@@ -65,7 +66,7 @@ def epoch(source: Source, stream: StreamOptions, state: dict[str, Any] | None = 
     batches = readers.encoded("stream", plan, state, "raise", IMAGE_EXTS, stream=stream)
     for n, enc in enumerate(batches, 1):
         if n == stop_after:
-            saved = enc.state
+            saved = resolved(enc.state)  # plain data, as a loader's state_dict gives
             break
     getattr(batches, "close", lambda: None)()
     return time.perf_counter() - start, saved

@@ -30,20 +30,25 @@ class Deferred:
         self._value: Any = _UNSET
 
     def value(self) -> Any:
-        if self._value is _UNSET:
-            assert self._make is not None  # dropped only once the value is there
-            self._value = self._make()
+        # Two threads may resolve one state at once (a checkpoint taken beside the loop):
+        # both may compute it (the same value), neither finds `_make` gone before the value
+        # is there.
+        make = self._make
+        if make is not None and self._value is _UNSET:
+            self._value = make()
             self._make = None  # what it held can go
         return self._value
 
 
 def resolved(state: Any) -> Any:
-    """`state` with every Deferred in it (in dicts and lists, at any depth) replaced by its
-    value; plain data comes back equal (containers copied)."""
+    """`state` with every Deferred in it (in dicts, lists and tuples, at any depth) replaced
+    by its value; plain data comes back equal (containers copied)."""
     if isinstance(state, Deferred):
         return resolved(state.value())
     if isinstance(state, dict):
         return {k: resolved(v) for k, v in state.items()}
     if isinstance(state, list):
         return [resolved(v) for v in state]
+    if isinstance(state, tuple):
+        return tuple(resolved(v) for v in state)
     return state

@@ -93,12 +93,14 @@ class GraphStage(BackendStage):
 
     def __init__(self, placement: Placement, on_error: OnError, prefetch: int) -> None:
         super().__init__(placement, on_error, prefetch)
-        # The graph runs `prefetch` batches ahead of the one this thread is finishing (on the
-        # CPU: resizing it, ~20 ms a batch), so that DALI's threads always have one queued:
-        # at 2 in all they sat idle behind the resize (measured on 2 cores, images: 1.10-1.20x
-        # more batches a second at prefetch + 1 = 3; --tune tries prefetch 2 and 4).
+        # On the CPU the graph runs `prefetch` batches ahead of the one this thread is
+        # finishing (resizing it, ~20 ms a batch), so that DALI's threads always have one
+        # queued: at 2 in all they sat idle behind the resize (measured on 2 cores, images:
+        # 1.10-1.20x more batches a second at prefetch + 1 = 3; --tune tries prefetch 2 and
+        # 4). A GPU graph does it all: `prefetch` deep, as before, its memory on the device.
+        depth = prefetch + 1 if placement.decode == "cpu" else prefetch
         self.runner = dali.GraphRunner(self._build, self._feed, self._fetch,
-                                       lambda item: not len(item[0]), depth=prefetch + 1)
+                                       lambda item: not len(item[0]), depth=depth)
 
     def run(self, prepared: Iterable[Item], stop: threading.Event) -> Iterator[Produced]:
         for item, fetched in self.runner.run(iter(prepared), self._on_failure):

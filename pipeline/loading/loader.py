@@ -432,7 +432,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         if self._stage is not None:
             self._stage.close()
             self._stage = None
-        self._primed.clear()
+        self._primed.close()
         self._closed = True
 
     def __enter__(self) -> Loader:

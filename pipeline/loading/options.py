@@ -50,7 +50,9 @@ class LoaderOptions:
     device: Device = "auto"  # where batches land: "cpu", "cuda", "cuda:N" or "auto"
     decode: Decode = "auto"  # where decoding and augmentation run: "cpu", "gpu" or "auto"
     on_error: OnError = "raise"  # or "skip": drop a bad sample, count and name it
-    prefetch: int = 2  # batches prepared ahead of the consumer, per stage
+    # Batches prepared ahead of the consumer, per stage (packed text: hand-overs, each up to
+    # text/loader.BURST batches of one read; a CPU DALI graph: prefetch + 1 batches)
+    prefetch: int = 2
     shuffle_buffer: int = 1024  # samples held to shuffle within shards (0: none)
     reader: ReaderKind = "auto"  # DALI's reader for local indexed shards, else streaming
     allow_pipe: bool = False  # `pipe:` URLs run a shell command: refused unless allowed

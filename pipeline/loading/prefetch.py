@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
@@ -120,20 +120,27 @@ class Stage(Generic[T]):
 
 
 def ahead(fn: Callable[[Any], R], items: Iterable[tuple[A, Any]], depth: int, *, name: str,
-          workers: int = 1) -> Iterator[tuple[A, R]]:
+          workers: int = 1) -> Generator[tuple[A, R], None, None]:
     """(a, fn(b)) for each (a, b) of `items`, in order, with fn running in `workers` helper
     threads up to `depth` items ahead: for an fn that releases the GIL (a tokenizer in Rust),
     which then overlaps with what the caller does with each result. `items` is iterated in
     the caller's thread. The threads end with the iteration (done, closed, or an exception,
-    which fn's own re-raises here); fn calls not yet begun are dropped."""
+    which fn's own re-raises here); fn calls not yet begun are dropped. An exception from
+    `items` comes after the results of the items before it, as it would without the helpers."""
     pool = ThreadPoolExecutor(workers, thread_name_prefix=name)
     pending: deque[tuple[A, Future[R]]] = deque()
     try:
-        for a, b in items:
-            pending.append((a, pool.submit(fn, b)))
-            if len(pending) > depth:
+        try:
+            for a, b in items:
+                pending.append((a, pool.submit(fn, b)))
+                if len(pending) > depth:
+                    first, result = pending.popleft()
+                    yield first, result.result()
+        except Exception:
+            while pending:
                 first, result = pending.popleft()
                 yield first, result.result()
+            raise
         while pending:
             first, result = pending.popleft()
             yield first, result.result()

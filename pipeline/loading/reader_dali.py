@@ -14,6 +14,7 @@ import itertools
 import math
 import os
 import tarfile
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -138,7 +139,12 @@ def batches(plan: EpochPlan, state: dict[str, Any] | None, exts: tuple[str, ...]
     if plan.length is None:
         raise ValueError("DALI's reader needs sample counts (manifest.json or .idx files)")
     length, emitted = plan.length, int(state["emitted"]) if state else 0
-    pipe = primed.take(plan, exts, extras) if primed is not None and state is None else None
+    # A primed pipeline reads this plan from its start: taken if it is that, dropped if not.
+    pipe = primed.take(plan, exts, extras) if primed is not None else None
+    if state is not None:
+        pipe = None
+    if emitted >= length:  # resumed after the epoch's last batch: nothing to read
+        return
     if pipe is None:
         pipe = _started(plan, _unpack(state["checkpoint"]) if state else None, exts, extras)
     try:
@@ -174,24 +180,35 @@ class Primed:
     `shuffle_buffer` samples before its first batch: 30 ms of an 0.6 s epoch of 800 photos
     here, with the decoders idle) while the last batches are still decoded. At most one, owned
     by its loader: `take` hands it over if it is the plan asked for (else drops it), `clear`
-    drops it (DALI's threads and buffers go with the pipeline)."""
+    drops it (DALI's threads and buffers go with the pipeline), `close` for good. The reader
+    stage's thread starts and takes it, the loader's clears it: hence the lock."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._key: tuple[Any, ...] | None = None
         self._pipe: Any = None
+        self._closed = False
 
     def start(self, plan: EpochPlan, exts: tuple[str, ...], extras: tuple[str, ...]) -> None:
         self.clear()
-        self._pipe, self._key = _started(plan, None, exts, extras), (plan, exts, extras)
+        pipe = _started(plan, None, exts, extras)
+        with self._lock:
+            if not self._closed:  # else the pipeline goes when `pipe` does, here
+                self._pipe, self._key = pipe, (plan, exts, extras)
 
     def take(self, plan: EpochPlan, exts: tuple[str, ...], extras: tuple[str, ...]) -> Any:
-        pipe = self._pipe if self._key == (plan, exts, extras) else None
-        self._pipe = None
-        self.clear()
+        with self._lock:
+            pipe = self._pipe if self._key == (plan, exts, extras) else None
+            self._pipe, self._key = None, None
         return pipe
 
     def clear(self) -> None:
-        self._pipe, self._key = None, None
+        with self._lock:
+            self._pipe, self._key = None, None
+
+    def close(self) -> None:
+        with self._lock:
+            self._pipe, self._key, self._closed = None, None, True
 
 
 def _pack(checkpoint: bytes) -> str:

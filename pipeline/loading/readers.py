@@ -51,12 +51,12 @@ def _then_prime(batches: Iterator[EncodedBatch], primed: reader_dali.Primed,
                 then: Callable[[], EpochPlan], exts: tuple[str, ...], extras: tuple[str, ...]
                 ) -> Iterator[EncodedBatch]:
     yield from batches
-    # Reached only when the epoch was read whole (not when its pass was left early).
+    # Reached only when the epoch was read whole (not when its pass was left early). A
+    # speed-up, so its failure is not this epoch's: that epoch's own pass meets it again.
     try:
-        plan = then()
-    except ValueError:  # that epoch cannot be split: its own pass will say so
-        return
-    primed.start(plan, exts, extras)
+        primed.start(then(), exts, extras)
+    except (ValueError, OSError, RuntimeError) as exc:  # a bad split, a file, DALI itself
+        log.warning("the next epoch's reader was not started ahead: %s", exc)
 
 
 def pick_reader(source: Source, reader: ReaderKind, kind: str, backend: str = "dali") -> str:

@@ -20,26 +20,28 @@ from typing import Any
 import numpy as np
 
 from pipeline.loading.deferred import Deferred
-from pipeline.text.packing import Packer, Piece
+from pipeline.text.packing import Packer
 
 
 def in_progress(packer: Packer, ids: dict[str, int]) -> Deferred | None:
     """What the packer's first read has used up (the module docstring's form), written out
-    when the state is used (loading/deferred.py): a piece changes only its offset."""
+    when the state is used (loading/deferred.py): a piece changes only its offset. What the
+    Deferred keeps is the read's layout, not the piece: its tokens (a read's worth) would stay
+    alive with every state that holds it."""
     if not packer.pieces or not ids:
         return None
-    piece = packer.pieces[0]
-    return Deferred(functools.partial(_used_up, piece, piece.offset, ids))
+    p = packer.pieces[0]
+    return Deferred(functools.partial(_used_up, p.starts, len(p.tokens), p.urls, p.keys, p.read,
+                                      p.offset, ids))
 
 
-def _used_up(piece: Piece, offset: int, ids: dict[str, int]) -> dict[str, Any]:
-    ends = np.append(piece.starts[1:], len(piece.tokens))
-    open_docs = {(piece.urls[d], piece.keys[d]) for d in range(len(piece.keys))
-                 if ends[d] > offset}
-    also = [[ids[u], k] for u, k in piece.read if (u, k) not in open_docs and u in ids]
-    cut = next(([ids[piece.urls[d]], piece.keys[d], int(offset - piece.starts[d])]
-                for d in range(len(piece.keys))
-                if piece.starts[d] < offset < ends[d] and piece.urls[d] in ids), None)
+def _used_up(starts: np.ndarray, total: int, urls: list[str], keys: list[str],
+             read: list[tuple[str, str]], offset: int, ids: dict[str, int]) -> dict[str, Any]:
+    ends = np.append(starts[1:], total)
+    open_docs = {(urls[d], keys[d]) for d in range(len(keys)) if ends[d] > offset}
+    also = [[ids[u], k] for u, k in read if (u, k) not in open_docs and u in ids]
+    cut = next(([ids[urls[d]], keys[d], int(offset - starts[d])] for d in range(len(keys))
+                if starts[d] < offset < ends[d] and urls[d] in ids), None)
     return {"also": also, "cut": cut}
 
 

@@ -137,12 +137,9 @@ class TextLoader(Loader):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         theirs = state.get("text") or {}
-        read_docs = self.read_docs
-        if "docs_per_read" not in theirs:
-            # Saved when a read was always batch_size documents: read so again, exactly.
-            theirs = {**theirs, "docs_per_read": self.cfg.batch_size}
-            if self.cfg.docs_per_read is None:
-                read_docs = self.cfg.batch_size
+        read_docs = self._read_docs_for(theirs)
+        # States saved before reads could be larger than a batch read batch_size at a time.
+        theirs = {**theirs, "docs_per_read": theirs.get("docs_per_read", self.cfg.batch_size)}
         mine = {**self._text_fields(), "docs_per_read": read_docs}
         for name, value in mine.items():
             if theirs.get(name) != value:
@@ -155,6 +152,16 @@ class TextLoader(Loader):
         except Exception:
             self.read_docs = before
             raise
+
+    def _read_docs_for(self, theirs: dict[str, Any]) -> int:
+        """Documents per read to go on with from a state's text fields: this loader's, or,
+        with docs_per_read left automatic, the batch_size reads of a state saved before reads
+        could be larger (and of every state resumed from one since), so that they continue
+        exactly."""
+        saved = theirs.get("docs_per_read", self.cfg.batch_size)
+        if self.cfg.docs_per_read is None and saved == self.cfg.batch_size:
+            return self.cfg.batch_size
+        return self.cfg.read_size()
 
     def _consumed_of(self, entry: dict[str, Any]) -> list[dict[str, Any] | None]:
         return text_elastic.consumed_of(entry.get("reader_state"))
@@ -178,10 +185,12 @@ class TextLoader(Loader):
         # reads in a helper thread while this one packs and masks (tokenize.py).
         encode = functools.partial(tokenize.packed, self.tokenizer, cut=cut, ids=ids)
         depth = tokenize.AHEAD if tokenize.releases_gil(self.tokenizer) else 0
-        documents = self._documents_of(plan, before, stop)
-        for (before, keys, skips, urls, read, after), (tokens, starts) in \
-                tokenize.mapped(encode, documents, depth):
-            yield (before, tokens, starts, keys, skips, urls, read), after
+        tokenized = tokenize.mapped(encode, self._documents_of(plan, before, stop), depth)
+        try:
+            for (before, keys, skips, urls, read, after), (tokens, starts) in tokenized:
+                yield (before, tokens, starts, keys, skips, urls, read), after
+        finally:
+            tokenized.close()  # its helper threads end here, not when it is collected
 
     def _documents_of(self, plan: EpochPlan, before: dict[str, Any] | None,
                       stop: threading.Event) -> Iterator[tuple[tuple[Any, ...], Any]]:

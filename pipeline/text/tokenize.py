@@ -12,10 +12,12 @@ document cut by an elastic resume (text/elastic.py) goes through the per-documen
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Generator, Iterable
+from typing import Any, TypeVar
 
 import numpy as np
 
+from pipeline.loading.prefetch import ahead
 from pipeline.text import elastic, packing
 from pipeline.text.tokenizer import Tokenizer
 
@@ -28,6 +30,8 @@ from pipeline.text.tokenizer import Tokenizer
 AHEAD = 2
 HELPERS = 2
 
+A = TypeVar("A")
+R = TypeVar("R")
 Documents = tuple[list[str], list[str], list[str]]  # (texts, urls, keys) of one read
 
 
@@ -52,11 +56,10 @@ def packed(tokenizer: Tokenizer, docs: Documents, *, cut: dict[tuple[int, str], 
     return packing.join(encoded, tokenizer.sep_id)
 
 
-def mapped(fn: Any, items: Any, depth: int) -> Any:
-    """(a, fn(b)) for each (a, b) of `items`, in order; fn in a helper thread `depth` ahead
-    (0: here)."""
-    from pipeline.loading.prefetch import ahead
-
+def mapped(fn: Callable[[Any], R], items: Iterable[tuple[A, Any]], depth: int
+           ) -> Generator[tuple[A, R], None, None]:
+    """(a, fn(b)) for each (a, b) of `items`, in order; fn in helper threads `depth` ahead
+    (0: here). Close it when done early: that ends the helpers."""
     if depth == 0:
         return ((a, fn(b)) for a, b in items)
     return ahead(fn, items, depth, name="shardflow-tokenize", workers=HELPERS)
