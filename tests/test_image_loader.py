@@ -659,6 +659,7 @@ def test_an_evaluation_pass_starts_at_the_beginning_and_a_training_pass_continue
         assert len(first) + len(rest) == 60 and not set(first) & set(rest)
 
 
+@pytest.mark.dali  # DALI's own reader
 def test_the_next_epochs_reader_started_ahead_gives_that_epoch(shards):
     """DALI's reader of epoch e + 1 starts when epoch e's reads end (its shuffle buffer
     fills while the last batches decode): the next pass reads exactly what a loader started
@@ -682,6 +683,7 @@ def test_the_next_epochs_reader_started_ahead_gives_that_epoch(shards):
         assert epoch(ahead)[0] == epoch(fresh)[0]  # epoch 2, built afresh on both
 
 
+@pytest.mark.dali  # DALI's own reader
 def test_a_reader_started_ahead_is_dropped_by_a_pass_that_continues_its_epoch(
         shards, caplog, monkeypatch):
     make = functools.partial(image_loader, shards, batch_size=8, device="cpu", seed=3,
