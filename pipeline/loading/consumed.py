@@ -66,16 +66,10 @@ class Tracker:
         """The samples of `enc` as the reader read them (before any drop), and its skips:
         a skip with a key is a sample read; one without (a shard lost whole or from some
         point on) ends that shard."""
-        for url, key in zip(enc.urls, enc.keys, strict=True):  # per sample: kept lean
+        for url, key in zip(enc.urls, enc.keys, strict=True):
             i = self.index.get(url)
-            if i is not None and i not in self.done:
-                read = self.partial.get(i)
-                if read is None:
-                    read = self.partial[i] = []
-                read.append(key)
-                if len(read) >= self.total.get(i, _NEVER):
-                    self.done.add(i)
-                    del self.partial[i]
+            if i is not None:
+                self._add(i, key)
         for skip in enc.skips:
             i = self.index.get(skip.get("source", ""))
             if i is None:

@@ -129,6 +129,7 @@ def ahead(fn: Callable[[Any], R], items: Iterable[tuple[A, Any]], depth: int, *,
     `items` comes after the results of the items before it, as it would without the helpers."""
     pool = ThreadPoolExecutor(workers, thread_name_prefix=name)
     pending: deque[tuple[A, Future[R]]] = deque()
+    failed: Exception | None = None
     try:
         try:
             for a, b in items:
@@ -136,14 +137,13 @@ def ahead(fn: Callable[[Any], R], items: Iterable[tuple[A, Any]], depth: int, *,
                 if len(pending) > depth:
                     first, result = pending.popleft()
                     yield first, result.result()
-        except Exception:
-            while pending:
-                first, result = pending.popleft()
-                yield first, result.result()
-            raise
+        except Exception as exc:  # after what came before it
+            failed = exc
         while pending:
             first, result = pending.popleft()
             yield first, result.result()
+        if failed is not None:
+            raise failed
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 

@@ -140,9 +140,8 @@ def batches(plan: EpochPlan, state: dict[str, Any] | None, exts: tuple[str, ...]
         raise ValueError("DALI's reader needs sample counts (manifest.json or .idx files)")
     length, emitted = plan.length, int(state["emitted"]) if state else 0
     # A primed pipeline reads this plan from its start: taken if it is that, dropped if not.
-    pipe = primed.take(plan, exts, extras) if primed is not None else None
-    if state is not None:
-        pipe = None
+    taken = primed.take(plan, exts, extras) if primed is not None else None
+    pipe = taken if state is None else None
     if emitted >= length:  # resumed after the epoch's last batch: nothing to read
         return
     if pipe is None:
@@ -150,11 +149,7 @@ def batches(plan: EpochPlan, state: dict[str, Any] | None, exts: tuple[str, ...]
     try:
         # What pipe.run() does, in DALI's scheduled form: the first schedule_run (in
         # _started) ran prefetch_queue_depth iterations ahead, each later one runs one more.
-        first = True
         while emitted < length:
-            if not first:
-                pipe.schedule_run()
-            first = False
             data, labels, *infos = pipe.outputs()
             infos, more = infos[: len(infos) - len(extras)], infos[len(infos) - len(extras):]
             take = min(plan.batch_size, length - emitted)  # the rest is padding
@@ -163,6 +158,8 @@ def batches(plan: EpochPlan, state: dict[str, Any] | None, exts: tuple[str, ...]
             batch = _encoded(data, labels, infos, take, state)
             _add_extras(batch, dict(zip(extras, more, strict=True)), infos[2:], take)
             yield batch
+            if emitted < length:
+                pipe.schedule_run()
     finally:
         del pipe  # DALI frees the pipeline's threads and buffers with the object
 
