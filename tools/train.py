@@ -228,11 +228,10 @@ def evaluation_line(summary: dict[str, Any]) -> str:
 
 def make_trainer(args: argparse.Namespace, built: Built, split: EvalSplit, info: Any
                  ) -> tuple[Any, int]:
-    """The Trainer of the run (its model compiled and wrapped for DDP as asked), and the
+    """The Trainer of the run (its model wrapped for DDP, then compiled, as asked), and the
     steps to train."""
     from trainers import distributed
     from trainers.loop import TrainConfig, Trainer
-    from trainers.models import compile_model
 
     device, task = device_of(built.loader), built.task
     if args.epochs and args.task == "text":
@@ -250,9 +249,9 @@ def make_trainer(args: argparse.Namespace, built: Built, split: EvalSplit, info:
                       checkpoint_minutes=args.checkpoint_minutes, keep=args.keep,
                       seed=args.seed, log_keys=args.log_keys,
                       offload_optimizer=args.offload_optimizer)
-    if args.compile:
-        task.model = compile_model(task.model)
-    task.model = distributed.wrap(task.model, info, device, args.grad_compression)
+    # DDP first, then compile: DDP's bucket-wise all-reduce overlaps backward only so.
+    task.model = distributed.wrap_then_compile(task.model, info, device, args.grad_compression,
+                                               "inductor" if args.compile else None)
     # A checkpoint continues only the run it was made for: the same data, and the same
     # samples held out of it when they are chosen by key.
     data = {"data": split.train.fingerprint(),

@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Literal
 
 import torch
@@ -20,6 +21,8 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 Compression = Literal["none", "fp16", "bf16"]
+# How long a rank waits at the evaluation barrier for the slowest rank's share.
+EVAL_WAIT = timedelta(hours=2)
 
 
 @dataclass(frozen=True)
@@ -90,14 +93,77 @@ def _announced(hook: Any, compression: str) -> Any:
     return compressed
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside DDP and torch.compile wrappers (what checkpoints hold, so that they
-    load into any of them)."""
-    for attr in ("module", "_orig_mod", "_orig_mod"):
-        inner = getattr(model, attr, None)
-        if isinstance(inner, nn.Module):
-            model = inner
+def wrap_then_compile(model: nn.Module, info: DistInfo, device: torch.device,
+                      compression: Compression, backend: str | None = None) -> nn.Module:
+    """DDP first, then torch.compile (with `backend`; None: no compiling). This order lets
+    dynamo's DDPOptimizer split the compiled graph at DDP's bucket boundaries, so each
+    bucket's all-reduce overlaps the rest of backward; compiling first hides the graph from
+    DDP and all-reduces only after the whole backward. `unwrap` finds the bare model either
+    way, and checkpoints hold its state (no "module." or "_orig_mod." prefixes)."""
+    from trainers.models import compile_model
+
+    wrapped = wrap(model, info, device, compression)
+    return wrapped if backend is None else compile_model(wrapped, backend)
+
+
+def _compiled(model: nn.Module) -> nn.Module | None:
+    """What torch.compile wrapped (None for a module it did not make)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return model._orig_mod if isinstance(model, OptimizedModule) else None
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether torch.compile wrapped `model`, or the model inside its DDP wrapper."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    return _compiled(model) is not None
+
+
+def distributed_module(model: nn.Module) -> Any:
+    """The DistributedDataParallel wrapper of `model` (itself, or inside torch.compile's),
+    or None."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while not isinstance(model, DistributedDataParallel):
+        inner = _compiled(model)
+        if inner is None:
+            return None
+        model = inner
     return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside DDP and torch.compile wrappers, in either order (what checkpoints
+    hold, so that they load into any of them). Only those wrappers: a model's own submodule
+    named `module` is left alone."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while True:
+        inner = model.module if isinstance(model, DistributedDataParallel) else \
+            _compiled(model)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def wait_group(info: DistInfo) -> Any:
+    """A gloo group to wait in (None for one process). Collective: every rank builds it, in
+    the same order. Ranks that finish their share of the evaluation early wait here, on the
+    CPU with a long timeout, and not inside an NCCL collective, whose watchdog would abort
+    the job after its own (10 minute) timeout."""
+    if not info.active or not dist.is_initialized():
+        return None
+    return dist.new_group(backend="gloo", timeout=EVAL_WAIT)
+
+
+def eval_barrier(group: Any) -> None:
+    """Every rank reaches this point (a monitored gloo barrier: one that never comes is
+    named in the error after EVAL_WAIT). A no-op without a group."""
+    if group is not None:
+        dist.monitored_barrier(group, timeout=EVAL_WAIT)
 
 
 def gather(obj: Any, info: DistInfo) -> list[Any]:

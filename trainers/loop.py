@@ -7,10 +7,20 @@
 Running the same command again resumes from the newest valid checkpoint in the run folder:
 model, optimizer, precision (scaler), step, loader position and RNG states, so the steps
 after a resume are the steps an uninterrupted run would have taken.
+
+`step` counts optimizer steps taken, applied or skipped: a step whose gradients were not
+finite (fp16's overflows, a NaN in bf16/fp32) is skipped inside the fused optimizer and still
+counts, so `step` always says how much data was consumed (checkpoints, resume, --steps), and
+the learning-rate schedule follows it, as torch's own AMP recipes let theirs advance on the
+steps GradScaler skips. Counting only applied steps would need the skip flag on the host
+every step (the sync the fused step avoids). The skips are counted instead, on the device:
+`fp16_skipped_steps` and `nonfinite_skipped_steps` in summary.json, `skipped_steps` in each
+metrics.jsonl record.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -24,7 +34,16 @@ import torch
 
 from pipeline.loading.agreement import rank_vote
 from trainers import checkpoint
-from trainers.distributed import DistInfo, gather, sum_over_ranks, unwrap
+from trainers.distributed import (
+    DistInfo,
+    distributed_module,
+    eval_barrier,
+    gather,
+    is_compiled,
+    sum_over_ranks,
+    unwrap,
+    wait_group,
+)
 from trainers.offload import OffloadedOptimizer
 from trainers.precision import Precision, PrecisionName
 from trainers.schedule import warmup_cosine
@@ -79,19 +98,52 @@ class TrainConfig:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> Any:
-    """AdamW or SGD over the model's parameters, or over host copies when offloading (then
-    a foreach host implementation: one vectorised pass over all master weights)."""
-    def build(params: Any, host: bool = False) -> torch.optim.Optimizer:
-        foreach = True if host else None  # None: torch's own choice for the device
-        if cfg.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
-                                   weight_decay=cfg.weight_decay, foreach=foreach)
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                 foreach=foreach)
-
+    """AdamW or SGD over the model's parameters: torch's fused implementation wherever it
+    exists for them (CUDA, and the CPU in torch >= 2.4), since only a fused optimizer takes
+    GradScaler's `found_inf` / `grad_scale` on the device and so steps without a host sync
+    (see `Trainer._device_step`); else torch's own choice. Offloaded: over host copies, with
+    a foreach host implementation (one vectorised pass over all master weights)."""
     if cfg.offload_optimizer:
-        return OffloadedOptimizer(model, lambda masters: build(masters, host=True))
-    return build(model.parameters())
+        return OffloadedOptimizer(model, lambda masters: _build(masters, cfg, foreach=True))
+    params = list(model.parameters())
+    if fused_supported(params):
+        return _build(params, cfg, fused=True)
+    log.info("no fused %s for these parameters: torch's default implementation, whose "
+             "steps read their finiteness flag on the host", cfg.optimizer)
+    return _build(params, cfg)
+
+
+def fused_supported(params: list[torch.Tensor]) -> bool:
+    """Whether torch has fused optimizer kernels for every parameter (floating point, on a
+    device type it has them for). torch checks only at the first step: this asks first."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # a torch without fused kernels
+        return False
+    devices = set(_get_fused_kernels_supported_devices())
+    return bool(params) and all(p.device.type in devices and torch.is_floating_point(p)
+                                for p in params)
+
+
+def _build(params: Any, cfg: TrainConfig, fused: bool | None = None,
+           foreach: bool | None = None) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        sgd = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
+                              weight_decay=cfg.weight_decay, foreach=foreach, fused=fused)
+        if fused and cfg.momentum:
+            _zero_momentum(sgd)
+        return sgd
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             foreach=foreach, fused=fused)
+
+
+def _zero_momentum(sgd: torch.optim.SGD) -> None:
+    """Momentum buffers of zeros before the first step: torch's fused SGD allocates them
+    uninitialised at its first step and, when that step is skipped (`found_inf`), keeps the
+    garbage as momentum. Zeros give exactly its first step's buffer (0 * m + grad)."""
+    for group in sgd.param_groups:
+        for p in group["params"]:
+            sgd.state[p]["momentum_buffer"] = torch.zeros_like(p)
 
 
 def rng_state() -> dict[str, Any]:
@@ -132,7 +184,9 @@ class Trainer:
                             "grad_accum": cfg.grad_accum, "seed": cfg.seed,
                             "offload_optimizer": cfg.offload_optimizer}
         self.step, self.micro = 0, 0
-        self.bad_steps = 0  # optimizer steps skipped for non-finite gradients (bf16/fp32)
+        # Optimizer steps skipped for non-finite gradients (bf16/fp32): a device tensor
+        # with a fused optimizer (see bad_steps).
+        self._nonfinite: Any = 0
         self.summary_so_far: dict[str, Any] = {}
         self.micro_losses: list[torch.Tensor] = []  # on the device until a log step reads them
         self.last_loss: torch.Tensor | None = None
@@ -141,6 +195,7 @@ class Trainer:
         # Under DDP, each micro-step's vote (a CPU all-reduce; see run.py): whether every
         # rank's batch has samples, and rank 0's checkpoint clock.
         self.vote = rank_vote(self.dist.world_size)
+        self.wait_group = wait_group(self.dist)  # evaluation's barrier (see evaluate)
         self.clock_late = False
         self.dropped_for_sync = 0
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
@@ -158,6 +213,7 @@ class Trainer:
                 "precision": self.precision.state_dict(),
                 "loader": self.loader.state_dict(), "world_size": self.dist.world_size,
                 "rng": gather(rng_state(), self.dist), "fingerprint": self.fingerprint,
+                "nonfinite_skipped_steps": self.bad_steps,
                 "train_config": json.dumps(asdict(self.cfg), default=str)}
 
     def resume(self) -> bool:
@@ -186,6 +242,7 @@ class Trainer:
                         "now %d ranks x --batch-size", saved_world, self.dist.world_size,
                         self.dist.world_size)
         self.step = int(state["step"])
+        self._nonfinite = int(state.get("nonfinite_skipped_steps", 0))
         self.summary_so_far = state.get("summary", {})
         return True
 
@@ -217,9 +274,11 @@ class Trainer:
         Returns the mean loss over the micro-batches when the optimizer stepped, as a device
         tensor (read on the host only at log steps), else None. No host sync here."""
         self.task.model.train()
-        with self.precision.forward_context():
-            out = self.task.forward(batch)
-        self.precision.backward(out.loss / self.cfg.grad_accum)
+        stepping = (self.micro + 1) % self.cfg.grad_accum == 0
+        with self._gradient_sync(stepping):
+            with self.precision.forward_context():
+                out = self.task.forward(batch)
+            self.precision.backward(out.loss / self.cfg.grad_accum)
         self.micro += 1
         self.micro_losses.append(out.loss.detach())
         if self.micro % self.cfg.grad_accum:
@@ -228,6 +287,13 @@ class Trainer:
         self.micro_losses, self.last_loss = [], loss
         self._optimizer_step()
         return loss
+
+    def _gradient_sync(self, stepping: bool) -> Any:
+        """Under DDP, `no_sync()` on the micro-steps that do not step the optimizer: their
+        gradients accumulate locally, and the last micro-step's backward all-reduces the sum
+        (one all-reduce per optimizer step, not per micro-step)."""
+        ddp = distributed_module(self.task.model)
+        return contextlib.nullcontext() if stepping or ddp is None else ddp.no_sync()
 
     def _optimizer_step(self) -> None:
         for group in self.optimizer.param_groups:
@@ -240,16 +306,29 @@ class Trainer:
         self.step += 1
 
     def _device_step(self) -> None:
+        """Unscale, clip, step: no host sync with a fused optimizer. A non-finite gradient
+        norm (fp16 overflow, or a NaN in bf16/fp32 that would ruin every weight) skips the
+        step inside the fused kernel, which reads the device flag `found_inf` (GradScaler
+        sets it for fp16; bf16/fp32 set it here as GradScaler would); the skips are counted
+        on the device and read at log steps."""
         self.precision.unscale(self.optimizer)
         # The norm is the same on every rank after DDP's all-reduce: every rank decides alike.
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.clip or float("inf"))
         if self.precision.scaler is not None:
-            self.precision.step(self.optimizer, norm)  # the scaler's one sync: skip on overflow
-        elif bool(torch.isfinite(norm)):  # the step's one host sync: a NaN step would ruin
-            self.optimizer.step()          # every weight (bf16/fp32)
+            self.precision.step(self.optimizer, norm)  # fused: GradScaler reads nothing back
+        elif self.optimizer.defaults.get("fused"):
+            found_inf = (~torch.isfinite(norm)).float()
+            self.optimizer.found_inf = found_inf  # what GradScaler.step hands a fused step
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf
+            self._nonfinite = self._nonfinite + found_inf.int()
+        elif bool(torch.isfinite(norm)):  # no fused kernels here: a host read per step
+            self.optimizer.step()
         else:
-            self.bad_steps += 1
+            self._nonfinite += 1
 
     def _offloaded_step(self, optimizer: OffloadedOptimizer) -> None:
         """Unscale and clip on the device, before the gradients leave it (offload.py)."""
@@ -264,7 +343,26 @@ class Trainer:
         if finite:
             optimizer.step()
         elif self.precision.host_scaler is None:
-            self.bad_steps += 1
+            self._nonfinite += 1
+
+    @property
+    def bad_steps(self) -> int:
+        """Optimizer steps skipped for non-finite gradients in bf16/fp32 (fp16's overflows:
+        `precision.skipped_steps`). A host read when counted on the device: log steps only."""
+        return int(self._nonfinite)
+
+    def setup(self) -> dict[str, Any]:
+        """What this run built, read from the objects (not the flags): where the optimizer
+        state lives, whether the step is fused, activation checkpointing, compile, DDP."""
+        offloaded = isinstance(self.optimizer, OffloadedOptimizer)
+        inner = self.optimizer.inner if offloaded else self.optimizer
+        bare = unwrap(self.task.model)
+        return {"optimizer_state": "host" if offloaded else str(self.device),
+                "fused_optimizer": bool(inner.defaults.get("fused")),
+                "activation_checkpointing": bool(getattr(bare, "activation_checkpointing",
+                                                         False)),
+                "compiled": is_compiled(self.task.model),
+                "ddp": distributed_module(self.task.model) is not None}
 
     def due_for_checkpoint(self) -> bool:
         """Every `checkpoint_every` steps, at the end, or when `checkpoint_minutes` passed on
@@ -281,10 +379,13 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, loader: Any) -> dict[str, float]:
-        """Metrics over the held-out loader (each rank its share, summed over ranks)."""
+        """Metrics over the held-out data: `loader` reads this rank's share of it (wiring.py:
+        every sample on one rank), and the totals are combined over ranks, as one process
+        evaluating all of it would have them. A rank whose share is smaller, or empty, waits
+        at a gloo barrier before the combining collective (NCCL's has a watchdog)."""
         wrapped = self.task.model
         # The bare model: DDP's forward syncs buffers across ranks, and ranks may evaluate
-        # different numbers of batches (rank 0 alone, say).
+        # different numbers of batches.
         self.task.model = unwrap(wrapped)
         self.task.model.eval()
         totals = getattr(self.task, "new_totals", EvalTotals)()
@@ -295,6 +396,7 @@ class Trainer:
                         totals.add(self.task.evaluate(batch))
         finally:
             self.task.model = wrapped
+        eval_barrier(self.wait_group)
         return totals.over_ranks(self.dist)
 
 

@@ -4,6 +4,7 @@ by name when torchvision is installed."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,11 +55,21 @@ class SmallResNet(nn.Module):
 def _checkpointed(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Keep only the block's input; recompute its insides during backward, with BatchNorm
     statistics left alone the second time (the first forward updated them already)."""
-    def contexts() -> tuple[Any, Any]:
-        return contextlib.nullcontext(), _frozen_statistics(block)
-
-    out: torch.Tensor = checkpoint(block, x, use_reentrant=False, context_fn=contexts)
+    if torch.compiler.is_compiling():
+        # Traced once by torch.compile: BatchNorm's statistics updates become part of the
+        # forward graph, applied once, and backward recomputes only activations, so there is
+        # nothing to freeze. (A context_fn there must give TorchDispatchModes, and a closure
+        # is refused outright: "checkpoint not implemented for NestedUserFunctionVariable".)
+        compiled: torch.Tensor = checkpoint(block, x, use_reentrant=False)
+        return compiled
+    out: torch.Tensor = checkpoint(block, x, use_reentrant=False,
+                                   context_fn=functools.partial(_contexts, block))
     return out
+
+
+def _contexts(block: nn.Module) -> tuple[Any, Any]:
+    """The forward's context (none) and the recompute's (BatchNorm statistics frozen)."""
+    return contextlib.nullcontext(), _frozen_statistics(block)
 
 
 @contextlib.contextmanager

@@ -7,11 +7,13 @@
           with AVX512-BF16 or AMX), else fp32; the choice is logged. An explicit bf16 that
           the hardware only emulates is allowed with a warning that gives its measured cost.
 
-Loss scaling: torch's GradScaler when the optimizer steps on the device; with the optimizer
-offloaded to host memory, `HostScaler`: gradients are unscaled and checked on the GPU, before
-they leave it, and the scale is kept on the host, updated from the step's one synchronised
-finiteness flag. Skipped steps are counted on the device and read only when asked for (log
-steps, checkpoints): no host sync per step beyond the one the step needs.
+Loss scaling: torch's GradScaler when the optimizer steps on the device. The optimizer is
+fused there (loop.make_optimizer), so GradScaler hands it `found_inf` and the step is skipped
+inside the kernel: no host sync at all (a foreach optimizer would make GradScaler read the
+flag with `.item()` every step). With the optimizer offloaded to host memory, `HostScaler`:
+gradients are unscaled and checked on the GPU, before they leave it, and the scale is kept on
+the host, updated from the step's one synchronised finiteness flag. Skipped steps are counted
+on the device and read only when asked for (log steps, checkpoints).
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ class Precision:
         self.device = device
         self.name = resolve_precision(name, device)
         fp16 = self.name == "fp16"
-        self.scaler = torch.amp.GradScaler("cuda") if fp16 and not offloaded else None
+        self.scaler = torch.amp.GradScaler(device.type) if fp16 and not offloaded else None
         self.host_scaler = HostScaler() if fp16 and offloaded else None
         self.max_nonfinite, self.nonfinite_in_a_row = max_nonfinite, 0
         # fp16 steps skipped for overflow: counted where the flag is (the device for
@@ -165,9 +167,10 @@ class Precision:
             self.host_scaler.unscale_(grads)
 
     def step(self, optimizer: torch.optim.Optimizer, norm: torch.Tensor) -> None:
-        """fp16 on the device: the scaler steps unless a gradient overflowed (its one host
-        sync), then updates the scale; `norm` (of the unscaled gradients) is non-finite
-        exactly when it skipped, so the count stays on the device."""
+        """fp16 on the device: the scaler steps unless a gradient overflowed (decided on the
+        device by a fused optimizer, else by a host read of the flag), then updates the
+        scale; `norm` (of the unscaled gradients) is non-finite exactly when it skipped, so
+        the count stays on the device."""
         assert self.scaler is not None
         self.scaler.step(optimizer)
         self.scaler.update()

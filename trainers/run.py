@@ -2,7 +2,9 @@
 
 Each logging step appends one JSON object to metrics.jsonl: step, loss (the mean over the
 window's steps), lr, samples_per_s (all ranks together), data_wait (rank 0's share of wall
-time spent waiting for the next batch) and skipped (samples all loaders dropped so far).
+time spent waiting for the next batch), skipped (samples all loaders dropped so far) and
+skipped_steps (optimizer steps skipped for non-finite gradients so far: they still count as
+steps, see loop.py).
 After a resume, the steps between the checkpoint and the kill are logged again: the last
 line of a step is the one that counts. summary.json holds the run's totals, the resolved device and
 precision, and what was held out for evaluation; eval.jsonl the evaluation's metrics, one
@@ -191,6 +193,8 @@ def _after_step(trainer: Trainer, window: _Window, progress: Progress | None) ->
     if not trainer.dist.is_main:
         return _Window()
     record = window.record(trainer.step, trainer.optimizer.param_groups[0]["lr"], skipped)
+    # Steps skipped for non-finite gradients so far (counted on the device: read here).
+    record["skipped_steps"] = trainer.bad_steps + trainer.precision.skipped_steps
     log_line(trainer.cfg.run_dir / "metrics.jsonl", record)
     if progress:
         progress(record)
@@ -223,6 +227,7 @@ def _finish(trainer: Trainer, eval_loader: Any, held_out: str, last_loss: Any,
         "samples_left_out_with_an_empty_rank": int(sum_over_ranks(
             [trainer.dropped_for_sync], trainer.dist)[0]),
         "fp16_skipped_steps": trainer.precision.skipped_steps,
+        "setup": trainer.setup(),
         "world_size": trainer.dist.world_size, "parameter_digests": digests,
         "bottleneck": bottleneck.report(trainer.wait_s, trainer.compute_s, trainer.loader),
     }

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -24,7 +24,7 @@ import fsspec
 
 from pipeline.loading.holdout import KeyHoldout, Side
 from pipeline.loading.options import LoaderOptions, cores
-from pipeline.loading.shardlist import Source, resolve_source
+from pipeline.loading.shardlist import Source, resolve_source, split_ranks
 from pipeline.shards.manifest import MANIFEST, LabelStats, load_manifest
 from pipeline.urls import redact
 
@@ -129,10 +129,12 @@ class _Ranks:
 
 def build_task(opts: TaskOptions, split: EvalSplit, rank: int, world: int,
                local_world: int = 1) -> Built:
-    """The training loader, the evaluation loader (or None) and the task of `opts.task`. Rank
-    0 evaluates all of the held-out data (often too few shards to split); the other ranks add
-    nothing to the sums they share. `local_world`: the ranks on this node (torchrun's
-    LOCAL_WORLD_SIZE), which share its cores."""
+    """The training loader, the evaluation loader (or None) and the task of `opts.task`. Each
+    rank evaluates its share of the held-out data (`eval_share`: every held-out sample on
+    exactly one rank, so the summed metrics are those of one process evaluating it all); a
+    rank left without a shard evaluates nothing (None) and adds nothing to the sums.
+    `local_world`: the ranks on this node (torchrun's LOCAL_WORLD_SIZE), which share its
+    cores."""
     builders = {"image": _image, "text": _text, "pointcloud": _pointcloud, "ctr": _ctr}
     if opts.task not in builders:
         raise ValueError(f"--task {opts.task}: choose one of {', '.join(builders)}")
@@ -146,15 +148,34 @@ def build_task(opts: TaskOptions, split: EvalSplit, rank: int, world: int,
                                 "with tools/bench_loader.py --tune, or drop the flag)")
     ranks = _Ranks(rank, world, max(local_world, 1))
     train_options, settings = loader_options(opts, split.train, ranks.local_world)
-    held_options = loader_options(opts, split.held, ranks.local_world)[0] if rank == 0 \
-        else None
-    loader, evaluation, task = builders[opts.task](opts, split, ranks, train_options,
+    share = eval_share(split.held, rank, world)
+    held_options = None if share is None else \
+        loader_options(opts, share, ranks.local_world)[0]
+    mine = split if share is None else replace(split, held=share)
+    loader, evaluation, task = builders[opts.task](opts, mine, ranks, train_options,
                                                    held_options)
     loader.holdout = split.holdout("train")
     if evaluation is not None:
         evaluation.holdout = split.holdout("eval")
     log.info("loaders: %s", describe_settings(settings))
     return Built(loader, evaluation, task, settings)
+
+
+def eval_share(held: Source, rank: int, world: int) -> Source | None:
+    """Rank `rank`'s part of the held-out data, read whole by a one-rank loader: with at
+    least `world` shards, balanced by sample count (shardlist.split_ranks), else (or with
+    counts unknown) every `world`th shard; None for a rank left without one. The parts are
+    disjoint and cover every held-out shard, so no sample is evaluated twice or dropped to
+    even out ranks. With a held-out slice by key hash (the same shards as training), each
+    rank reads its shards' slice."""
+    if world <= 1:
+        return held
+    shards = sorted(held.shards, key=lambda s: s.url)  # the same order on every rank
+    if len(shards) >= world and all(s.samples is not None for s in shards):
+        mine = split_ranks(shards, world)[rank]
+    else:
+        mine = shards[rank::world]
+    return Source(tuple(mine), held.classes, held.modality) if mine else None
 
 
 def loader_options(opts: TaskOptions, source: Source, local_world: int = 1
