@@ -24,7 +24,7 @@ from pipeline.loading.shardlist import resolve_source
 from trainers import checkpoint
 from trainers.image_task import ImageClassification
 from trainers.loop import TrainConfig, Trainer
-from trainers.precision import Precision, cpu_has_native_bf16, resolve_precision
+from trainers.precision import Precision, resolve_precision
 from trainers.run import fit
 
 CPU = torch.device("cpu")
@@ -64,7 +64,15 @@ def test_bf16_autocast_runs_on_the_cpu():
     with p.forward_context():
         out = torch.nn.Linear(8, 4)(torch.randn(2, 8))
     assert out.dtype == torch.bfloat16
-    assert resolve_precision("auto", CPU) in ("bf16", "fp32")
+
+
+@pytest.mark.parametrize("native, chosen", [(True, "bf16"), (False, "fp32")])
+def test_auto_precision_follows_the_cpu_flags(monkeypatch, native, chosen):
+    from trainers import precision
+
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
+    assert resolve_precision("auto", CPU) == chosen
+    assert Precision("auto", CPU).name == chosen
 
 
 def test_a_diverged_run_aborts_with_a_clear_message():
@@ -223,6 +231,52 @@ def test_resume_from_a_checkpoint_gives_bit_identical_steps(shards, tmp_path):
         assert torch.equal(a, b), name
 
 
+def _same_models(a: Trainer, b: Trainer) -> None:
+    for (name, x), (_, y) in zip(a.task.model.state_dict().items(),
+                                 b.task.model.state_dict().items(), strict=True):
+        assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("case", ["grad_accum=2", "offloaded"])
+def test_resume_bit_identical_with_accumulation_and_offloaded(shards, tmp_path, case):
+    """A run stopped at a checkpoint and resumed from it ends with the parameters of the
+    uninterrupted run, bit for bit: with gradient accumulation (the checkpoint after step 3
+    is after micro-batch 6: the loader's position, not a step count), and with the optimizer
+    offloaded (host master weights and state restored, masters taken from the model)."""
+    cfg: dict[str, Any] = {"grad_accum": 2} if case == "grad_accum=2" else \
+        {"offload_optimizer": True}
+    whole = _trainer(shards, tmp_path / "a", steps=6, checkpoint_every=3, keep=5, **cfg)
+    fit(whole)
+    (tmp_path / "b").mkdir()
+    shutil.copy(checkpoint.checkpoint_path(tmp_path / "a", 3), tmp_path / "b")
+    resumed = _trainer(shards, tmp_path / "b", steps=6, checkpoint_every=3, keep=5, **cfg)
+    summary = fit(resumed)
+    assert summary["resumed_at_step"] == 3 and resumed.micro == 3 * cfg.get("grad_accum", 1)
+    _same_models(whole, resumed)
+    if case == "offloaded":
+        assert summary["setup"]["optimizer_state"] == "host"
+        for m, p in zip(resumed.optimizer.master, resumed.task.model.parameters(), strict=True):
+            assert torch.equal(m, p.detach())
+
+
+def test_time_based_checkpoints_and_keep(shards, tmp_path):
+    """checkpoint_minutes: a checkpoint after every step once the minutes have passed (a
+    tiny value: always), between the every-N-steps ones; keep: only the newest N files."""
+    def names(run: Path) -> list[str]:
+        return sorted(p.name for p in run.glob("ckpt-*.pt"))
+
+    fit(_trainer(shards, tmp_path / "clock", steps=5, checkpoint_every=100,
+                 checkpoint_minutes=1e-9, keep=2))
+    assert names(tmp_path / "clock") == ["ckpt-00000004.pt", "ckpt-00000005.pt"]
+    fit(_trainer(shards, tmp_path / "steps", steps=5, checkpoint_every=2, keep=10))
+    assert names(tmp_path / "steps") == ["ckpt-00000002.pt", "ckpt-00000004.pt",
+                                         "ckpt-00000005.pt"]  # the clock never came due
+    resumed = _trainer(shards, tmp_path / "clock", steps=7, checkpoint_every=100,
+                       checkpoint_minutes=1e-9, keep=1)
+    fit(resumed)
+    assert names(tmp_path / "clock") == ["ckpt-00000007.pt"] and resumed.step == 7
+
+
 def test_corrupt_newest_checkpoint_is_named_and_the_previous_used(shards, tmp_path, caplog):
     run = tmp_path / "run"
     fit(_trainer(shards, run, steps=6, checkpoint_every=3, keep=5))
@@ -320,19 +374,25 @@ def _batches(n: int = 4) -> list:
                   torch.randint(0, 10, (8,), generator=g), [f"k{i}"] * 8) for i in range(n)]
 
 
-def _train_steps(tmp_path: Path, name: str, watch: Any = None,
+def _train_steps(tmp_path: Path, name: str, watch: Any = None, wrap: Any = None,
                  **cfg: object) -> dict[str, torch.Tensor]:
-    """Four steps on fixed batches; `watch(model)` is called before the first."""
+    """Four steps on fixed batches; `watch(model)` is called before the first; `wrap(model)`
+    gives the model to train (compiled, say). Returns the trained (bare) model's state, as a
+    checkpoint holds it."""
+    from trainers.distributed import unwrap
+
     torch.manual_seed(0)
     task = ImageClassification(10, device=CPU,
                                activation_checkpointing=bool(cfg.pop("ckpt", False)))
     if watch is not None:
         watch(task.model)
+    if wrap is not None:
+        task.model = wrap(task.model)
     config = TrainConfig(run_dir=tmp_path / name, steps=4, warmup=1, precision="fp32", **cfg)
     trainer = Trainer(task, loader=None, cfg=config, device=CPU, fingerprint={})
     for batch in _batches():
         trainer.micro_step(batch)
-    return {k: v.clone() for k, v in task.model.state_dict().items()}
+    return {k: v.clone() for k, v in unwrap(task.model).state_dict().items()}
 
 
 def test_offloaded_optimizer_step_matches_the_on_device_step(tmp_path):
@@ -384,6 +444,31 @@ def test_offloaded_masters_and_state_live_on_the_host_and_reach_the_model_by_pus
     assert not torch.equal(params[0], opt.master[0])
 
 
+@pytest.mark.gpu
+def test_offloaded_masters_and_state_of_a_cuda_model_are_in_pinned_host_memory(tmp_path):
+    from pipeline.loading.batch import ImageBatch
+
+    cuda = torch.device("cuda")
+    torch.manual_seed(0)
+    task = ImageClassification(10, device=cuda)
+    cfg = TrainConfig(run_dir=tmp_path, steps=2, warmup=1, precision="bf16",
+                      offload_optimizer=True)
+    trainer = Trainer(task, loader=None, cfg=cfg, device=cuda, fingerprint={})
+    for b in _batches(2):
+        trainer.micro_step(ImageBatch(b.image.to(cuda), b.label.to(cuda), b.keys))
+    torch.cuda.synchronize()
+    opt = trainer.optimizer
+    params = list(task.model.parameters())
+    assert all(p.is_cuda for p in params) and trainer.step == 2
+    for p, m, g in zip(params, opt.master, opt.grads, strict=True):
+        assert m.device.type == "cpu" and m.is_pinned() and g.is_pinned()
+        assert torch.equal(m.to(cuda, p.dtype), p.detach())  # pushed back after the step
+        state = opt.inner.state[m]
+        assert state and all(v.device.type == "cpu" for v in state.values()
+                             if isinstance(v, torch.Tensor))
+    assert trainer.setup()["optimizer_state"] == "host"
+
+
 def _count_block_calls(model: torch.nn.Module, calls: list[int]) -> None:
     """Count every call of the model's residual blocks (pre-hooks: a recompute that stops
     early, once it has the tensors backward needs, still starts the block's forward)."""
@@ -408,35 +493,67 @@ def test_activation_checkpointing_gives_the_same_training(tmp_path):
     assert len(calls["plain"]) == 16 and len(calls["ckpt"]) == 32
 
 
-_HOST_SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__")
+# Every call that reads a tensor's value on the host (a device sync on a GPU), and an explicit
+# synchronize. On the CPU nothing syncs, so the calls are counted instead.
+_HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu",
+               "numpy")
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["on-device", "offloaded"])
-@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.skipif(
-    not cpu_has_native_bf16(), reason="this CPU emulates bf16"))])
-def test_a_micro_step_reads_nothing_back_and_an_optimizer_step_at_most_once(
-        tmp_path, monkeypatch, precision, offload):
-    """Calls that read a tensor's value on the host (a device sync on a GPU), counted per
-    micro-step with grad_accum=4. Not counted: torch.optim's `_get_value`, which reads the
-    step counters the (non-capturable) optimizers keep on the host, on CUDA too."""
-    from torch.optim.optimizer import _get_value
-
-    host_counter = _get_value.__code__
-    counted: list[str] = []
-    for name in _HOST_SYNCS:
+def _count_host_reads(monkeypatch: pytest.MonkeyPatch, counted: list[str],
+                      allowed: tuple[Any, ...] = ()) -> None:
+    """Record in `counted` each host read, except those made directly from the functions
+    whose code objects are in `allowed`."""
+    for name in _HOST_READS:
         real = getattr(torch.Tensor, name)
 
         def counting(self, *args, _real=real, _name=name, **kwargs):
-            if sys._getframe(1).f_code is not host_counter:
+            if sys._getframe(1).f_code not in allowed:
                 counted.append(_name)
             return _real(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counting)
+    real_sync = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize",
+                        lambda *a, **k: (counted.append("synchronize"), real_sync(*a, **k))[1]
+                        if torch.cuda.is_available() else counted.append("synchronize"))
+
+
+def _cpu_fp16(trainer: Trainer, offload: bool) -> None:
+    """fp16's loss scaling on the CPU (which train.py refuses: fp16 is for CUDA), to run
+    its step here: torch's GradScaler("cpu") on the device path, HostScaler offloaded."""
+    from trainers.precision import HostScaler
+
+    p = Precision("fp32", CPU, offloaded=offload)
+    p.name = "fp16"
+    if offload:
+        p.host_scaler = HostScaler()
+    else:
+        p.scaler = torch.amp.GradScaler("cpu")
+    trainer.precision = p
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["on-device", "offloaded"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_steps_read_nothing_back_but_the_offloaded_steps_one_flag(tmp_path, monkeypatch,
+                                                                   precision, offload):
+    """Host reads counted per micro-step with grad_accum=4 (.item, .tolist, bool, float, int,
+    index, .cpu, .numpy, cuda.synchronize). On the device: none at all, optimizer steps
+    included (fused optimizer, found_inf on the device). Offloaded: exactly one per optimizer
+    step, its documented finiteness flag; the host optimizer's own reads of its step counters
+    (torch.optim's `_get_value`, host tensors there even on CUDA) are not counted."""
+    from torch.optim.optimizer import _get_value
+
     torch.manual_seed(0)
     task = ImageClassification(10, device=CPU)
-    cfg = TrainConfig(run_dir=tmp_path, steps=2, warmup=1, precision=precision, grad_accum=4,
+    cfg = TrainConfig(run_dir=tmp_path, steps=2, warmup=1, precision="fp32", grad_accum=4,
                       offload_optimizer=offload)
     trainer = Trainer(task, loader=None, cfg=cfg, device=CPU, fingerprint={})
+    if precision == "fp16":
+        _cpu_fp16(trainer, offload)
+    elif precision == "bf16":
+        trainer.precision = Precision("bf16", CPU, offloaded=offload)
+    counted: list[str] = []
+    _count_host_reads(monkeypatch, counted, (_get_value.__code__,) if offload else ())
     per_micro_step = []
     for batch in _batches(8):
         counted.clear()
@@ -445,40 +562,142 @@ def test_a_micro_step_reads_nothing_back_and_an_optimizer_step_at_most_once(
     monkeypatch.undo()
     assert [stepped for _, stepped in per_micro_step] == [False, False, False, True] * 2
     for reads, stepped in per_micro_step:
-        assert len(reads) <= (1 if stepped else 0), per_micro_step
+        assert reads == (["__bool__"] if stepped and offload else []), per_micro_step
     assert trainer.step == 2 and trainer.bad_steps == 0
+    assert trainer.precision.skipped_steps == 0 and trainer.precision.name == precision
+    assert all(torch.isfinite(p).all() for p in task.model.parameters())
 
 
-def test_compiled_model_trains_and_checkpoints_load_into_a_plain_one(shards, tmp_path):
-    from trainers.distributed import unwrap
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_cuda_optimizer_steps_do_not_synchronize(tmp_path, precision):
+    """torch's sync debug mode raises on any synchronizing call during the steps (forward,
+    backward, unscale, clip, the fused step with found_inf, the scaler's update)."""
+    cuda = torch.device("cuda")
+    torch.manual_seed(0)
+    task = ImageClassification(10, device=cuda)
+    cfg = TrainConfig(run_dir=tmp_path, steps=3, warmup=1, precision=precision, grad_accum=2)
+    trainer = Trainer(task, loader=None, cfg=cfg, device=cuda, fingerprint={})
+    from pipeline.loading.batch import ImageBatch
+
+    batches = [ImageBatch(b.image.to(cuda), b.label.to(cuda), b.keys) for b in _batches(6)]
+    trainer.micro_step(batches[0])  # the first step allocates (lazy init may sync)
+    trainer.micro_step(batches[1])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for batch in batches[2:]:
+            trainer.micro_step(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert trainer.step == 3 and trainer.bad_steps + trainer.precision.skipped_steps == 0
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor",
+                                                                 marks=pytest.mark.slow)])
+def test_compiled_checkpointed_model_trains_like_the_plain_one(tmp_path, monkeypatch, backend):
+    """torch.compile through dynamo and AOT autograd (aot_eager: the graphs inductor gets,
+    run eagerly; inductor: compiled C++, ~30 s here) with activation checkpointing: the same
+    parameters and BatchNorm statistics as plain eager training, and checkpoints that hold
+    the bare model's keys."""
+    import tqdm
+
     from trainers.models import compile_model
 
-    trainer = _trainer(shards, tmp_path / "c", steps=3, checkpoint_every=3)
-    trainer.task.model = compile_model(trainer.task.model, backend="eager")
-    fit(trainer)
-    state = torch.load(checkpoint.checkpoint_path(tmp_path / "c", 3), weights_only=True)
-    fresh = ImageClassification(10, device=CPU).model
-    fresh.load_state_dict(state["model"])  # no "_orig_mod." prefixes
-    assert unwrap(trainer.task.model) is not trainer.task.model
+    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # compile's bars: no monitor thread
+    plain = _train_steps(tmp_path, "plain")
+    compiled = _train_steps(tmp_path, "compiled", ckpt=True,
+                            wrap=lambda model: compile_model(model, backend=backend))
+    assert compiled.keys() == plain.keys()  # no "_orig_mod." prefixes
+    for name, value in plain.items():
+        assert torch.allclose(value.float(), compiled[name].float(), atol=1e-4), name
 
 
 # -- review follow-ups: non-finite steps, finished runs, empty data, another dataset ---------
 
-def test_a_nonfinite_step_is_skipped_not_applied(tmp_path):
+def _snapshot(trainer: Trainer) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """The parameters and the optimizer's whole state, copied."""
+    import copy
+
+    return ([p.detach().clone() for p in trainer.task.model.parameters()],
+            copy.deepcopy(trainer.optimizer.state_dict()))
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_nonfinite_step_is_skipped_not_applied(tmp_path, optimizer, precision):
+    """After a clean step, a step with a NaN loss (fp32) or an overflow (fp16, GradScaler on
+    the CPU): parameters and optimizer state bit-unchanged, the skip counted, the step still
+    counted (loop.py: steps are attempted steps); a checkpoint is refused meanwhile."""
     from trainers.task import StepOutput
 
     torch.manual_seed(0)
     task = ImageClassification(10, device=CPU)
     trainer = Trainer(task, loader=None, cfg=TrainConfig(run_dir=tmp_path, steps=3,
-                                                          precision="fp32"),
+                                                          precision="fp32",
+                                                          optimizer=optimizer),
                       device=CPU, fingerprint={})
+    if precision == "fp16":
+        _cpu_fp16(trainer, offload=False)
+    batches = _batches(3)
+    trainer.micro_step(batches[0])
+    params, state = _snapshot(trainer)
     real_forward = task.forward
-    task.forward = lambda batch: StepOutput(real_forward(batch).loss * float("nan"))
-    trainer.micro_step(_batches(1)[0])
-    assert trainer.bad_steps == 1 and trainer.step == 1
-    assert all(torch.isfinite(p).all() for p in task.model.parameters())
+    planted = float("nan") if precision == "fp32" else float("inf")
+    task.forward = lambda batch: StepOutput(real_forward(batch).loss * planted)
+    trainer.micro_step(batches[1])
+    assert trainer.step == 2
+    skipped = trainer.bad_steps if precision == "fp32" else trainer.precision.skipped_steps
+    assert skipped == 1 and trainer.bad_steps + trainer.precision.skipped_steps == 1
+    after_params, after_state = _snapshot(trainer)
+    assert all(torch.equal(a, b) for a, b in zip(params, after_params, strict=True))
+    # The per-parameter state (moments, step counters, momentum) is untouched; the learning
+    # rate moved on with the schedule, which follows attempted steps (loop.py).
+    assert _same_state(state["state"], after_state["state"]), "the skipped step changed it"
+    assert after_state["param_groups"][0]["lr"] > state["param_groups"][0]["lr"]  # warm-up
     trainer.save()  # refused while the last loss was not finite
     assert not list(tmp_path.glob("ckpt-*.pt"))
+    task.forward = real_forward
+    trainer.micro_step(batches[2])  # the next clean step applies
+    assert not torch.equal(params[0], next(task.model.parameters()))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_nonfinite_first_step_leaves_the_next_step_as_if_it_were_the_first(tmp_path,
+                                                                              optimizer):
+    """Skipped at the very first step (fused SGD allocates its momentum there, uninitialised):
+    the clean step after it gives exactly the parameters of a run whose first step it is."""
+    from trainers.task import StepOutput
+
+    def run(name: str, nan_first: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        task = ImageClassification(10, device=CPU)
+        trainer = Trainer(task, None, TrainConfig(run_dir=tmp_path / name, steps=3,
+                                                  precision="fp32", optimizer=optimizer,
+                                                  warmup=0), CPU, {})
+        batches = _batches(3)
+        if nan_first:
+            real = task.forward
+            task.forward = lambda batch: StepOutput(real(batch).loss * float("nan"))
+            trainer.micro_step(batches[0])
+            task.forward = real
+            trainer.step = 0  # the same learning rate for the compared step
+        for batch in batches[1:]:
+            trainer.micro_step(batch)
+        return [p.detach().clone() for p in task.model.parameters()]
+
+    for a, b in zip(run("clean", False), run("skipped", True), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_rerunning_a_finished_run_keeps_its_summary(shards, tmp_path):
