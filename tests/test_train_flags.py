@@ -267,3 +267,29 @@ def test_one_text_shard_splits_by_key_too(tmp_path):
         assert not loader.skipped and not evaluation.skipped
     assert train | held == {p.stem for p in docs.iterdir()} and held
     assert all(held_out(k, 10) for k in held) and not any(held_out(k, 10) for k in train)
+
+
+def test_offload_and_activation_checkpointing_flags_take_effect(one_shard, tmp_path):
+    """--offload-optimizer and --activation-checkpointing on train.py's command line: the run
+    trains and summarises, and summary.json's "setup" (read from the built optimizer and
+    model, not the flags) and the checkpoint say what took effect."""
+    import torch
+
+    common = ["--task", "image", "--data", one_shard, "--batch-size", 8, "--size", 24,
+              "--steps", 3, "--checkpoint-every", 3, "--precision", "fp32", "--quiet"]
+    runs = {"flags": ["--offload-optimizer", "--activation-checkpointing"], "plain": []}
+    setups, states = {}, {}
+    for name, flags in runs.items():
+        run_tool("train", *common, "--out", tmp_path / name, *flags, check=True)
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["steps"] == 3 and summary["final_loss"] == summary["final_loss"]
+        setups[name] = summary["setup"]
+        states[name] = torch.load(tmp_path / name / "ckpt-00000003.pt", weights_only=True)
+    assert setups["flags"] == {"optimizer_state": "host", "fused_optimizer": False,
+                               "activation_checkpointing": True, "compiled": False,
+                               "ddp": False}
+    assert setups["plain"] == {"optimizer_state": "cpu", "fused_optimizer": True,
+                               "activation_checkpointing": False, "compiled": False,
+                               "ddp": False}
+    assert states["flags"]["fingerprint"]["offload_optimizer"] is True
+    assert states["plain"]["fingerprint"]["offload_optimizer"] is False
