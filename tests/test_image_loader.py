@@ -284,6 +284,7 @@ def test_unknown_option_is_refused(shards):
 
 
 @pytest.mark.gpu
+@pytest.mark.dali  # decode="gpu" is DALI's mixed decode
 def test_gpu_mixed_decode_gives_batches_on_the_device(shards):
     with image_loader(shards, batch_size=16, device="gpu", normalize=True, **OPTS) as loader:
         batch = next(iter(loader))

@@ -386,10 +386,13 @@ def test_train_tool_refuses_an_unknown_model(train_shards, tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.dali  # decode="gpu" runs DALI's graph on the device
 def test_gpu_graph_gives_the_cpu_points_on_the_device(shards):
     make = functools.partial(pointcloud_loader, shards, batch_size=8, seed=2, num_points=64,
                              voxels="occupancy", grid=8, threads=1, shuffle_buffer=16)
-    with make(device="gpu") as gpu, make(device="cpu") as cpu:
+    # decode="gpu" named: with "auto", a machine without DALI quietly decodes on the CPU.
+    with make(device="cuda", decode="gpu") as gpu, make(device="cpu") as cpu:
+        assert gpu.decode == "gpu" and cpu.decode == "cpu"
         on_gpu, on_cpu = next(iter(gpu)), next(iter(cpu))
     assert on_gpu.points.is_cuda and on_gpu.voxels.is_cuda and on_gpu.label.is_cuda
     assert on_gpu.keys == on_cpu.keys

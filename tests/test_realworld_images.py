@@ -240,6 +240,7 @@ def test_exif_orientation_off_gives_the_stored_frame(photos, resize_on):
 
 
 @pytest.mark.gpu
+@pytest.mark.dali  # decode="gpu" is DALI's mixed decode
 def test_gpu_graph_turns_photos_upright_too(photos):
     got = _loaded(photos.out, train=True, device="cuda", decode="gpu")
     _check_upright({k: v.cpu() for k, v in got.items()}, photos.files, True, tolerance=3.0)
