@@ -163,16 +163,17 @@ def build_task(opts: TaskOptions, split: EvalSplit, rank: int, world: int,
 
 def eval_share(held: Source, rank: int, world: int) -> Source | None:
     """Rank `rank`'s part of the held-out data, read whole by a one-rank loader: with at
-    least `world` shards, balanced by sample count (shardlist.split_ranks), else (or with
-    counts unknown) every `world`th shard; None for a rank left without one. The parts are
-    disjoint and cover every held-out shard, so no sample is evaluated twice or dropped to
-    even out ranks. With a held-out slice by key hash (the same shards as training), each
-    rank reads its shards' slice."""
+    least `world` shards, balanced by sample count (shardlist.split_ranks, largest shard
+    first), else (or with counts unknown) every `world`th shard; None for a rank left
+    without one. The parts are disjoint and cover every held-out shard, so no sample is
+    evaluated twice or dropped to even out ranks. With a held-out slice by key hash (the
+    same shards as training), each rank reads its shards' slice."""
     if world <= 1:
         return held
     shards = sorted(held.shards, key=lambda s: s.url)  # the same order on every rank
     if len(shards) >= world and all(s.samples is not None for s in shards):
-        mine = split_ranks(shards, world)[rank]
+        # the largest first: the greedy split then evens the ranks out best
+        mine = split_ranks(sorted(shards, key=lambda s: -(s.samples or 0)), world)[rank]
     else:
         mine = shards[rank::world]
     return Source(tuple(mine), held.classes, held.modality) if mine else None
