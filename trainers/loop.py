@@ -25,6 +25,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -113,7 +114,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> Any:
     return _build(params, cfg)
 
 
-def fused_supported(params: list[torch.Tensor]) -> bool:
+def fused_supported(params: Sequence[torch.Tensor]) -> bool:
     """Whether torch has fused optimizer kernels for every parameter (floating point, on a
     device type it has them for). torch checks only at the first step: this asks first."""
     try:
