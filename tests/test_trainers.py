@@ -395,6 +395,32 @@ def _train_steps(tmp_path: Path, name: str, watch: Any = None, wrap: Any = None,
     return {k: v.clone() for k, v in unwrap(task.model).state_dict().items()}
 
 
+def test_the_local_resnet50_has_resnet50s_shape():
+    """gpu_check's amp_step model, built without torchvision: torchvision's resnet50 has
+    25,557,032 parameters at 1000 classes, 53 convolutions and 53 BatchNorms; its output is
+    (N, classes), and it trains (a step moves the loss)."""
+    from trainers.models import build_model
+
+    model = build_model("resnet50-local", 1000)
+    assert sum(p.numel() for p in model.parameters()) == 25_557_032
+    assert sum(isinstance(m, torch.nn.Conv2d) for m in model.modules()) == 53
+    assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules()) == 53
+    small = build_model("resnet50-local", 7)
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 3, 64, 64), torch.tensor([0, 1, 2, 3])
+    opt = torch.optim.SGD(small.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(3):
+        out = small(x)
+        assert out.shape == (4, 7)
+        loss = torch.nn.functional.cross_entropy(out, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0], losses
+
+
 def test_offloaded_optimizer_step_matches_the_on_device_step(tmp_path):
     plain = _train_steps(tmp_path, "plain")
     offloaded = _train_steps(tmp_path, "offload", offload_optimizer=True)
@@ -605,12 +631,26 @@ def test_compiled_checkpointed_model_trains_like_the_plain_one(tmp_path, monkeyp
     from trainers.models import compile_model
 
     monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # compile's bars: no monitor thread
-    plain = _train_steps(tmp_path, "plain")
+    if backend == "inductor":  # compile in this thread: no worker pool left running after
+        from torch._inductor import config as inductor_config
+
+        monkeypatch.setattr(inductor_config, "compile_threads", 1)
+    start: dict[str, torch.Tensor] = {}
+    plain = _train_steps(tmp_path, "plain", watch=lambda model: start.update(
+        {k: v.clone() for k, v in model.state_dict().items()}))
     compiled = _train_steps(tmp_path, "compiled", ckpt=True,
                             wrap=lambda model: compile_model(model, backend=backend))
     assert compiled.keys() == plain.keys()  # no "_orig_mod." prefixes
     for name, value in plain.items():
-        assert torch.allclose(value.float(), compiled[name].float(), atol=1e-4), name
+        if backend == "aot_eager":  # the same kernels in another order of calls: ~exact
+            assert torch.allclose(value.float(), compiled[name].float(), atol=1e-4), name
+            continue
+        # inductor fuses and reorders float sums; AdamW divides by sqrt(v), so a 1e-7
+        # difference in a near-zero gradient moves a weight by a sizeable part of lr. What
+        # must hold: the compiled run went where the plain run went, not just somewhere.
+        moved = (value.float() - start[name].float()).norm()
+        apart = (value.float() - compiled[name].float()).norm()
+        assert apart <= 0.05 * moved + 1e-4, (name, float(apart), float(moved))
 
 
 # -- review follow-ups: non-finite steps, finished runs, empty data, another dataset ---------

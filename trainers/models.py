@@ -1,5 +1,6 @@
-"""Models sized for the data: a small ResNet for the built-in images, or a torchvision model
-by name when torchvision is installed."""
+"""Models sized for the data: a small ResNet for the built-in images, a ResNet-50 built here
+(the GPU check's workload, on a python with only torch), or a torchvision model by name when
+torchvision is installed."""
 
 from __future__ import annotations
 
@@ -89,11 +90,51 @@ def _frozen_statistics(module: nn.Module) -> Iterator[None]:
                 m.num_batches_tracked.copy_(tracked)
 
 
+class _Bottleneck(nn.Module):
+    """ResNet v1.5's block: 1x1 down, 3x3 (strided here), 1x1 up by four."""
+
+    def __init__(self, cin: int, width: int, stride: int) -> None:
+        super().__init__()
+        cout = width * 4
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True), nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout))
+        self.skip = nn.Identity() if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.skip(x))
+
+
+class ResNet50(nn.Module):
+    """torchvision's resnet50 in shape (25,557,032 parameters at 1000 classes), built from
+    torch alone: the GPU check runs its AMP step on a python that has no torchvision."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64),
+                                   nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)]
+        cin = 64
+        for i, (width, blocks) in enumerate([(64, 3), (128, 4), (256, 6), (512, 3)]):
+            for b in range(blocks):
+                layers.append(_Bottleneck(cin, width, 2 if b == 0 and i > 0 else 1))
+                cin = width * 4
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(cin, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean((2, 3)))
+
+
 def build_model(name: str, num_classes: int, activation_checkpointing: bool = False
                 ) -> nn.Module:
-    """`small-resnet` (no dependency) or any torchvision classification model by name."""
+    """`small-resnet` and `resnet50-local` (no dependency) or any torchvision classification
+    model by name."""
     if name == "small-resnet":
         return SmallResNet(num_classes, activation_checkpointing=activation_checkpointing)
+    if name == "resnet50-local" and not activation_checkpointing:
+        return ResNet50(num_classes)
     if activation_checkpointing:
         raise ValueError(f"activation checkpointing is built into 'small-resnet'; for {name!r} "
                          "use torchvision's own memory options or drop the flag")
