@@ -15,6 +15,9 @@ _BRACE = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"^(\d+)\.\.(\d+)$")
 _SECRET_PARAMS = re.compile(r"(sig|signature|token|key|secret|password|credential|auth)", re.I)
 MAX_EXPANSION = 1_000_000
+# Tries of remote reads after a transient failure (the streaming fetcher, start-up checks):
+RETRIES = 3  # further tries
+BACKOFF_S = 0.5  # before the first retry; doubled for each next one
 
 
 def expand_braces(pattern: str) -> list[str]:

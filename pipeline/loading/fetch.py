@@ -24,14 +24,12 @@ import fsspec
 from pipeline.errors import DataError
 from pipeline.loading.shardcache import CacheWriter, ShardCache
 from pipeline.loading.shardlist import ShardSpec
-from pipeline.urls import is_remote, redact, scrub
+from pipeline.urls import BACKOFF_S, RETRIES, is_remote, redact, scrub
 
 log = logging.getLogger(__name__)
 CHUNK = 4 * 1024 * 1024
 READ_AHEAD_BYTES = 64 * 1024 * 1024  # shard bytes waiting to be parsed, all shards together
 POLL_S = 0.1
-RETRIES = 3  # further tries of a shard whose download breaks
-BACKOFF_S = 0.5  # before the first retry; doubled for each next one
 END = object()
 
 

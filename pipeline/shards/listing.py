@@ -3,7 +3,8 @@ is a regular file, checked before any reading starts.
 
     list_shards("shards/train")          a folder's *.tar / *.tar.gz / *.tgz, sorted
     list_shards("s3://b/train-{000..099}.tar")   brace ranges and globs, any fsspec URL
-    preflight(urls, source)              one error naming every missing shard
+    preflight(urls, source)              one error naming every missing shard (or every
+                                         unreachable one, after the fetcher's retries)
 
 `storage_options` (fsspec's keyword arguments: endpoint, credentials) go to every fsspec call;
 they are never shown.
@@ -11,8 +12,10 @@ they are never shown.
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,8 +23,11 @@ from typing import Any
 
 import fsspec
 
+from pipeline import urls as url_policy
 from pipeline.errors import DataError
 from pipeline.urls import check_scheme, expand_braces, is_remote, redact, scrub
+
+log = logging.getLogger(__name__)
 
 SHARD_PATTERNS = ("*.tar", "*.tar.gz", "*.tgz")  # tarread gunzips a stream by its magic
 
@@ -66,20 +72,30 @@ def regular_file(path: str, samples: int | None = 1) -> None:
 
 def preflight(urls: list[str], source: str,
               storage_options: Mapping[str, Any] | None = None) -> None:
-    """One error listing every missing shard (and one for a source that matches none)."""
+    """One error listing every missing shard, or every unreachable one (a 5xx, a reset, a
+    timeout on each of the streaming reader's tries), and one for a source that matches none."""
     if not urls:
         raise FileNotFoundError(f"{scrub(source)}: no shards found")
-    missing = _missing([u for u in urls if not u.startswith("pipe:")], storage_options)
+    found = _found([u for u in urls if not u.startswith("pipe:")], storage_options)
+    missing = [u for u, there in found.items() if there is False]
     if missing:
-        listed = ", ".join(redact(u) for u in missing[:20])
-        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
         raise FileNotFoundError(f"{len(missing)} of {len(urls)} shards are missing: "
-                                f"{listed}{more}")
+                                f"{_listing(missing)}")
+    unreachable = {u: why for u, why in found.items() if isinstance(why, str)}
+    if unreachable:
+        reasons = ", ".join(sorted(set(unreachable.values())))
+        raise ConnectionError(f"{len(unreachable)} of {len(urls)} shards are unreachable "
+                              f"({reasons}): {_listing(list(unreachable))}")
     special = [u for u in urls if not u.startswith("pipe:") and not _regular(u)]
     if special:
         raise ValueError(f"{len(special)} of {len(urls)} shards are not regular files (a FIFO "
                          "blocks its reader forever, a device may never end): "
                          + ", ".join(special[:20]))
+
+
+def _listing(urls: list[str]) -> str:
+    more = f" and {len(urls) - 20} more" if len(urls) > 20 else ""
+    return ", ".join(redact(u) for u in urls[:20]) + more
 
 
 def _regular(url: str) -> bool:
@@ -91,11 +107,13 @@ def _regular(url: str) -> bool:
     return True
 
 
-def _missing(urls: list[str], storage_options: Mapping[str, Any] | None) -> list[str]:
-    """The URLs that name nothing. In object storage, one listing per folder rather than one
-    request per shard (thousands of shards: thousands of round trips at start-up); over
-    HTTP, which has no listing, the requests go out 16 at a time."""
-    found: dict[str, bool] = {}
+def _found(urls: list[str], storage_options: Mapping[str, Any] | None
+           ) -> dict[str, bool | str]:
+    """Per URL: True (there), False (names nothing) or why it could not be reached. In object
+    storage, one listing per folder rather than one request per shard (thousands of shards:
+    thousands of round trips at start-up); over HTTP, which has no listing, the requests go
+    out 16 at a time."""
+    found: dict[str, bool | str] = {}
     by_folder: dict[str, list[str]] = {}
     web = [u for u in urls if u.startswith(("http://", "https://"))]
     for url in urls:
@@ -112,22 +130,92 @@ def _missing(urls: list[str], storage_options: Mapping[str, Any] | None) -> list
         with ThreadPoolExecutor(max_workers=16) as pool:
             found.update(zip(web, pool.map(lambda u: _exists(u, storage_options), web),
                              strict=True))
-    return [u for u in urls if not found[u]]
+    return {u: found[u] for u in urls}
 
 
 def _listed(folder: str, urls: list[str], storage_options: Mapping[str, Any] | None
-            ) -> dict[str, bool]:
+            ) -> dict[str, bool | str]:
     fs, path = fsspec.core.url_to_fs(folder, **(storage_options or {}))
     try:
-        names = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
-    except FileNotFoundError:
-        names = set()
+        listing = _retried(redact(folder), lambda: fs.ls(path, detail=False))
+    except Exception as exc:  # noqa: BLE001 - no such folder, or every try failed
+        answer = _answer(exc)
+        if answer is not False:
+            return dict.fromkeys(urls, answer)
+        listing = []
+    names = {p.rstrip("/").rsplit("/", 1)[-1] for p in listing}
     return {u: u.rsplit("/", 1)[-1] in names for u in urls}
 
 
-def _exists(url: str, storage_options: Mapping[str, Any] | None) -> bool:
+def _exists(url: str, storage_options: Mapping[str, Any] | None) -> bool | str:
+    """fs.info, not fs.exists: fsspec's HTTP exists says False for a 503 or a reset, which
+    would report a shard that is there, behind a hiccup, as missing."""
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    return bool(fs.exists(path))
+    try:
+        _retried(redact(url), lambda: fs.info(path))
+    except Exception as exc:  # noqa: BLE001 - an answer (404), or every try failed
+        return _answer(exc)
+    return True
+
+
+def _answer(exc: BaseException) -> bool | str:
+    """False when the error says the object is not there (404, or a local FileNotFoundError);
+    else why it could not be reached (fsspec's HTTP info wraps every failure, a 503 or a
+    reset too, in a FileNotFoundError: its cause tells them apart)."""
+    status = _status(exc)
+    if status == 404 or (status is None and isinstance(exc, FileNotFoundError)
+                         and not transient(exc)):
+        return False
+    return f"{_why(exc)} after {url_policy.RETRIES + 1} tries" if transient(exc) else _why(exc)
+
+
+def _retried(what: str, call: Any) -> Any:
+    """`call()`, tried again after a transient error with the streaming reader's back-off
+    (pipeline/urls.py: RETRIES further tries, BACKOFF_S doubled each time)."""
+    for failures in range(url_policy.RETRIES + 1):
+        try:
+            return call()
+        except Exception as exc:
+            if failures == url_policy.RETRIES or not transient(exc):
+                raise
+            wait = url_policy.BACKOFF_S * 2 ** failures
+            log.warning("checking %s failed (%s); try %d of %d in %.1f s", what, _why(exc),
+                        failures + 2, url_policy.RETRIES + 1, wait)
+            time.sleep(wait)
+    raise AssertionError("not reached: the last try returns or raises")
+
+
+def transient(exc: BaseException) -> bool:
+    """A server error (5xx), too many requests (429), a reset, a refused connection or a
+    timeout, here or as the cause of the error fsspec raised: worth another try. A 404 or a
+    403 is an answer."""
+    status = _status(exc)
+    if status is not None:
+        return status >= 500 or status == 429
+    return any(isinstance(err, ConnectionError | TimeoutError)
+               or any(word in type(err).__name__ for word in ("Connection", "Timeout",
+                                                              "Disconnect"))
+               for err in _chain(exc))
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    errors = [exc]
+    while len(errors) < 8 and (errors[-1].__cause__ or errors[-1].__context__) is not None:
+        errors.append(errors[-1].__cause__ or errors[-1].__context__)  # type: ignore[arg-type]
+    return errors
+
+
+def _status(exc: BaseException) -> int | None:
+    for err in _chain(exc):
+        status = getattr(err, "status", None)
+        if isinstance(status, int):
+            return status
+    return None
+
+
+def _why(exc: BaseException) -> str:
+    status = _status(exc)
+    return f"HTTP {status}" if status is not None else type(_chain(exc)[-1]).__name__
 
 
 def count_from_index(url: str) -> int | None:
