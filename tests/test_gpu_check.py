@@ -16,11 +16,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import ROOT, gpu_available, run_tool
 
 TOOL = ROOT / "tools" / "gpu_check.py"
 PARTS = ["delivery", "amp_step", "copies", "offload", "ddp", "checkpointing",
-         "text_pointcloud", "dali"]
+         "text_pointcloud", "dali", "sync_debug", "compile", "ranks"]
 NO_CUDA = ("torch here is a CPU-only build", "torch is a CUDA build but no GPU is visible")
 
 
@@ -67,6 +68,19 @@ def test_dry_run_records_every_part_and_the_header(tmp_path: Path) -> None:
     assert delivery["key"]["mismatches"] == 0 and delivery["key"]["batches"] > 0
     if not header["dali_imports"]:
         assert report["parts"]["dali"]["status"] == "skipped"
+    else:
+        assert set(report["parts"]["dali"]["stage_seconds"]) >= {"corpus_and_conversion"}
+    parts = report["parts"]
+    assert parts["amp_step"]["model"] == "resnet50-local"  # the torchvision-free ResNet-50
+    # the new parts ran their CPU equivalents through the same code: two gloo ranks, a
+    # compiled DDP model, Trainer steps (host syncs are counted by CUDA only)
+    assert parts["ranks"]["key"] == {**parts["ranks"]["key"], "ranks_agree": True,
+                                     "no_sync": True, "uneven_eval_combined": True}
+    assert [s for s, _ in parts["ranks"]["ranks"][0]["allreduces_per_micro_step"]] == \
+        [False, True] * 3
+    assert parts["compile"]["compiled"]["ddp_inside"]
+    assert parts["compile"]["key"]["relative_distance"] < 0.05
+    assert parts["sync_debug"]["runs"]["fp32"]["skipped_steps"] == 0
     assert "| delivery | ok |" in proc.stdout  # the table of key figures
 
 
@@ -103,6 +117,21 @@ def test_a_part_over_its_timeout_or_raising_is_recorded_and_the_next_runs(tmp_pa
     assert parts["offload"]["status"] == "error"
     assert "as --stand-in-fail asked" in parts["offload"]["error"]  # the stderr's tail
     assert "| delivery | timeout |" in proc.stdout
+
+
+def test_any_failed_part_makes_the_exit_status_non_zero(tmp_path: Path) -> None:
+    """Not only delivery: a broken amp_step (say) must reach a wrapper script that reads no
+    JSON. A skip is no failure."""
+    out = tmp_path / "gc.json"
+    failing = run_tool("gpu_check", "--stand-in", "--stand-in-s", "0.01", "--only",
+                       "delivery,copies,offload", "--stand-in-fail", "copies", "--json", out)
+    assert failing.returncode == 1, failing.stderr[-4000:]
+    assert {n: p["status"] for n, p in load(out)["parts"].items()} == {
+        "delivery": "ok", "copies": "error", "offload": "ok"}
+    assert "parts that did not pass: copies" in failing.stderr
+    passing = run_tool("gpu_check", "--stand-in", "--stand-in-s", "0.01", "--only",
+                       "delivery,copies", "--json", out)
+    assert passing.returncode == 0, passing.stderr[-4000:]
 
 
 def parts_of(parent_pid: int) -> list[int]:
@@ -145,7 +174,7 @@ def test_a_rerun_after_a_kill_starts_afresh_and_completes(tmp_path: Path) -> Non
 
 def test_without_cuda_it_says_why_writes_the_header_and_exits_0(tmp_path: Path) -> None:
     if gpu_available():
-        return  # this machine has CUDA: the real run is not what this test is about
+        pytest.skip("this machine has CUDA: the no-CUDA path cannot be shown here")
     out = tmp_path / "gc.json"
     proc = run_tool("gpu_check", "--json", out)
     assert proc.returncode == 0, proc.stderr[-4000:]

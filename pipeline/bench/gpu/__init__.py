@@ -1,5 +1,6 @@
 """The parts of tools/gpu_check.py, most valuable first, with their default timeouts (PARTS:
-295 s in all, plus HEADER_TIMEOUT_S for the header):
+435 s in all, plus HEADER_TIMEOUT_S for the header; on one GPU without DALI, dali is skipped
+at once and ranks in seconds, so the worst case there is about 6 minutes):
 
   delivery         correctness: the text loader's batches delivered to CUDA equal the CPU
                    loader's bit for bit, and DeviceCopier's uint8 batches (pinned host memory ->
@@ -7,7 +8,8 @@
                    1e-5, relative), over >= 200 batches each while another thread allocates,
                    fills, frees and multiplies on the default stream and the copier's stream is
                    stalled now and then. Status "failed" on any mismatch: the script exits 1.
-  amp_step         samples/s of a ResNet-50 SGD step (channels_last, batch --amp-batch) under
+  amp_step         samples/s of a ResNet-50 (trainers/models.py's own: no torchvision
+                   needed) SGD step (channels_last, batch --amp-batch) under
                    bf16 autocast and fp16 autocast + GradScaler (a plain loop on torch.amp), and
                    the data-stall share of the loop when a CPU thread feeds uint8 batches
                    through DeviceCopier.
@@ -24,12 +26,25 @@
                    text loader on the GPU (samples/s); voxelize on the GPU in a side stream
                    (points/s), checked against the CPU, also under TF32 matmuls.
   dali             with DALI only: CPU vs mixed (nvJPEG) decode images/s and a hw_decoder_load
-                   sweep; "skipped" when nvidia.dali does not import.
+                   sweep (and how long each stage took); "skipped" when nvidia.dali does
+                   not import.
+  sync_debug       host syncs counted by torch.cuda.set_sync_debug_mode("warn") over Trainer
+                   steps (fp16 and bf16, grad_accum 2, after two warm-up steps): "failed"
+                   unless there are none (the fused optimizer reads found_inf on the device).
+  compile          torch.compile (inductor) over one-process DDP (wrapped in that order) of
+                   the small ResNet with activation checkpointing, against eager: compile
+                   time, speed-up, and the parameters after the same steps ("failed" when
+                   they land farther apart than 5% of how far training moved them).
+  ranks            two processes over NCCL (skipped with one GPU): Trainer in DDP with
+                   grad_accum 2 all-reduces only on optimizer steps, both ranks end with the
+                   same parameters, an uneven evaluation (3 batches and 1) is combined after
+                   the gloo barrier into the metrics of one process; all-reduce bus GB/s.
 
 A part is `run(ctx) -> dict`: a JSON-able result with "key" (its key figures) and "status"
 where it is not "ok". Where they live: context.py (Ctx, Sizes FULL/DRY, shared helpers),
 header.py (the header), delivery.py (delivery, copies), amp.py (amp_step), training.py (offload,
-ddp, checkpointing), modalities.py (text_pointcloud, dali). Importing any of them imports
+ddp, checkpointing), modalities.py (text_pointcloud, dali), steps.py (sync_debug, compile),
+ranks.py (ranks). Importing any of them imports
 neither torch nor DALI: each part imports what it needs when it runs.
 """
 
@@ -44,6 +59,8 @@ from pipeline.bench.gpu.context import Ctx, new_ctx
 from pipeline.bench.gpu.delivery import part_copies, part_delivery
 from pipeline.bench.gpu.header import part_header
 from pipeline.bench.gpu.modalities import part_dali, part_text_pointcloud
+from pipeline.bench.gpu.ranks import part_ranks
+from pipeline.bench.gpu.steps import part_compile, part_sync_debug
 from pipeline.bench.gpu.training import part_checkpointing, part_ddp, part_offload
 
 __all__ = ["HEADER_TIMEOUT_S", "PARTS", "Ctx", "PartSpec", "new_ctx", "run_part"]
@@ -66,8 +83,11 @@ PARTS: dict[str, PartSpec] = {
     "ddp": PartSpec(part_ddp, 25),
     "checkpointing": PartSpec(part_checkpointing, 25),
     "text_pointcloud": PartSpec(part_text_pointcloud, 45),
-    "dali": PartSpec(part_dali, 25, needs_dali=True),
-}  # 295 s in all, plus HEADER_TIMEOUT_S
+    "dali": PartSpec(part_dali, 50, needs_dali=True),
+    "sync_debug": PartSpec(part_sync_debug, 25),
+    "compile": PartSpec(part_compile, 60),
+    "ranks": PartSpec(part_ranks, 40),
+}  # 435 s in all, plus HEADER_TIMEOUT_S
 
 
 def run_part(name: str, ctx: Ctx) -> dict[str, Any]:

@@ -39,7 +39,7 @@ class Sizes:
     noise_mb: tuple[int, ...] = (64, 256, 1024)
     stall_every: int = 8  # delivery: a ~20 ms sleep queued on the copier's stream this often
     stall_cycles: int = 40_000_000
-    amp_model: str = "resnet50"
+    amp_model: str = "resnet50-local"  # trainers/models.py: needs no torchvision
     amp_batch: int = 256
     amp_side: int = 224
     amp_classes: int = 1000
@@ -71,18 +71,27 @@ class Sizes:
     dali_images: int = 600
     dali_batch: int = 64
     convert_workers: int = 8
+    sync_steps: int = 4  # optimizer steps (8 micro-steps) under CUDA's sync debug mode
+    sync_batch: int = 64
+    sync_side: int = 64
+    compile_steps: int = 12
+    compile_batch: int = 128
+    compile_side: int = 64
+    nccl_mb: int = 256
 
 
 FULL = Sizes()
 DRY = Sizes(min_batches=1, text_docs=40, text_batch=4, text_seq=32, text_passes=1,
             image_batch=4, image_side=16, image_batches=12, noise_matmul=64, noise_mb=(1, 2),
-            amp_model="small-resnet", amp_batch=2, amp_side=16, amp_classes=10, amp_warmup=1,
+            amp_model="resnet50-local", amp_batch=2, amp_side=32, amp_classes=10, amp_warmup=1,
             amp_steps=2, stall_steps=3, copy_mb=4, copy_repeats=2, overlap_n=2,
             overlap_chunk_mb=1, overlap_matmul=64, offload_width=32, offload_layers=2,
             offload_batch=16, offload_steps=5, ckpt_batch=2, ckpt_side=16, lm_docs=40,
             lm_batch=4, lm_seq=32, lm_shape={"width": 32, "layers": 1, "heads": 2},
             lm_warmup=1, lm_steps=3, points_batch=2, points_n=1000, voxel_grid=8,
-            voxel_reps=2, dali_images=16, dali_batch=8, convert_workers=1)
+            voxel_reps=2, dali_images=16, dali_batch=8, convert_workers=1, sync_steps=1,
+            sync_batch=2, sync_side=16, compile_steps=3, compile_batch=2, compile_side=16,
+            nccl_mb=1)
 
 
 @dataclass(frozen=True)

@@ -198,13 +198,12 @@ def ddp_run(ctx: Ctx, compression: str) -> dict[str, Any]:
             "loss": float(loss.detach()), "grads": grads}
 
 
-def part_ddp(ctx: Ctx) -> dict[str, Any]:
-    """One-process DDP (NCCL; gloo in a dry run) with the project's compression hooks."""
+@contextlib.contextmanager
+def one_process_group(ctx: Ctx) -> Iterator[str]:
+    """A process group of this process alone (NCCL on CUDA, gloo in a dry run) for the block;
+    yields its backend."""
     import torch
     import torch.distributed as dist
-    from torch import nn
-
-    from trainers.distributed import DistInfo, wrap
 
     backend = "nccl" if ctx.cuda else "gloo"
     if ctx.cuda:
@@ -212,11 +211,21 @@ def part_ddp(ctx: Ctx) -> dict[str, Any]:
     dist.init_process_group(backend, init_method=f"file://{ctx.work / 'store'}", rank=0,
                             world_size=1)
     try:
+        yield backend
+    finally:
+        dist.destroy_process_group()
+
+
+def part_ddp(ctx: Ctx) -> dict[str, Any]:
+    """One-process DDP (NCCL; gloo in a dry run) with the project's compression hooks."""
+    from torch import nn
+
+    from trainers.distributed import DistInfo, wrap
+
+    with one_process_group(ctx) as backend:
         bare = nn.Linear(2, 2).to(ctx.device)
         noop = wrap(bare, DistInfo(), ctx.device, "fp16") is bare
         runs = {c: ddp_run(ctx, c) for c in ("none", "fp16", "bf16")}
-    finally:
-        dist.destroy_process_group()
     reference = runs["none"].pop("grads")
     for run in runs.values():
         if "grads" in run:
