@@ -48,7 +48,8 @@ def logloss_of_logits(label: np.ndarray, logit: np.ndarray) -> float:
 @dataclass
 class ScoredTotals(EvalTotals):
     """Evaluation of a binary scorer: every row's logit and label, kept on the host, plus
-    the sums of EvalTotals (loss, count). `metrics()`: eval_loss (= logloss), logloss, auc."""
+    the sums of EvalTotals (loss, count). `metrics()`: eval_loss (= logloss), logloss, auc,
+    scored_rows."""
 
     logits: list[np.ndarray] = field(default_factory=list)
     labels: list[np.ndarray] = field(default_factory=list)
@@ -74,5 +75,8 @@ class ScoredTotals(EvalTotals):
 
 
 def scored_metrics(label: np.ndarray, logit: np.ndarray) -> dict[str, float]:
+    """logloss and AUC, and how many rows they scored (over every rank: what a run's
+    summary must show to prove that no held-out row was dropped or scored twice)."""
     loss = logloss_of_logits(label, logit)
-    return {"eval_loss": loss, "logloss": loss, "auc": roc_auc(label, logit)}
+    return {"eval_loss": loss, "logloss": loss, "auc": roc_auc(label, logit),
+            "scored_rows": float(label.size)}

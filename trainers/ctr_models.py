@@ -58,8 +58,14 @@ class FieldEmbeddings(nn.Module):
         # the host and the ids arrived on the device; nothing otherwise.
         rows = ids.to(offsets.device) + offsets
         pooled = self.bag(rows.reshape(-1, 1))  # one id per bag: sum = that row
-        return pooled.view(ids.shape[0], self.fields, self.dim).to(out_device,
-                                                                    non_blocking=True)
+        pooled = pooled.view(ids.shape[0], self.fields, self.dim)
+        if pooled.device.type == "cpu" and torch.device(out_device).type == "cuda":
+            # From pageable memory a non_blocking copy is staged through a bounce buffer
+            # while the host waits; from pinned memory (torch's caching host allocator: the
+            # same few buffers step after step) it is a DMA the host does not wait for.
+            # pin_memory is differentiable: the gradients still reach the tables.
+            pooled = pooled.pin_memory()
+        return pooled.to(out_device, non_blocking=True)
 
 
 def mlp(sizes: Sequence[int], last_activation: bool = True) -> nn.Sequential:

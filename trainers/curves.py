@@ -23,6 +23,7 @@ from pipeline.atomic import write_atomic
 log = logging.getLogger(__name__)
 
 METRICS, EVALS, PNG, BOARD = "metrics.jsonl", "eval.jsonl", "curves.png", "tensorboard"
+COUNTS = ("scored_rows",)  # evaluation figures that count (0, not NaN, when none): not plotted
 TRAIN_SCALARS = {"loss": "train/loss", "lr": "train/lr", "samples_per_s": "train/samples_per_s",
                  "data_wait": "train/data_wait_share"}
 
@@ -124,7 +125,7 @@ def _panels(fig: Any, records: list[dict[str, Any]], evals: list[dict[str, Any]]
         loss.plot(*_series(evals, "eval_loss"), "o--", label="eval")
     loss.legend()
     loss.set(title="loss", ylabel="loss")
-    names = sorted({k for e in evals for k in e} - {"step", "eval_loss"})
+    names = sorted({k for e in evals for k in e} - {"step", "eval_loss", *COUNTS})
     for name in names:
         metric.plot(*_series(evals, name), "o-", label=name)
     if names:
@@ -143,4 +144,4 @@ def _panels(fig: Any, records: list[dict[str, Any]], evals: list[dict[str, Any]]
 
 def evaluated(metrics: dict[str, float]) -> bool:
     """Whether an evaluation measured anything (no held-out sample gives all NaN)."""
-    return any(not math.isnan(v) for v in metrics.values())
+    return any(not math.isnan(v) for k, v in metrics.items() if k not in COUNTS)
