@@ -12,6 +12,31 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+# DALI's wheels are built per CUDA major version and all install the package nvidia.dali, so
+# only one can be in an environment. pyproject depends on the design card's (CUDA 12); a torch
+# built for CUDA 13 wants the other (`make dali-cuda13` swaps them in .venv).
+DEFAULT_WHEEL = "nvidia-dali-cuda120"
+WHEELS = {"12": "nvidia-dali-cuda120", "13": "nvidia-dali-cuda130"}
+
+
+def wheel_for(cuda_version: str | None) -> str:
+    """The DALI wheel for a torch built for `cuda_version` (torch.version.cuda: "12.8",
+    "13.0"); the default for a CPU-only torch (DALI's CPU operators run with either) or a
+    CUDA major version DALI has no wheel for."""
+    return WHEELS.get((cuda_version or "").split(".")[0], DEFAULT_WHEEL)
+
+
+def install_hint() -> str:
+    """What to install for this torch: `pip install <wheel>`, and why when it is not the
+    default."""
+    import torch
+
+    wheel = wheel_for(torch.version.cuda)
+    if wheel == DEFAULT_WHEEL:
+        return f"pip install {wheel}"
+    return (f"pip uninstall {DEFAULT_WHEEL}; pip install {wheel} (this torch is built for "
+            f"CUDA {torch.version.cuda}; in the project's .venv: make dali-cuda13)")
+
 
 def build(graph: Callable[[], Any], *, batch_size: int, num_threads: int,
           device_id: int | None, seed: int, prefetch_depth: int = 2) -> Any:
@@ -28,6 +53,24 @@ def build(graph: Callable[[], Any], *, batch_size: int, num_threads: int,
     built = pipe()
     built.build()
     return built
+
+
+class CopyFence:
+    """The copies queued out of a graph's current output buffers (CUDA events). DALI may
+    refill those buffers once its next output is asked for, or free them with the graph; the
+    runner waits here just before either, not right after queuing the copies: by then they
+    are long done, so the decode thread does not stall on each batch's copy."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def add(self, event: Any) -> None:
+        self.events.append(event)
+
+    def wait(self) -> None:
+        for event in self.events:
+            event.synchronize()
+        self.events.clear()
 
 
 class GraphRunner:
@@ -48,6 +91,7 @@ class GraphRunner:
         self.depth = max(1, depth)
         self.graph: Any = None
         self.built_depth = self.depth
+        self.fence = CopyFence()  # `fetch`'s device copies out of the current outputs
 
     def run(self, items: Iterator[T], on_failure: Callable[[T, Exception], T]
             ) -> Iterator[tuple[T, Any]]:
@@ -58,9 +102,14 @@ class GraphRunner:
             if any(fed for _, fed in pending) or self.built_depth < self.depth:
                 # Abandoned with batches inside (a `break`, close(), an error), or shallow
                 # after a rebuild: a later pass must not get their outputs.
-                self.graph = None
+                self._drop()
 
     def close(self) -> None:
+        self._drop()
+
+    def _drop(self) -> None:
+        """Let the graph go (its buffers with it) once the copies out of them are done."""
+        self.fence.wait()
         self.graph = None
 
     def _run(self, source: Iterator[T], pending: deque[list[Any]],
@@ -77,10 +126,11 @@ class GraphRunner:
             if self.graph is None:
                 self._start(pending)
             try:
+                self.fence.wait()  # the last output's copies: done before DALI reuses it
                 (out,) = self.graph.outputs()
                 result = self.fetch(out, head)  # before the next run reuses the buffers
             except RuntimeError as exc:
-                self.graph = None  # a pipeline that failed is not used again
+                self._drop()  # a pipeline that failed is not used again
                 pending[0][0] = on_failure(head, exc)
                 for entry in pending:
                     entry[1] = False
@@ -108,9 +158,11 @@ class GraphRunner:
         self.graph.schedule_run()
 
 
-def to_cuda(batch: Any, dtype: Any, cuda_index: int | None, stream: Any) -> Any:
+def to_cuda(batch: Any, dtype: Any, cuda_index: int | None, stream: Any,
+            fence: CopyFence) -> Any:
     """A dense DALI GPU batch copied into a new CUDA tensor on `stream` (the copier's side
-    stream; see the stream contract in pipeline/loading/delivery.py)."""
+    stream; see the stream contract in pipeline/loading/delivery.py). The copy's event goes
+    into `fence` (its GraphRunner's), waited on before DALI may reuse the batch's buffer."""
     import torch
     from nvidia.dali.plugin.pytorch import feed_ndarray
 
@@ -123,9 +175,7 @@ def to_cuda(batch: Any, dtype: Any, cuda_index: int | None, stream: Any) -> Any:
         feed_ndarray(dense, tensor, cuda_stream=stream)
         copied = torch.cuda.Event()
         copied.record(stream)
-    # DALI refills this buffer once the next output is asked for: wait (this thread only)
-    # until our copy out of it is done. A device-to-device copy: microseconds.
-    copied.synchronize()
+    fence.add(copied)
     return tensor
 
 

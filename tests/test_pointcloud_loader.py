@@ -261,6 +261,39 @@ def test_every_bad_cloud_is_skipped_counted_and_named(tmp_path, reader):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("reader", ["dali", "stream"])
+def test_a_cloud_too_small_to_normalize_is_caught_and_only_it_is_read_back(tmp_path,
+                                                                             monkeypatch,
+                                                                             reader):
+    """A cloud 1e-25 across: normalizing squares its offsets (below float32's smallest),
+    the radius reads 0 and the points come out non-finite: skipped, named. The decode thread
+    reads the points' finiteness back (on a GPU, a wait for the stream) only for a batch
+    whose box extents allow that, not for every batch."""
+    import sys
+
+    reads: list[int] = []
+    real = torch.isfinite
+
+    def counted(t):  # type: ignore[no-untyped-def]
+        if sys._getframe(1).f_code.co_filename.endswith("pointcloud/decode.py"):
+            reads.append(len(t))
+        return real(t)
+
+    monkeypatch.setattr(torch, "isfinite", counted)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "tiny").mkdir()
+    plain = write_shard(tmp_path / "plain", with_good_ones({}))
+    loader = pointcloud_loader(plain, batch_size=4, num_points=16, reader=reader, **OPTS)
+    assert sum(len(b.keys) for b in loader) == 5 and reads == []
+    tiny = write_shard(tmp_path / "tiny", with_good_ones(
+        {"tiny": {"npy": npy(good(9) * np.float32(1e-25)), "cls": b"0"}}))
+    loader = pointcloud_loader(tiny, batch_size=8, num_points=16, reader=reader,
+                               on_error="skip", **OPTS)
+    assert sorted(k for b in loader for k in b.keys) == [f"good{i}" for i in range(5)]
+    assert [(e["key"], e["reason"]) for e in loader.skipped] == [("tiny", "non-finite")]
+    assert "normalizing overflowed" in loader.skipped[0]["detail"] and reads == [6]
+
+
 @pytest.mark.parametrize("key", ["nan", "identical", "pickled", "huge", "flat", "nolabel"])
 def test_a_bad_cloud_raises_naming_shard_key_and_reason(tmp_path, key):
     members, reason = bad_samples(tmp_path / "unpickled")[key]
@@ -306,9 +339,22 @@ def test_a_graph_failure_is_traced_to_its_sample(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="train-000000.tar key 'swapped': DALI cannot decode it: "
                        ".*Big Endian.*bad-cloud"):
         epoch(pointcloud_loader(source, batch_size=4, num_points=16, **OPTS))
+    from pipeline.pointcloud.decode import DecodeStage
+
+    builds: list[int | None] = []
+    real_build = DecodeStage._build
+
+    def counted(self, depth, batch_size=None):  # type: ignore[no-untyped-def]
+        builds.append(batch_size)
+        return real_build(self, depth, batch_size)
+
+    monkeypatch.setattr(DecodeStage, "_build", counted)
     loader = pointcloud_loader(source, batch_size=4, num_points=16, on_error="skip", **OPTS)
     assert sorted(k for b in loader for k in b.keys) == [f"good{i}" for i in range(5)]
     assert [(e["key"], e["reason"]) for e in loader.skipped] == [("swapped", "bad-cloud")]
+    # the failed batch's 4 samples went through one one-sample graph (two when the bad
+    # one is not the last: a graph that failed is rebuilt), not one graph each
+    assert 1 <= builds.count(1) <= 2, builds
 
 
 @pytest.mark.parametrize("option, value", [("batch_size", 0), ("num_points", 0),
@@ -398,6 +444,27 @@ def test_gpu_graph_gives_the_cpu_points_on_the_device(shards):
     assert on_gpu.keys == on_cpu.keys
     torch.testing.assert_close(on_gpu.points.cpu(), on_cpu.points, atol=1e-5, rtol=0)
     assert torch.equal(on_gpu.label.cpu(), on_cpu.label)
+
+
+@pytest.mark.parametrize("side, dims", [(26, 3), (66, 2), (300, 3), (5000, 2)])
+def test_the_device_cell_index_needs_no_host_tensor_and_is_the_cpu_one(side, dims,
+                                                                       monkeypatch):
+    """CUDA's row-major cell index (integer multiply-adds by Python numbers) equals the CPU's
+    float matmul, also where side**dims passes 2**24 (float64 there); and it makes no tensor
+    from host data (on CUDA that copy would wait for the stream)."""
+    from pipeline.pointcloud import voxelize as vox
+
+    gen = torch.Generator().manual_seed(side)
+    cells = torch.randint(0, side, (3, 500, 3), generator=gen).float()
+    cells[0, 0, :dims] = side - 1  # the last cell of a cloud
+    expected = vox._flat(cells, side, dims, on_device=False)
+    made: list[object] = []
+    real = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: (made.append(a), real(*a, **k))[1])
+    got = vox._flat(cells, side, dims, on_device=True)
+    monkeypatch.undo()
+    assert made == [] and got.dtype == torch.int64 and torch.equal(got, expected)
+    assert int(got[0, 0]) == side**dims - 1 and int(got.max()) < 3 * side**dims
 
 
 @pytest.mark.parametrize("mode", ["occupancy", "count"])

@@ -134,7 +134,8 @@ class DecodeStage(ImageStage, GraphStage):
         if self.decode == "gpu":
             import torch
 
-            return dali.to_cuda(out, torch.uint8, self.cuda_index, self.copier.stream)
+            return dali.to_cuda(out, torch.uint8, self.cuda_index, self.copier.stream,
+                                self.runner.fence)
         if self.graph_resizes:  # already the batch: copy it out of DALI's reused buffer
             import torch
 

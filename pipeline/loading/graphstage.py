@@ -8,8 +8,9 @@ to a batch (`_finish`); its loader subclasses `GraphLoader` (the reader stage's 
       -> GraphRunner: graph up to prefetch + 1 batches ahead, outputs copied out before
          the next run
       -> a failed batch is traced to its samples: the modality's own check of each (PIL,
-         numpy), then each alone through a fresh one-sample graph; bad samples are raised or
-         skipped (recorded with the batch) and the rest runs again
+         numpy), then each alone through a one-sample graph (one, reused until a sample
+         fails in it); bad samples are raised or skipped (recorded with the batch) and the
+         rest runs again
       -> _finish(item, output) -> (batch, reader state, ready event, skips)
 """
 
@@ -101,6 +102,11 @@ class GraphStage(BackendStage):
         depth = prefetch + 1 if placement.decode == "cpu" else prefetch
         self.runner = dali.GraphRunner(self._build, self._feed, self._fetch,
                                        lambda item: not len(item[0]), depth=depth)
+        # The one-sample graph that traces a failed batch to its samples, kept between
+        # samples and batches: on the GPU each build initialises nvJPEG (and allocates), so a
+        # fresh one per sample cost up to batch_size of those per failed batch. Rebuilt only
+        # after a sample failed in it (DALI may leave a failed graph unusable).
+        self._probe: Any = None
 
     def run(self, prepared: Iterable[Item], stop: threading.Event) -> Iterator[Produced]:
         for item, fetched in self.runner.run(iter(prepared), self._on_failure):
@@ -110,6 +116,7 @@ class GraphStage(BackendStage):
 
     def close(self) -> None:
         self.runner.close()
+        self._probe = None
 
     # -- what a modality supplies ------------------------------------------------------------
 
@@ -154,12 +161,14 @@ class GraphStage(BackendStage):
         for i in range(len(enc)):
             one = (EncodedBatch([enc.keys[i]], [enc.urls[i]], [enc.data[i]], [enc.labels[i]]),
                    *([column[i]] for column in item[1:]))
-            graph = self._build(1, batch_size=1)
+            if self._probe is None:
+                self._probe = self._build(1, batch_size=1)
             try:
-                self._feed(graph, one)
-                graph.schedule_run()
-                graph.outputs()
+                self._feed(self._probe, one)
+                self._probe.schedule_run()
+                self._probe.outputs()
             except RuntimeError as exc:
+                self._probe = None
                 bad.append(i)
                 self._handle(DataError(self.what, f"DALI cannot decode it: "
                                        f"{dali.reason(exc)}"), enc, i)

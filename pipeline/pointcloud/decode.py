@@ -34,6 +34,8 @@ from pipeline.samples import pointcloud_io
 from pipeline.samples.checks import OFFSET_EXT
 
 Item = tuple[EncodedBatch, list[int], list[SampleParams]]  # (batch, labels, parameters)
+# Box sides (largest of a cloud's three) whose normalization stays well inside float32.
+SAFE_SIDES = (1e-15, 1e18)
 
 
 class CloudStage(BackendStage):
@@ -85,17 +87,15 @@ class CloudStage(BackendStage):
                          finite: np.ndarray, extent: np.ndarray) -> Any:
         """The rows of `points` whose clouds are finite and have an extent; the others are
         raised or recorded, and removed from `enc` and `labels`."""
-        import torch
-
-        # The output check also catches a normalization that overflowed (a tiny extent).
-        usable = torch.isfinite(points.flatten(1)).all(1).tolist()  # GPU: syncs this stream
+        usable = self._usable(points, extent)
+        count = len(enc)
         bad: dict[int, DataError] = {}
-        for i in range(len(enc)):
+        for i in range(count):
             if finite[i] != 0:
                 bad[i] = DataError("non-finite", "x, y or z values are NaN or Inf")
             elif not extent[i].any():
                 bad[i] = DataError("degenerate", "all points are at one position: zero extent")
-            elif not usable[i]:
+            elif usable is not None and not usable[i]:
                 bad[i] = DataError("non-finite", "normalizing overflowed float32 (an extent "
                                    f"of {extent[i].tolist()})")
         if not bad:
@@ -105,7 +105,23 @@ class CloudStage(BackendStage):
         for i in sorted(bad, reverse=True):
             enc.drop(i)
             del labels[i]
-        return points[[i for i in range(len(usable)) if i not in bad]]
+        return points[[i for i in range(count) if i not in bad]]
+
+    def _usable(self, points: Any, extent: np.ndarray) -> list[bool] | None:
+        """Per cloud, whether its points came out finite; None when none can have overflowed.
+        Reading the points' finiteness back costs a wait for the stream on a GPU, every
+        batch: it is read only where the box extents (host values already) allow an
+        overflow. Normalizing divides by the radius, between 0.5 and 0.87 of the box's
+        largest side: a side below ~1e-19 underflows the squares (the radius reads 0), one
+        above ~1e19 overflows them. Unnormalized, the scale augmentation can overflow
+        coordinates near float32's limit, which the extent does not show: always read."""
+        import torch
+
+        sides = extent.max(axis=1) if len(extent) else np.zeros(0)
+        risky = (sides > 0) & ((sides < SAFE_SIDES[0]) | (sides > SAFE_SIDES[1]))
+        if self.cfg.normalize and not risky.any():
+            return None
+        return torch.isfinite(points.flatten(1)).all(1).tolist()  # type: ignore[no-any-return]
 
     def _make_copier(self) -> DeviceCopier:
         cuda = self.placement.target == "cuda"
@@ -153,7 +169,8 @@ class DecodeStage(CloudStage, GraphStage):
 
         points, finite, extent = out
         if self.decode == "gpu":
-            tensor = dali.to_cuda(points, torch.float32, self.cuda_index, self.copier.stream)
+            tensor = dali.to_cuda(points, torch.float32, self.cuda_index,
+                                  self.copier.stream, self.runner.fence)
         else:
             tensor = torch.from_numpy(np.array(points.as_tensor()))
         return tensor, np.array(finite.as_tensor()), np.array(extent.as_tensor())
