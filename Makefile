@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: install test lint demo bench gpu-check clean
+.PHONY: install test lint demo bench gpu-check gpu-test dali-cuda13 clean
 
 install: $(STAMP)
 
@@ -57,6 +57,21 @@ bench: $(BENCH_STAMP)
 # On a CUDA machine: the GPU figures (tools/gpu_check.py --help); elsewhere it says so, exits 0.
 gpu-check: $(STAMP)
 	$(PY) tools/gpu_check.py --json gpu-report.json
+
+# The GPU CI job (tests/README.md): the gpu-marked tests (DALI's skip where it does not
+# import), then the check, whose exit status is 1 when any part did not pass. Without CUDA
+# the tests skip and the check exits 0: the target proves nothing there.
+gpu-test: $(STAMP)
+	$(PY) -m pytest -q -m gpu
+	$(PY) tools/gpu_check.py --json gpu-report.json
+
+# A torch built for CUDA 13 (torch.version.cuda 13.x, e.g. TORCH_SPEC with a cu13 build)
+# pairs with DALI's CUDA 13 wheel. Both wheels install the package nvidia.dali, so this swaps
+# pyproject's nvidia-dali-cuda120 (the design card's) for it in .venv; make install does not
+# undo it (to go back: pip uninstall nvidia-dali-cuda130, rm .venv/.installed, make install).
+dali-cuda13: $(STAMP)
+	$(PY) -m pip uninstall --yes nvidia-dali-cuda120
+	$(PY) -m pip install --quiet "nvidia-dali-cuda130>=2.0"
 
 clean:
 	rm -rf demo-out bench-out .pytest_cache

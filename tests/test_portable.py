@@ -348,6 +348,26 @@ def test_auto_takes_portable_without_dali_and_says_so_once(shards, no_dali, capl
         image_loader(shards, batch_size=4, **{**OPTS, "decode": "gpu"})
 
 
+@pytest.mark.parametrize("cuda, wheel", [("12.8", "nvidia-dali-cuda120"),
+                                         ("13.0", "nvidia-dali-cuda130"),
+                                         ("13.2", "nvidia-dali-cuda130"),
+                                         (None, "nvidia-dali-cuda120"),  # a CPU-only torch
+                                         ("11.8", "nvidia-dali-cuda120")])
+def test_the_dali_wheel_follows_torchs_cuda(monkeypatch, cuda, wheel):
+    """The install hint names the DALI build for torch's CUDA major version (CUDA 13 torch
+    builds are current; the card's default stays nvidia-dali-cuda120), and says how to swap
+    when it is not the default."""
+    from pipeline import dali
+
+    assert dali.wheel_for(cuda) == wheel
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    hint = dali.install_hint()
+    assert hint.startswith(f"pip install {wheel}") == (wheel == dali.DEFAULT_WHEEL)
+    if wheel != dali.DEFAULT_WHEEL:
+        assert f"pip install {wheel}" in hint and "make dali-cuda13" in hint
+        assert f"CUDA {cuda}" in hint
+
+
 def test_text_streams_its_shards_on_the_portable_backend(tmp_path):
     out = _shards(tmp_path, "text", make_text_corpus(tmp_path / "docs", docs=40), 10)
     with text_loader(out, batch_size=4, seq_len=32, backend="portable", device="cpu",

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
+from pipeline import dali
 from pipeline.errors import DataError, OnError, SkipLog, handle
 from pipeline.loading import consumed, reader_dali, reader_stream
 from pipeline.loading.batch import EncodedBatch
@@ -97,7 +98,7 @@ def resolve_backend(backend: str, kind: str, decode: str = "auto") -> Backend:
         raise ValueError(f"backend={backend!r}: choose one of auto, dali, portable")
     if backend == "dali" and not dali_importable():
         raise ImportError("backend='dali' but nvidia.dali does not import here: install it "
-                          "(pip install nvidia-dali-cuda120, Linux only), or use "
+                          f"({dali.install_hint()}, Linux only), or use "
                           "backend='portable' (or 'auto')")
     chosen = _auto_backend() if backend == "auto" else cast(Backend, backend)
     if chosen == "portable" and decode == "gpu":

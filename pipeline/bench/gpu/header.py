@@ -49,4 +49,7 @@ def part_header(ctx: Ctx) -> dict[str, Any]:
                     capability=f"{props.major}.{props.minor}",
                     gpu_memory_gb=round(props.total_memory / 2**30, 1),
                     cudnn=torch.backends.cudnn.version())
-    return {**info, **dali_probe()}
+    from pipeline.dali import wheel_for
+
+    # the DALI wheel this torch's CUDA wants (nvidia-dali-cuda130 for CUDA 13 builds)
+    return {**info, **dali_probe(), "dali_wheel": wheel_for(torch.version.cuda)}
