@@ -8,6 +8,9 @@ import functools
 import http.server
 import io
 import json
+import os
+import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -225,7 +228,6 @@ def process_tree(pid: int) -> list[int]:
 def deadline(seconds: int) -> Iterator[None]:
     """Raise TimeoutError in the block after `seconds` (main thread only): a test of something
     that must not hang fails instead of hanging the suite."""
-    import signal
 
     def expired(signum: int, frame: object) -> None:
         raise TimeoutError(f"still running after {seconds} s: hung")
@@ -237,3 +239,16 @@ def deadline(seconds: int) -> Iterator[None]:
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+def convert_killed(cfg: object, kill_at: int, spec_dir: Path,
+                   patches: dict[str, object] | None = None) -> None:
+    """Run convert(cfg) in a child process (tests/convert_killed.py) that SIGKILLs itself once
+    `kill_at` samples are written; `patches` ("module.NAME": value) are set there first, as a
+    test's monkeypatch is here."""
+    spec = spec_dir / "killed-spec.pkl"
+    spec.write_bytes(pickle.dumps({"cfg": cfg, "kill_at": kill_at, "patches": patches or {}}))
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "convert_killed.py"), str(spec)],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-3000:])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -32,77 +33,50 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "out"
 
 
-def _loaders(shards: Path) -> tuple:
-    opts = {"batch_size": BATCH, "size": 16, "device": "cpu", "threads": 1, "use_tuning": False}
-    return image_loader(shards, seed=3, **opts), image_loader(shards, train=False, **opts)
+def _lightning(shards: Path, run: Path, devices: int, max_steps: int, *flags: object
+               ) -> subprocess.CompletedProcess:
+    """tests/lightning_run.py in a child process: Lightning's fit of a linear model for 2
+    epochs, a checkpoint after every step, resumed from RUN/last.ckpt when there is one."""
+    script = [sys.executable, str(Path(__file__).parent / "lightning_run.py"), str(shards),
+              str(run), str(devices), str(max_steps), *map(str, flags)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(script, env=env, timeout=300, capture_output=True, text=True)
 
 
-class _Crash(Exception):
-    pass
-
-
-def _lightning_run(shards: Path, run: Path, crash_at: int | None) -> list:
-    """Lightning's fit of a linear model for 2 epochs, a checkpoint after every step; with
-    `crash_at`, the step of that global index raises (the process "dies" there); without, it
-    resumes from last.ckpt. Returns what each step saw: (stage, epoch, keys)."""
-    import lightning as pl
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    seen: list = []
-
-    class Linear(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = torch.nn.Linear(3 * 16 * 16, 10)
-
-        def training_step(self, batch, _):  # type: ignore[no-untyped-def]
-            if crash_at is not None and self.global_step == crash_at:
-                raise _Crash
-            seen.append(("train", self.current_epoch, list(batch.keys)))
-            x = batch.image.float().flatten(1) / 255
-            return torch.nn.functional.cross_entropy(self.lin(x), batch.label)
-
-        def validation_step(self, batch, _):  # type: ignore[no-untyped-def]
-            seen.append(("val", self.current_epoch, list(batch.keys)))
-
-        def configure_optimizers(self):  # type: ignore[no-untyped-def]
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    train, val = _loaders(shards)
-    trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=2, callbacks=[ModelCheckpoint(
-                             dirpath=run, every_n_train_steps=1, save_last=True,
-                             save_top_k=-1)])
-    with train, val:
-        try:
-            trainer.fit(Linear(), train, val,
-                        ckpt_path=None if crash_at is not None else str(run / "last.ckpt"))
-        except _Crash:
-            pass
-    return seen
+def _seen(run: Path, rank: int = 0) -> list[dict]:
+    return [json.loads(line)
+            for line in (run / f"keys-{rank}.jsonl").read_text().splitlines()]
 
 
 def test_lightning_resumes_mid_epoch_with_exactly_the_remaining_samples(shards, tmp_path):
+    """The process is SIGKILLed at the start of global step 7 (5 steps an epoch: 2 into epoch
+    1), not an exception Lightning could unwind; the same command again resumes from the
+    checkpoint the killed process left."""
     pytest.importorskip("lightning")
-    first = _lightning_run(shards, tmp_path, crash_at=7)  # 5 steps an epoch: 2 into epoch 1
+    flags = ("--batch", BATCH, "--validate")
+    killed = _lightning(shards, tmp_path, 1, -1, *flags, "--kill-at", 7)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    first = _seen(tmp_path)
     # Lightning keeps the loader's own state (state_dict) in its checkpoint, and gives it back
     # through load_state_dict on resume.
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
     state = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
     assert (state["kind"], state["epoch"], state["batches"]) == ("image", 1, 2)
-    rest = _lightning_run(shards, tmp_path, crash_at=None)
-    train = [(epoch, keys) for stage, epoch, keys in first + rest if stage == "train"]
+    done = _lightning(shards, tmp_path, 1, -1, *flags)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = _seen(tmp_path)
+    rest = seen[len(first):]
+    train = [(r["epoch"], r["keys"]) for r in seen if r["stage"] == "train"]
     for epoch in (0, 1):
         keys = [k for e, ks in train if e == epoch for k in ks]
         assert len(keys) == SAMPLES and len(set(keys)) == SAMPLES, epoch  # each once
     assert [e for e, _ in train] == [0] * 5 + [1] * 5
-    assert sum(stage == "train" for stage, _, _ in rest) == 3  # only what was left
+    assert sum(r["stage"] == "train" for r in rest) == 3  # only what was left
     # The sanity check's 2 validation batches do not shorten the epoch's validation.
-    val = [(epoch, keys) for stage, epoch, keys in first + rest if stage == "val"]
-    assert [len(keys) for _, keys in val] == [BATCH] * 12
-    whole = {k for e, ks in val[2:7] for k in ks}
-    assert len(whole) == SAMPLES and whole == {k for e, ks in val[7:] for k in ks}
+    val = [r["keys"] for r in seen if r["stage"] == "val"]
+    assert [len(keys) for keys in val] == [BATCH] * 12
+    epochs = [{k for ks in val[2:7] for k in ks}, {k for ks in val[7:] for k in ks}]
+    assert len(epochs[0]) == SAMPLES and epochs[0] == epochs[1]
 
 
 @pytest.mark.slow
@@ -111,12 +85,8 @@ def test_lightning_ddp_on_two_ranks_resumes_on_one_with_every_sample_once(shards
     one process: the loader's state holds both ranks' positions (gathered when Lightning
     saves on every rank), and the rest of the epoch goes to the one rank (elastic.py)."""
     pytest.importorskip("lightning")
-    script = [sys.executable, str(Path(__file__).parent / "lightning_run.py"), str(shards),
-              str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for devices, max_steps in ((2, 3), (1, -1)):
-        done = subprocess.run([*script, str(devices), str(max_steps)], env=env, timeout=300,
-                              capture_output=True, text=True)
+        done = _lightning(shards, tmp_path, devices, max_steps)
         assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for rank in (0, 1)
                for line in (tmp_path / f"keys-{rank}.jsonl").read_text().splitlines()]

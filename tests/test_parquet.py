@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import jpeg_bytes, load_manifest, read_wds, run_tool, shard_paths
+from conftest import convert_killed, jpeg_bytes, load_manifest, read_wds, run_tool, shard_paths
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -224,36 +224,28 @@ def test_rerun_gives_byte_identical_shards_whatever_the_workers(tmp_path):
     assert mixed != plain and sorted(mixed) == plain
 
 
-class Stop(Exception):
-    """Raised from the progress callback: the conversion is interrupted there."""
-
-
 @pytest.mark.parametrize("seed", [None, 7])
 def test_an_interrupted_conversion_resumes_to_the_same_shards(tmp_path, monkeypatch, seed):
+    """Killed (SIGKILL, in a child process) after 15 samples, then the same conversion again."""
     monkeypatch.setattr(parquet, "CHUNK_ROWS", 3)  # chunks inside row groups, and across
     monkeypatch.setattr(parquet, "SHUFFLE_ROWS", 8)
+    patches = {f"{parquet.__name__}.CHUNK_ROWS": 3, f"{parquet.__name__}.SHUFFLE_ROWS": 8}
     texts = [f"text {i}" if i % 11 else "" for i in range(40)]  # some bad rows, skipped
     write(tmp_path / "src" / "a.parquet", {"t": texts[:23]}, row_group_size=5)
     write(tmp_path / "src" / "b.parquet", {"t": texts[23:]}, row_group_size=7)
 
-    def run(out: Path, stop_at: int | None = None):
-        def progress(samples: int, _bytes: int, _total: int | None) -> None:
-            if samples == stop_at:
-                raise Stop
+    def config(out: Path) -> ConvertConfig:
+        return ConvertConfig(kind="parquet", src=str(tmp_path / "src"), out=out, max_count=4,
+                             workers=1, on_error="skip", shuffle_seed=seed,
+                             parquet=ParquetOptions(text_column="t"))
 
-        cfg = ConvertConfig(kind="parquet", src=str(tmp_path / "src"), out=out, max_count=4,
-                            workers=1, on_error="skip", shuffle_seed=seed,
-                            parquet=ParquetOptions(text_column="t"))
-        return convert(cfg, progress)
-
-    whole = run(tmp_path / "whole")
+    whole = convert(config(tmp_path / "whole"))
     assert whole.total_samples == 36 and whole.to_json()["skipped_counts"] == {"empty-text": 4}
-    with pytest.raises(Stop):
-        run(tmp_path / "out", stop_at=15)
+    convert_killed(config(tmp_path / "out"), 15, tmp_path, patches)
     assert (tmp_path / "out" / ".make_shards.journal.json").exists()
     assert not (tmp_path / "out" / "manifest.json").exists()
     assert len(list((tmp_path / "out").glob("*.tar"))) == 3  # finished shards only
-    resumed = run(tmp_path / "out")
+    resumed = convert(config(tmp_path / "out"))
     assert resumed.to_json()["skipped"] == whole.to_json()["skipped"]
     for a, b in zip(shard_paths(tmp_path / "whole"), shard_paths(tmp_path / "out"), strict=True):
         assert a.read_bytes() == b.read_bytes()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import load_manifest, read_wds, run_tool, shard_paths
+from conftest import convert_killed, load_manifest, read_wds, run_tool, shard_paths
 
 from pipeline.convert import ConvertConfig, convert, tabular_rows
 from pipeline.convert.tabular import AVAZU_CATEGORICAL, TabularOptions
@@ -263,29 +263,22 @@ def test_same_shards_whatever_the_workers_and_shuffled_rows_are_the_same_rows(tm
     assert shard_bytes(tmp_path / "s") == shard_bytes(tmp_path / "s2")
 
 
-class Stop(Exception):
-    """Raised from the progress callback: the conversion is interrupted there."""
-
-
 @pytest.mark.parametrize("seed", [None, 2])
 def test_an_interrupted_conversion_resumes_to_the_same_shards(tmp_path, monkeypatch, seed):
+    """Killed (SIGKILL, in a child process) after 7 blocks, then the same conversion again."""
     monkeypatch.setattr(tabular_rows, "SHUFFLE_BLOCKS", 3)
     src = write_criteo(tmp_path, 300)
 
-    def run(out: Path, stop_at: int | None = None):
-        def progress(samples: int, _bytes: int, _total: int | None) -> None:
-            if samples == stop_at:
-                raise Stop
+    def config(out: Path) -> ConvertConfig:
+        return cfg(src, out, max_count=2, on_error="skip", shuffle_seed=seed,
+                   tabular=TabularOptions(preset="criteo", rows_per_block=20))
 
-        return convert(cfg(src, out, max_count=2, on_error="skip", shuffle_seed=seed,
-                           tabular=TabularOptions(preset="criteo", rows_per_block=20)),
-                       progress)
-
-    whole = run(tmp_path / "whole")
-    with pytest.raises(Stop):
-        run(tmp_path / "out", stop_at=7)
+    whole = convert(config(tmp_path / "whole"))
+    convert_killed(config(tmp_path / "out"), 7, tmp_path,
+                   {f"{tabular_rows.__name__}.SHUFFLE_BLOCKS": 3})
+    assert (tmp_path / "out" / ".make_shards.journal.json").exists()
     assert not (tmp_path / "out" / "manifest.json").exists()
-    resumed = run(tmp_path / "out")
+    resumed = convert(config(tmp_path / "out"))
     assert resumed.tabular == whole.tabular and resumed.tabular["rows"] == 299
     assert resumed.to_json()["skipped"] == whole.to_json()["skipped"]
     assert shard_bytes(tmp_path / "out") == shard_bytes(tmp_path / "whole")
