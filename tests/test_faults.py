@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -71,10 +72,14 @@ def _no_partial_shards(out: Path) -> None:
 def test_a_hung_worker_is_named_within_the_timeout(stalling, tmp_path):
     proc = _make_shards(stalling, tmp_path / "out", "--worker-timeout", "3")
     assert _StallingHandler.stalled.wait(60), "no worker reached the stalling input"
+    stalled_at = time.monotonic()
     workers = _workers(proc.pid)
     _, err = proc.communicate(timeout=120)  # the run must end by itself
     assert proc.returncode == 4, err
     assert "stall.jpg" in err and "no result for 3 s" in err and "hung" in err
+    # Named after the 3 s it was given, not before, and long before the server lets go at
+    # 120 s (the slack is for stopping the pool on a busy machine: a bound, not a speed).
+    assert 2.5 <= time.monotonic() - stalled_at <= 3 + 30
     _no_partial_shards(tmp_path / "out")
     assert workers and not [pid for pid in workers if _alive(pid)], "a worker was left running"
 

@@ -6,6 +6,7 @@ import functools
 import json
 import tarfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -549,8 +550,12 @@ def test_a_hung_reader_is_reported_within_the_timeout(shards, monkeypatch):
     monkeypatch.setattr(reader_dali, "batches", hangs_after_one)
     loader = image_loader(shards, batch_size=8, device="cpu", timeout_s=1.5, **OPTS)
     try:
+        waiting_since = time.monotonic()
         with pytest.raises(TimeoutError, match="shardflow-image produced nothing for 2 s"):
             epoch(loader)
+        # Raised after the 1.5 s it was given, not before, and long before the read would
+        # have come back at 30 s (the slack is for a busy machine: a bound, not a speed).
+        assert 1.5 <= time.monotonic() - waiting_since <= 1.5 + 15
     finally:
         stop_hanging.set()  # let the stuck thread finish so no thread is left behind
         loader.close()
