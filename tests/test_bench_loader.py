@@ -67,6 +67,9 @@ def _check_rates(result: dict, modality: str) -> None:
     rates, work = result[f"{unit}_per_s"], result[unit]
     assert set(result[f"cpu_s_per_{unit[:-1]}"]) == set(rates)
     assert all(v > 0 for v in rates.values()) and work == (24 if unit == "images" else 60)
+    # Every timed epoch of every contender read the whole corpus (half of it would read as
+    # twice the speed); pipeline.bench.alternate stops the benchmark on any other count.
+    assert result[f"{unit}_read"] == {name: [work] * result["repeats"] for name in rates}
     assert result["batch_size"] == 8
     if modality == "image":
         ratios = result["ratios"]
@@ -286,3 +289,50 @@ def test_the_streaming_benchmark_resumes_fetching_only_what_is_left(tmp_path):
     fetched = result["remote_bytes"]
     assert result["shards"] >= 4 and fetched["cache_second"] == 0
     assert 0 < fetched["resume_at_half"] < fetched["epoch"]
+
+
+def test_bench_convert_end_to_end(tmp_path):
+    """tools/bench_convert.py on 12 photos, 2 repeats: the report's input is the corpus's
+    real size, every rate is that size over the median of its timed repeats, tar is the unit,
+    the table is printed and written, and the work folder goes."""
+    import statistics
+
+    from pipeline.builtin import make_photo_corpus
+
+    out = tmp_path / "out"
+    proc = run_tool("bench_convert", "--out", out, "--count", 12, "--repeats", 2, check=True)
+    report = json.loads((out / "convert.json").read_text())
+    photos = make_photo_corpus(tmp_path / "same-photos", count=12)  # byte-identical
+    mb = sum(f.stat().st_size for f in photos.rglob("*") if f.is_file()) / 1e6
+    assert (report["files"], report["repeats"]) == (12, 2)
+    assert report["input_MB"] == round(mb, 2)
+    rows = {r["contender"]: r for r in report["rows"]}
+    assert {"tar -cf", "make_shards 1 worker", "make_shards 2 workers"} <= set(rows)
+    assert rows["tar -cf"]["vs_tar"] == 1.0
+    for row in rows.values():
+        assert len(row["seconds"]) == 2 and row["MB_per_s"] > 0 and row["vs_tar"] > 0
+        assert row["MB_per_s"] == pytest.approx(mb / statistics.median(row["seconds"]),
+                                                rel=0.01, abs=0.01)
+    assert (out / "convert.md").read_text().strip() in proc.stdout
+    assert {p.name for p in out.iterdir()} == {"convert.json", "convert.md"}
+
+
+def test_bench_convert_contenders_do_the_whole_work(bench_tools, tiny_corpus, tmp_path):
+    """What bench_convert times is the whole conversion, every repeat: plain tar holds every
+    photo, make_shards' shards every photo once with its label, also when run again over
+    its previous output (the next repeat)."""
+    import tarfile
+
+    from conftest import read_wds
+
+    runs = bench_tools[1].contenders(tiny_corpus.folder, tmp_path)
+    expected = _folder_samples(tiny_corpus.folder)
+    runs["tar -cf"]()
+    with tarfile.open(tmp_path / "plain.tar") as tar:
+        files = [tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()]
+    assert Counter(files) == Counter(data for data, _ in expected.elements())
+    for workers in (1, 2):
+        for _ in range(2):
+            runs[f"make_shards {workers} worker" + ("s" if workers > 1 else "")]()
+            samples = read_wds(tmp_path / f"w{workers}")
+            assert Counter((s["jpg"], int(s["cls"])) for s in samples) == expected

@@ -7,6 +7,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+import pytest
 from conftest import make_image_folder, run_tool
 
 from pipeline.bench.core import Timings, alternate
@@ -76,6 +77,12 @@ def test_timings_medians_and_ratios():
     alternate({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, repeats=2,
               warmup=1)
     assert order == ["a", "b", "a", "b", "a", "b"]  # warm-ups, then A B A B
+    # With `expect`, every epoch must read the whole corpus: a contender reading half of it
+    # would read as twice as fast. Recorded per timed run; any other count stops it.
+    epochs = iter([24, 24, 24, 12])
+    with pytest.raises(RuntimeError, match=r"'half' read 12 items of 24"):
+        alternate({"whole": lambda: 24, "half": lambda: next(epochs)}, repeats=3, expect=24)
+    assert alternate({"a": lambda: 24}, repeats=2, expect=24).counts == {"a": [24, 24]}
 
 
 def test_gpu_check_says_there_is_no_gpu_and_exits_0():

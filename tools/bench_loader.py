@@ -89,6 +89,7 @@ def report(c: bi.Corpus, timings: Any, runs: dict[str, Any], args: argparse.Name
         "backend": runs["shardflow"].loader.backend,  # what "shardflow" ran ("auto" resolved)
         "repeats": args.repeats, "torchvision": runs["torchvision-style uint8"].flavour,
         "images_per_s": {k: round(v, 1) for k, v in rate.items()}, "ratios": ratios,
+        "images_read": timings.counts,  # by each timed epoch: the same work for all
         "cpu_s_per_image": {k: round(statistics.median(timings.cpu[k]) / c.images, 5)
                             for k in runs},
         # time to first batch, overlap, memory per epoch (see pipeline/bench.py)
@@ -132,7 +133,8 @@ def tune(c: bi.Corpus, args: argparse.Namespace) -> None:
                for on in ((None,) if cfg["decode"] == "gpu" or not dali else ("torch", "dali"))]
     configs = [{k: v for k, v in cfg.items() if v is not None} for cfg in configs]
     runs = {json.dumps(cfg): bi.Ours(c, **cfg) for cfg in configs}
-    timings = alternate({key: ours.epoch for key, ours in runs.items()}, repeats=args.repeats)
+    timings = alternate({key: ours.epoch for key, ours in runs.items()}, repeats=args.repeats,
+                        expect=c.images)
     table = sorted(({**json.loads(key), "images_per_s": round(timings.rate(key, c.images), 1)}
                     for key in runs), key=lambda row: -row["images_per_s"])
     for row in table:
@@ -151,7 +153,8 @@ def tune_float(c: bi.Corpus, args: argparse.Namespace, best: dict[str, Any]) -> 
     into the batch by torch, or by the DALI graph's crop_mirror_normalize."""
     fixed = {k: v for k, v in best.items() if k not in ("images_per_s", "resize_on")}
     runs = {on: bi.Ours(c, **fixed, resize_on=on, normalize=True) for on in ("torch", "dali")}
-    timings = alternate({on: ours.epoch for on, ours in runs.items()}, repeats=args.repeats)
+    timings = alternate({on: ours.epoch for on, ours in runs.items()}, repeats=args.repeats,
+                        expect=c.images)
     for on in runs:
         print({**fixed, "resize_on": on, "normalize": True,
                "images_per_s": round(timings.rate(on, c.images), 1)})
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     runs = contenders(corpus, args.backend)
     timings = alternate({k: v.epoch for k, v in runs.items()}, repeats=args.repeats,
-                        cpu_clock=cpu_seconds)
+                        cpu_clock=cpu_seconds, expect=corpus.images)
     result = report(corpus, timings, runs, args)
     return write_outputs(args, result, print_table(result), lambda path: plot(result, path))
 

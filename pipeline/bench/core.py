@@ -22,6 +22,9 @@ class Timings:
 
     seconds: dict[str, list[float]] = field(default_factory=dict)
     cpu: dict[str, list[float]] = field(default_factory=dict)  # CPU-seconds per repeat
+    # What each timed run returned (an epoch's images, clouds...): a rate is work / time, so a
+    # contender that reads half the corpus would read as twice as fast
+    counts: dict[str, list[object]] = field(default_factory=dict)
 
     def median(self, name: str) -> float:
         return statistics.median(self.seconds[name])
@@ -40,9 +43,12 @@ class Timings:
 
 
 def alternate(contenders: dict[str, Callable[[], object]], *, repeats: int = 3,
-              warmup: int = 1, cpu_clock: Callable[[], float] | None = None) -> Timings:
+              warmup: int = 1, cpu_clock: Callable[[], float] | None = None,
+              expect: int | None = None) -> Timings:
     """Run every contender `warmup` times untimed, then `repeats` rounds of A B C, A B C...
-    With `cpu_clock`, also record the CPU-seconds each run used."""
+    With `cpu_clock`, also record the CPU-seconds each run used. With `expect`, every run
+    (the warm-ups too) must return exactly that count, or the benchmark stops naming the
+    contender: a rate is only comparable over the same work."""
     from tqdm import tqdm
 
     if repeats < 1 or warmup < 0:
@@ -55,21 +61,29 @@ def alternate(contenders: dict[str, Callable[[], object]], *, repeats: int = 3,
         for name, fn in contenders.items():
             for _ in range(warmup):
                 bar.set_description(f"warm-up {name}")
-                fn()
+                _check_count(name, fn(), expect)
                 bar.update()
-        timings = Timings({name: [] for name in contenders}, {name: [] for name in contenders})
+        timings = Timings(*({name: [] for name in contenders} for _ in range(3)))  # type: ignore[arg-type]
         for _ in range(repeats):
             for name, fn in contenders.items():
                 bar.set_description(name)
                 cpu = cpu_clock() if cpu_clock else 0.0
                 start = time.perf_counter()
-                fn()
+                count = fn()
                 timings.seconds[name].append(time.perf_counter() - start)
+                timings.counts[name].append(_check_count(name, count, expect))
                 timings.cpu[name].append((cpu_clock() if cpu_clock else 0.0) - cpu)
                 bar.update()
     finally:
         bar.close()
     return timings
+
+
+def _check_count(name: str, count: object, expect: int | None) -> object:
+    if expect is not None and count != expect:
+        raise RuntimeError(f"benchmark contender {name!r} read {count} items of {expect} in an "
+                           "epoch: its rate would not be over the same work as the others'")
+    return count
 
 
 def loader_figures(make: Callable[[], Any], epochs: int) -> dict[str, Any]:
