@@ -50,7 +50,12 @@ def test_batches_follow_the_weights_from_the_seed_alone(sources):
         assert len(mixed) == 40 and mixed.weights == [0.75, 0.25]
         order = [_source_of(batch.keys, a_keys) for batch in mixed]
         counts = mixed.last_counts
-    assert 22 <= order.count("a") <= 37  # 30 expected; binomial(40, 0.75) within 3 sd
+    # The batches come from the sources the seeded draws name, one draw a batch...
+    assert order == ["ab"[mixed.source_of(i, epoch=0)] for i in range(40)]
+    # ...and the draws hold the weights: over 20,000 of them a's share is 0.75 within 5 sd
+    # (0.015); a 2:1 bug (0.667) or weights read backwards (0.25) is far outside.
+    draws = [mixed.source_of(i, epoch=e) for e in range(50) for i in range(400)]
+    assert draws.count(0) / len(draws) == pytest.approx(0.75, abs=0.015)
     assert counts == {str(a): 4 * order.count("a"), str(b): 4 * order.count("b")}
     # each source cycles through its own epochs: b (4 batches an epoch) ran out and went on
     assert order.count("b") > 4
