@@ -7,8 +7,6 @@ on every batch's copy, the host sync this replaced) and never later."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from pipeline.dali import GraphRunner
 
 

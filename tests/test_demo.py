@@ -1,0 +1,74 @@
+"""tools/demo.py, the README's main job (`make demo`): each built-in dataset converted and
+verified, the image loader, and the four training runs reaching what their data allows; the
+folder it writes into is its own."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+from conftest import ROOT, load_manifest, run_tool
+
+
+@pytest.fixture(scope="module")
+def demo():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(ROOT / "tools"))
+        import demo
+
+        yield demo
+    sys.modules.pop("demo", None)
+
+
+def test_it_refuses_a_folder_it_did_not_make_and_replaces_its_own(demo, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("months of work")
+    proc = run_tool("demo", "--out", mine)
+    assert proc.returncode == 1 and "not empty and not a demo folder" in proc.stderr
+    assert (mine / "thesis.tex").read_text() == "months of work"
+    ours = tmp_path / "ours"
+    demo.prepare(ours)
+    (ours / "stale").write_text("from the last demo")
+    demo.prepare(ours)  # a demo folder (its marker) is started afresh
+    assert [p.name for p in ours.iterdir()] == [demo.MARKER]
+
+
+def test_each_dataset_line_is_what_was_written_and_verified(demo, tmp_path):
+    """run_one for every built-in dataset: its line's samples, classes, shards and MB are
+    the manifest's, and verify_shards found no problem."""
+    for name in demo.DATASETS:
+        line = demo.run_one(name, tmp_path, workers=1).split()
+        manifest = load_manifest(tmp_path / "shards" / name)
+        assert line[0] == name and line[1] == manifest["modality"], line
+        assert int(line[2]) == manifest["total_samples"] > 0
+        assert line[3] == (str(len(manifest["classes"])) if manifest.get("classes") else "-")
+        assert int(line[4]) == len(manifest["shards"]) >= 4  # one is held out for evaluation
+        assert float(line[5]) == pytest.approx(
+            sum(s["bytes"] for s in manifest["shards"]) / 1e6, abs=0.051)
+        assert int(line[6]) == len(manifest["skipped"]) == 0 and line[7] == "ok"
+
+
+@pytest.mark.slow
+def test_the_whole_demo_trains_every_modality_past_what_chance_allows(tmp_path):
+    """The whole job (about 100 s here): exit 0 (every dataset verified, the CTR run within
+    0.03 of the planted achievable AUC), and each run's held-out figure, read from its line."""
+    proc = run_tool("demo", "--out", tmp_path / "demo", check=True)
+    out = proc.stdout
+    assert len(re.findall(r"^\w+ +\w+ +\d+ .* ok +[\d.]+s$", out, re.M)) == 5, out
+    assert re.search(r"image loader \(cpu, .*: batches of \(25, 3, 224, 224\) torch.uint8; "
+                     r".*over an epoch of 100$", out, re.M), out
+    images = float(re.search(r"^eval accuracy ([\d.]+)% on held-out shards \(chance: 10%\)",
+                             out, re.M)[1])
+    loss, entropy = map(float, re.search(r"held-out loss ([\d.]+) nats/byte against the "
+                                         r"corpus's unigram entropy ([\d.]+)", out).groups())
+    clouds = float(re.search(r"point clouds \(pointnet\): eval accuracy ([\d.]+)%", out)[1])
+    auc, achievable = map(float, re.search(r"held-out AUC ([\d.]+) against the planted "
+                                           r"achievable ([\d.]+), within", out).groups())
+    assert images > 30 and clouds > 34, (images, clouds)  # 3x and 2x chance
+    assert loss < entropy - 0.3, (loss, entropy)  # learned more than byte frequencies
+    assert achievable - 0.03 < auc <= achievable + 0.01, (auc, achievable)
+    for run in ("run", "run-text", "run-pointcloud", "run-ctr"):
+        assert json.loads((tmp_path / "demo" / run / "summary.json").read_text())["steps"] > 0
