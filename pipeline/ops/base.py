@@ -1,0 +1,79 @@
+"""The op protocol: parameters drawn per sample in Python, applied to the batch in torch.
+
+An op's `draw(rng)` returns what it will do to one sample (a factor, a threshold, None for
+"leave it"), from that sample's generator alone, so the same sample gets the same pixels in
+any batch, on any rank, after a resume. `torch(images, params)` applies a batch's parameters,
+one per image, to uint8 (N, C, H, W) in one pass: per-sample values become (N, 1, 1, 1)
+tensors, never a Python loop over the pixels of each image.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+class Op:
+    """One augmentation. Subclasses set `draw` and `torch`; `p` is the probability that a
+    sample is changed at all (a sample it skips has the parameter None)."""
+
+    p: float = 1.0
+
+    def draw(self, rng: random.Random) -> Any:
+        """This op's parameter for one sample; None leaves the sample as it is."""
+        raise NotImplementedError
+
+    def torch(self, images: torch.Tensor, params: Sequence[Any]) -> torch.Tensor:
+        """The batch with each image changed by its parameter (uint8 in, uint8 out)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+def sample_rngs(seed: int, epoch: int, keys: Sequence[str]) -> list[random.Random]:
+    """One generator per sample for the ops, apart from the crop's (pipeline.loading.rng):
+    adding an op changes no crop window."""
+    return [random.Random(f"ops/{seed}/{epoch}/{key}") for key in keys]
+
+
+def apply(ops: Sequence[Op], images: torch.Tensor, rngs: Sequence[random.Random]
+          ) -> torch.Tensor:
+    """Each op in turn over the batch, its parameters drawn from each sample's generator in
+    op order (so a sample's draws do not depend on its batch)."""
+    if len(rngs) != len(images):
+        raise ValueError(f"{len(rngs)} generators for a batch of {len(images)} images")
+    for op in ops:
+        images = op.torch(images, [op.draw(rng) for rng in rngs])
+    return images
+
+
+def chosen(params: Sequence[Any]) -> list[int]:
+    """The samples an op changes (its parameter is not None)."""
+    return [i for i, p in enumerate(params) if p is not None]
+
+
+def per_sample(images: torch.Tensor, params: Sequence[Any], fn: Any) -> torch.Tensor:
+    """`fn(images[idx], values)` over the samples with a parameter, values a float32
+    (n, 1, 1, 1) tensor on the images' device; the others stay as they are."""
+    idx = chosen(params)
+    if not idx:
+        return images
+    values = torch.tensor([float(params[i]) for i in idx], dtype=torch.float32)
+    values = values.to(images.device).view(-1, 1, 1, 1)
+    if len(idx) == len(images):
+        return fn(images, values)
+    out = images.clone()
+    where = torch.tensor(idx, device=images.device)
+    out[where] = fn(images[where], values)
+    return out
+
+
+def check_uint8(images: torch.Tensor, op: Op) -> None:
+    if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[1] not in (1, 3):
+        raise ValueError(f"{op!r} takes uint8 images (N, 1 or 3, H, W), not "
+                         f"{images.dtype} {tuple(images.shape)}")

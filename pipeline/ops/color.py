@@ -1,0 +1,266 @@
+"""Colour ops, torchvision's definitions over uint8 tensors, batched (each with its own
+factor per image). They match PIL's ImageEnhance/ImageOps, which torchvision's ops on PIL
+images use, within a level or two: PIL rounds its grey level and its mean where torchvision
+truncates (tests/test_ops.py states each tolerance).
+
+    brightness f: f * img                      contrast f:   blend(img, mean grey, f)
+    saturation f: blend(img, grey, f)          hue h:        HSV hue + h (turns, mod 1)
+    solarize t:   255 - v where v >= t         posterize b:  the top b bits of each value
+    autocontrast: each channel stretched to 0..255; equalize: each channel's histogram
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor  # in the classes below, `torch` is also the method of each op
+
+from pipeline.ops.base import Op, check_uint8, chosen, per_sample
+
+Factor = float | tuple[float, float]
+
+
+def _uniform(rng: random.Random, factor: Factor) -> float:
+    return rng.uniform(*factor) if isinstance(factor, tuple) else float(factor)
+
+
+def _to_uint8(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(0, 255).to(torch.uint8)  # truncates, as torchvision's tensor ops do
+
+
+def blend(a: torch.Tensor, b: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+    """ratio * a + (1 - ratio) * b, clamped to uint8: how PIL's Image.blend enhances."""
+    return _to_uint8(ratio * a.float() + (1.0 - ratio) * b.float())
+
+
+def grey(images: torch.Tensor) -> torch.Tensor:
+    """(N, 1, H, W) grey levels: ITU-R 601-2 luma, as PIL's convert('L') and torchvision."""
+    if images.shape[1] == 1:
+        return images
+    r, g, b = images.float().unbind(1)
+    return (0.2989 * r + 0.587 * g + 0.114 * b).unsqueeze(1).to(torch.uint8)
+
+
+def brightness(images: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    return _to_uint8(images.float() * f)
+
+
+def contrast(images: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    mean = grey(images).float().mean(dim=(1, 2, 3), keepdim=True)
+    return blend(images, mean, f)
+
+
+def saturation(images: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    return blend(images, grey(images), f)
+
+
+def hue(images: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """Rotate the hue by `h` turns (-0.5..0.5): through float HSV, back to uint8 as
+    torchvision's convert_image_dtype does (x 255.999, truncated)."""
+    if images.shape[1] == 1:
+        return images
+    hsv = rgb_to_hsv(images.float() / 255.0)
+    hsv = torch.cat([(hsv[:, :1] + h) % 1.0, hsv[:, 1:]], dim=1)
+    return (hsv_to_rgb(hsv) * (256.0 - 1e-3)).to(torch.uint8)
+
+
+def rgb_to_hsv(rgb: torch.Tensor) -> torch.Tensor:
+    """(N, 3, H, W) in 0..1 -> hue (turns), saturation, value; grey pixels get hue 0."""
+    r, g, b = rgb.unbind(1)
+    maxc, minc = rgb.max(dim=1).values, rgb.min(dim=1).values
+    flat = maxc == minc
+    span = torch.where(flat, torch.ones_like(maxc), maxc - minc)
+    s = (maxc - minc) / torch.where(flat, torch.ones_like(maxc), maxc)
+    rc, gc, bc = (maxc - r) / span, (maxc - g) / span, (maxc - b) / span
+    h = ((maxc == r) * (bc - gc) + ((maxc == g) & (maxc != r)) * (2.0 + rc - bc)
+         + ((maxc != g) & (maxc != r)) * (4.0 + gc - rc))
+    return torch.stack([torch.fmod(h / 6.0 + 1.0, 1.0), s, maxc], dim=1)
+
+
+def hsv_to_rgb(hsv: torch.Tensor) -> torch.Tensor:
+    h, s, v = hsv.unbind(1)
+    sector = torch.floor(h * 6.0)
+    f = h * 6.0 - sector
+    p = (v * (1.0 - s)).clamp(0, 1)
+    q = (v * (1.0 - s * f)).clamp(0, 1)
+    t = (v * (1.0 - s * (1.0 - f))).clamp(0, 1)
+    sector = sector.to(torch.int64) % 6
+    # per sector, which of (v, q, p, t) each channel takes: the usual six-case table
+    table = torch.stack([torch.stack(c, dim=1) for c in (
+        (v, t, p), (q, v, p), (p, v, t), (p, q, v), (t, p, v), (v, p, q))], dim=1)
+    return table.gather(1, sector[:, None, None].expand(-1, 1, 3, -1, -1)).squeeze(1)
+
+
+class _Enhance(Op):
+    """A factor per image, fixed or drawn uniformly from (low, high)."""
+
+    fn: Any = None
+
+    def __init__(self, factor: Factor, p: float = 1.0) -> None:
+        self.factor, self.p = factor, p
+
+    def draw(self, rng: random.Random) -> float | None:
+        if self.p < 1.0 and rng.random() >= self.p:
+            return None
+        return _uniform(rng, self.factor)
+
+    def torch(self, images: torch.Tensor, params: Sequence[Any]) -> torch.Tensor:
+        check_uint8(images, self)
+        return per_sample(images, params, type(self).fn)
+
+
+class Brightness(_Enhance):
+    """PIL's ImageEnhance.Brightness: 0 black, 1 the image."""
+
+    fn = staticmethod(brightness)
+
+
+class Contrast(_Enhance):
+    """PIL's ImageEnhance.Contrast: 0 the image's mean grey, 1 the image."""
+
+    fn = staticmethod(contrast)
+
+
+class Saturation(_Enhance):
+    """PIL's ImageEnhance.Color: 0 grey, 1 the image."""
+
+    fn = staticmethod(saturation)
+
+
+class Hue(_Enhance):
+    """torchvision's adjust_hue: the hue turned by the factor, in turns (-0.5..0.5)."""
+
+    fn = staticmethod(hue)
+
+
+class ColorJitter(Op):
+    """torchvision's ColorJitter: brightness, contrast and saturation factors drawn from
+    [max(0, 1 - x), 1 + x], hue from [-h, h], applied in an order drawn per image."""
+
+    def __init__(self, brightness: float = 0.0, contrast: float = 0.0,
+                 saturation: float = 0.0, hue: float = 0.0) -> None:
+        if not 0 <= hue <= 0.5:
+            raise ValueError(f"ColorJitter hue={hue}: must be in [0, 0.5]")
+        self.brightness, self.contrast, self.saturation, self.hue = (
+            brightness, contrast, saturation, hue)
+
+    def _ranges(self) -> list[tuple[float, float] | None]:
+        around_one = [(max(0.0, 1 - x), 1 + x) if x else None
+                      for x in (self.brightness, self.contrast, self.saturation)]
+        return [*around_one, (-self.hue, self.hue) if self.hue else None]
+
+    def draw(self, rng: random.Random) -> tuple[list[int], list[float | None]]:
+        order = rng.sample(range(4), 4)
+        return order, [rng.uniform(*r) if r else None for r in self._ranges()]
+
+    def torch(self, images: torch.Tensor, params: Sequence[Any]) -> torch.Tensor:
+        check_uint8(images, self)
+        fns = (brightness, contrast, saturation, hue)
+        for step in range(4):  # at most 16 batched calls, whatever the batch
+            for kind, fn in enumerate(fns):
+                at_step = [factors[kind] if order[step] == kind else None
+                           for order, factors in params]
+                images = per_sample(images, at_step, fn)
+        return images
+
+
+class Grayscale(Op):
+    """torchvision's RandomGrayscale: with probability p, the grey level in every channel."""
+
+    def __init__(self, p: float = 0.1) -> None:
+        self.p = p
+
+    def draw(self, rng: random.Random) -> bool | None:
+        return True if rng.random() < self.p else None
+
+    def torch(self, images: torch.Tensor, params: Sequence[Any]) -> torch.Tensor:
+        check_uint8(images, self)
+        return _where(images, params, lambda x: grey(x).expand_as(x))
+
+
+def _where(images: torch.Tensor, params: Sequence[Any], fn: Any) -> torch.Tensor:
+    """fn over the chosen images (a parameter-free op), the rest as they are."""
+    idx = chosen(params)
+    if not idx:
+        return images
+    if len(idx) == len(images):
+        return fn(images).contiguous()
+    out, where = images.clone(), torch.tensor(idx, device=images.device)
+    out[where] = fn(images[where])
+    return out
+
+
+class _Maybe(Op):
+    """An op without a per-image value, applied with probability p."""
+
+    def draw(self, rng: random.Random) -> bool | None:
+        return True if self.p >= 1.0 or rng.random() < self.p else None
+
+    def torch(self, images: torch.Tensor, params: Sequence[Any]) -> torch.Tensor:
+        check_uint8(images, self)
+        return _where(images, params, self.fn)
+
+    def fn(self, images: Tensor) -> Tensor:
+        raise NotImplementedError
+
+
+class Solarize(_Maybe):
+    """PIL's ImageOps.solarize: every value at or above `threshold` inverted."""
+
+    def __init__(self, threshold: int = 128, p: float = 0.5) -> None:
+        self.threshold, self.p = threshold, p
+
+    def fn(self, images: torch.Tensor) -> torch.Tensor:
+        return torch.where(images >= self.threshold, 255 - images, images)
+
+
+class Posterize(_Maybe):
+    """PIL's ImageOps.posterize: only the top `bits` bits of each value kept."""
+
+    def __init__(self, bits: int = 4, p: float = 0.5) -> None:
+        if not 0 <= bits <= 8:
+            raise ValueError(f"Posterize bits={bits}: must be in [0, 8]")
+        self.bits, self.p = bits, p
+
+    def fn(self, images: torch.Tensor) -> torch.Tensor:
+        return images & (0xFF ^ ((1 << (8 - self.bits)) - 1))
+
+
+class AutoContrast(_Maybe):
+    """PIL's ImageOps.autocontrast (no cutoff): each channel stretched to 0..255; a flat
+    channel is left as it is."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        self.p = p
+
+    def fn(self, images: torch.Tensor) -> torch.Tensor:
+        lo = images.amin(dim=(2, 3), keepdim=True).float()
+        hi = images.amax(dim=(2, 3), keepdim=True).float()
+        flat = hi <= lo
+        scale = torch.where(flat, torch.ones_like(hi), 255.0 / (hi - lo).clamp(min=1))
+        lo = torch.where(flat, torch.zeros_like(lo), lo)
+        return _to_uint8((images.float() - lo) * scale)
+
+
+class Equalize(_Maybe):
+    """PIL's ImageOps.equalize: each channel through the lookup table of its histogram (a
+    channel of one value, or too few pixels to spread, is left as it is)."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        self.p = p
+
+    def fn(self, images: torch.Tensor) -> torch.Tensor:
+        n, c, h, w = images.shape
+        flat = images.reshape(n * c, h * w).long()
+        rows = torch.arange(n * c, device=images.device).unsqueeze(1)
+        hist = torch.bincount((flat + 256 * rows).reshape(-1), minlength=256 * n * c)
+        hist = hist.reshape(n * c, 256)
+        last = hist.gather(1, flat.amax(dim=1, keepdim=True))  # the top value's count
+        step = (h * w - last) // 255
+        cum = torch.cumsum(hist, dim=1) - hist  # pixels below each value
+        lut = ((cum + step // 2) // step.clamp(min=1)).clamp(0, 255)
+        lut = torch.where(step > 0, lut, torch.arange(256, device=images.device))
+        return lut.gather(1, flat).reshape(n, c, h, w).to(torch.uint8)

@@ -1,0 +1,255 @@
+"""pipeline.ops: each colour op against PIL's ImageEnhance/ImageOps (what torchvision's ops
+on PIL images call) on photo-like JPEGs, for fixed parameters, within the stated levels;
+batched application equal to one image at a time; draws from each sample's key alone;
+MixUp and CutMix as the stated combination of two images of the batch, their targets by
+lambda."""
+
+from __future__ import annotations
+
+import colorsys
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageEnhance, ImageOps
+
+from pipeline import ops
+from pipeline.builtin import make_photo_corpus
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory: pytest.TempPathFactory) -> list[Image.Image]:
+    folder = make_photo_corpus(tmp_path_factory.mktemp("ops") / "photos", count=6)
+    return [Image.open(f).convert("RGB").resize((96, 72)) for f in sorted(folder.rglob("*.jpg"))]
+
+
+def _tensor(images: list[Image.Image]) -> torch.Tensor:
+    return torch.stack([torch.from_numpy(np.array(p.convert("RGB"))).permute(2, 0, 1)
+                        for p in images])
+
+
+def _diff(op: ops.Op, param: object, photos: list[Image.Image], reference) -> torch.Tensor:
+    got = op.torch(_tensor(photos), [param] * len(photos))
+    return (got.int() - _tensor([reference(p) for p in photos]).int()).abs()
+
+
+# PIL rounds the grey level (fixed point, +0.5) and the mean it blends with; torchvision's
+# definitions truncate: one level apart at most. The others are the same integer arithmetic.
+@pytest.mark.parametrize("op, param, reference, levels", [
+    (ops.Brightness(0.3), 0.3, lambda p: ImageEnhance.Brightness(p).enhance(0.3), 0),
+    (ops.Brightness(1.7), 1.7, lambda p: ImageEnhance.Brightness(p).enhance(1.7), 0),
+    (ops.Contrast(0.3), 0.3, lambda p: ImageEnhance.Contrast(p).enhance(0.3), 1),
+    (ops.Contrast(1.7), 1.7, lambda p: ImageEnhance.Contrast(p).enhance(1.7), 1),
+    (ops.Saturation(0.3), 0.3, lambda p: ImageEnhance.Color(p).enhance(0.3), 1),
+    (ops.Saturation(1.7), 1.7, lambda p: ImageEnhance.Color(p).enhance(1.7), 1),
+    (ops.Grayscale(p=1.0), True, lambda p: p.convert("L").convert("RGB"), 1),
+    (ops.Solarize(100, p=1.0), True, lambda p: ImageOps.solarize(p, 100), 0),
+    (ops.Posterize(3, p=1.0), True, lambda p: ImageOps.posterize(p, 3), 0),
+    (ops.AutoContrast(p=1.0), True, ImageOps.autocontrast, 1),
+    (ops.Equalize(p=1.0), True, ImageOps.equalize, 0),
+], ids=lambda v: repr(v) if isinstance(v, ops.Op) else "")
+def test_each_colour_op_is_pils(photos, op, param, reference, levels):
+    diff = _diff(op, param, photos, reference)
+    assert diff.max() <= levels, (op, diff.max(), diff.float().mean())
+    if levels:
+        assert diff.float().mean() < 0.6  # off by one on some pixels, not a shifted image
+
+
+def _pil_hue(image: Image.Image, h: float) -> Image.Image:
+    """torchvision's adjust_hue on a PIL image: PIL's 8-bit HSV, hue shifted mod 256."""
+    hue, sat, val = image.convert("HSV").split()
+    shifted = (np.array(hue, dtype=np.uint8) + np.uint8(np.int32(h * 255) % 256)).astype(np.uint8)
+    return Image.merge("HSV", (Image.fromarray(shifted, "L"), sat, val)).convert("RGB")
+
+
+def _colorsys_hue(image: Image.Image, h: float) -> Image.Image:
+    """The definition in floats, pixel by pixel (Python's colorsys)."""
+    rgb = np.asarray(image, dtype=np.float64) / 255
+    out = np.empty_like(rgb)
+    for y, x in np.ndindex(rgb.shape[:2]):
+        hh, s, v = colorsys.rgb_to_hsv(*rgb[y, x])
+        out[y, x] = colorsys.hsv_to_rgb((hh + h) % 1.0, s, v)
+    return Image.fromarray((out * (256 - 1e-3)).astype(np.uint8))
+
+
+@pytest.mark.parametrize("h", [0.1, -0.3, 0.5])
+def test_hue_is_the_float_definition_and_near_pils_8_bit_hsv(photos, h):
+    small = [p.resize((32, 24)) for p in photos[:3]]
+    assert _diff(ops.Hue(h), h, small, lambda p: _colorsys_hue(p, h)).max() <= 1
+    # PIL's HSV holds hue and saturation in 8 bits: up to ~11 levels off at saturated edges
+    diff = _diff(ops.Hue(h), h, photos, lambda p: _pil_hue(p, h))
+    assert diff.float().mean() < 1.0 and diff.max() <= 16, (diff.max(), diff.float().mean())
+
+
+def test_a_batch_is_each_image_on_its_own_and_draws_follow_the_key(photos):
+    """Batched with per-image parameters = one image at a time; a sample's draws come from
+    its key alone (another batch, another position: the same pixels)."""
+    recipe = [ops.ColorJitter(0.4, 0.4, 0.4, 0.1), ops.Grayscale(0.3), ops.Solarize(128),
+              ops.Posterize(4), ops.AutoContrast(), ops.Equalize()]
+    images, keys = _tensor(photos), [f"k{i}" for i in range(len(photos))]
+    batch = ops.apply(recipe, images, ops.sample_rngs(7, 2, keys))
+    for i, key in enumerate(keys):
+        alone = ops.apply(recipe, images[i:i + 1], ops.sample_rngs(7, 2, [key]))
+        assert torch.equal(batch[i], alone[0]), key
+    reversed_batch = ops.apply(recipe, images.flip(0), ops.sample_rngs(7, 2, keys[::-1]))
+    assert torch.equal(reversed_batch.flip(0), batch)
+    assert not torch.equal(ops.apply(recipe, images, ops.sample_rngs(7, 3, keys)), batch)
+
+
+def test_colour_jitter_draws_torchvisions_ranges_in_a_drawn_order(photos):
+    jitter = ops.ColorJitter(brightness=0.4, contrast=0.2, saturation=0.3, hue=0.1)
+    rng = random.Random(0)
+    draws = [jitter.draw(rng) for _ in range(4000)]
+    assert all(sorted(order) == [0, 1, 2, 3] for order, _ in draws)
+    for kind, (lo, hi) in enumerate([(0.6, 1.4), (0.8, 1.2), (0.7, 1.3), (-0.1, 0.1)]):
+        values = [factors[kind] for _, factors in draws]
+        assert lo <= min(values) and max(values) <= hi
+        assert np.mean(values) == pytest.approx((lo + hi) / 2, abs=0.02 * (hi - lo))
+    firsts = np.bincount([order[0] for order, _ in draws], minlength=4)
+    assert all(abs(f - 1000) < 120 for f in firsts), firsts  # each op first a quarter of the time
+    # applied in the drawn order: the same as calling the four functions in that order
+    image = _tensor(photos[:1])
+    order, factors = draws[0]
+    expected = image
+    for kind in order:
+        fn = (ops.color.brightness, ops.color.contrast, ops.color.saturation, ops.color.hue)[kind]
+        expected = fn(expected, torch.tensor(factors[kind]).view(1, 1, 1, 1))
+    assert torch.equal(jitter.torch(image, [draws[0]]), expected)
+
+
+def test_an_op_with_p_changes_about_p_of_the_samples_and_leaves_the_rest(photos):
+    images = _tensor(photos * 50)  # 300
+    solarize = ops.Solarize(0, p=0.5)  # threshold 0: every value of a chosen image inverted
+    params = [solarize.draw(rng) for rng in ops.sample_rngs(0, 0, map(str, range(300)))]
+    out = solarize.torch(images, params)
+    changed = [i for i in range(300) if not torch.equal(out[i], images[i])]
+    assert changed == [i for i, p in enumerate(params) if p is not None]
+    assert 120 < len(changed) < 180
+    assert torch.equal(out[changed], 255 - images[changed])
+
+
+def test_ops_refuse_what_is_not_a_uint8_batch():
+    with pytest.raises(ValueError, match=r"Solarize.*uint8 images \(N, 1 or 3, H, W\)"):
+        ops.Solarize(p=1.0).torch(torch.zeros(2, 3, 8, 8), [True, True])
+    with pytest.raises(ValueError, match="hue=0.7"):
+        ops.ColorJitter(hue=0.7)
+
+
+# -- MixUp and CutMix ----------------------------------------------------------------------
+
+def test_mixup_is_the_stated_blend_of_two_images_and_of_their_targets(photos):
+    images, labels = _tensor(photos), torch.tensor([0, 1, 2, 3, 4, 5])
+    mix = ops.MixUp(0.8, classes=10, label_smoothing=0.1)
+    out, targets, params = mix(images, labels, ops.batch_rng(0, 0, ["a", "b"]))
+    lam = params.lam
+    assert params.box is None and 0 < lam < 1
+    expected = lam * images.float() + (1 - lam) * images.flip(0).float()
+    assert (out.float() - expected).abs().max() <= 0.5  # rounded to the nearest level
+    one_hot = torch.full((6, 10), 0.01).scatter_(1, labels.view(-1, 1), 0.91)
+    assert torch.allclose(targets, lam * one_hot + (1 - lam) * one_hot.flip(0))
+    assert torch.allclose(targets.sum(1), torch.ones(6))
+
+
+def test_cutmix_pastes_a_box_of_the_flipped_batch_and_lambda_is_its_area(photos):
+    images, labels = _tensor(photos), torch.arange(6)
+    mix = ops.CutMix(1.0, classes=6, label_smoothing=0.0)
+    for seed in range(20):
+        out, targets, params = mix(images, labels, ops.batch_rng(seed, 0, ["x"]))
+        y0, y1, x0, x1 = params.box
+        inside = torch.zeros(72, 96, dtype=torch.bool)
+        inside[y0:y1, x0:x1] = True
+        assert torch.equal(out[..., inside], images.flip(0)[..., inside])
+        assert torch.equal(out[..., ~inside], images[..., ~inside])
+        assert params.lam == pytest.approx(1 - inside.sum().item() / (72 * 96))
+        assert torch.allclose(targets.diagonal(), torch.full((6,), params.lam))
+        assert torch.allclose(targets.flip(0).diagonal(), torch.full((6,), 1 - params.lam))
+
+
+def test_mix_draws_follow_timm(photos):
+    """Over 4000 batches: prob 0.6 of mixing, cutmix half of those (switch_prob 0.5);
+    lambda ~ Beta(alpha, alpha): mean 1/2, variance 1 / (4 (2 alpha + 1))."""
+    mix = ops.Mix(0.4, 1.0, classes=10, prob=0.6, switch_prob=0.5)
+    rng = random.Random(1)
+    draws = [mix.draw(rng, 224, 224) for _ in range(4000)]
+    mixed = [d for d in draws if d.lam != 1.0]
+    cut = [d for d in mixed if d.box is not None]
+    assert len(mixed) / 4000 == pytest.approx(0.6, abs=0.04)
+    assert len(cut) / len(mixed) == pytest.approx(0.5, abs=0.05)
+    lams = np.array([d.lam for d in mixed if d.box is None])
+    assert lams.mean() == pytest.approx(0.5, abs=0.03)
+    assert lams.var() == pytest.approx(1 / (4 * (2 * 0.4 + 1)), rel=0.15)
+    first = ops.batch_rng(3, 1, ["a", "b"]).random()
+    assert first == ops.batch_rng(3, 1, ["a", "b"]).random()  # the batch's keys, in order
+    assert first != ops.batch_rng(3, 1, ["b", "a"]).random()
+
+
+# -- on a loader's batches (the README's example) ----------------------------------------------
+
+class Invert(ops.Op):
+    """The README's own op: the negative, for a share p of the images."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        self.p = p
+
+    def draw(self, rng: random.Random) -> bool | None:
+        return True if rng.random() < self.p else None
+
+    def torch(self, images: torch.Tensor, params) -> torch.Tensor:
+        chosen = torch.tensor([q is not None for q in params], device=images.device)
+        return torch.where(chosen.view(-1, 1, 1, 1), 255 - images, images)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory):
+    from conftest import run_tool
+
+    from pipeline.builtin import make_image_folder
+
+    root = tmp_path_factory.mktemp("opshards")
+    src = make_image_folder(root / "src", per_class=4, size=40)
+    run_tool("make_shards", "imagefolder", src, root / "out", "--max-count", 8, check=True)
+    return root / "out"
+
+
+def _augmented(loader, batches, recipe, mix) -> list[tuple[list, torch.Tensor, torch.Tensor]]:
+    """What the README's loop trains on, batch by batch."""
+    out = []
+    for batch in batches:
+        images = ops.apply(recipe, batch.image, ops.sample_rngs(0, loader.epoch, batch.keys))
+        images, targets, _ = mix(images, batch.label, ops.batch_rng(0, loader.epoch, batch.keys))
+        out.append((batch.keys, images, targets))
+    return out
+
+
+@pytest.mark.parametrize("reader, backend", [
+    pytest.param("dali", "dali", marks=pytest.mark.dali), ("stream", "portable")])
+def test_augmented_and_mixed_batches_resume_bit_identical(shards, reader, backend):
+    """Ops on a loader's batches, own op included, resumed mid-epoch after a state saved:
+    the same keys, pixels and targets as the run that went on."""
+    from pipeline import image_loader
+
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+    recipe = [ops.ColorJitter(0.4, 0.4, 0.4, 0.1), ops.Equalize(0.3), Invert(0.3)]
+    mix = ops.Mix(0.8, 1.0, classes=10, label_smoothing=0.1)
+
+    def make():  # type: ignore[no-untyped-def]
+        return image_loader(shards, batch_size=8, size=32, device="cpu", seed=0, threads=1,
+                            reader=reader, backend=backend, use_tuning=False)
+
+    with make() as full:
+        it = iter(full)
+        head = _augmented(full, [next(it) for _ in range(2)], recipe, mix)
+        state = json.loads(json.dumps(full.state_dict()))
+        rest = _augmented(full, it, recipe, mix)
+    with make() as resumed:
+        resumed.load_state_dict(state)
+        again = _augmented(resumed, resumed, recipe, mix)
+    assert len(rest) == 3 and [k for k, _, _ in again] == [k for k, _, _ in rest]
+    for (_, a, ta), (_, b, tb) in zip(again, rest, strict=True):
+        assert torch.equal(a, b) and torch.equal(ta, tb)
+    keys = [k for k, *_ in head + rest]
+    assert len({k for ks in keys for k in ks}) == 40  # every sample once
+    assert all(torch.allclose(t.sum(1), torch.ones(len(t))) for _, _, t in head + rest)
