@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import colorsys
 import json
+import math
 import random
 
 import numpy as np
@@ -253,3 +254,150 @@ def test_augmented_and_mixed_batches_resume_bit_identical(shards, reader, backen
     keys = [k for k, *_ in head + rest]
     assert len({k for ks in keys for k in ks}) == 40  # every sample once
     assert all(torch.allclose(t.sum(1), torch.ones(len(t))) for _, _, t in head + rest)
+
+
+# -- geometry and policies ---------------------------------------------------------------------
+
+def _pil_affine(image: Image.Image, angle, translate, scale, shear, center=None) -> Image.Image:
+    """torchvision's F.affine on a PIL image: the inverse matrix about the centre (in
+    pixels), through PIL's Image.transform, nearest neighbour."""
+    from pipeline.ops.geometry import inverse_affine
+
+    w, h = image.size
+    matrix = inverse_affine(angle, translate, scale, shear, center or (w * 0.5, h * 0.5))
+    return image.transform(image.size, Image.AFFINE, matrix, Image.NEAREST)
+
+
+def _share_differing(got: torch.Tensor, images: list[Image.Image]) -> float:
+    return (got != _tensor(images)).any(1).float().mean().item()
+
+
+@pytest.mark.parametrize("angle, tx, ty, scale, sx, sy", [
+    (30.0, 0.0, 0.0, 1.0, 0.0, 0.0), (-17.0, 0.05, -0.04, 1.2, 10.0, 0.0),
+    (0.0, 0.0, 0.0, 0.8, 0.0, 25.0)])
+def test_affine_is_pils_transform(photos, angle, tx, ty, scale, sx, sy):
+    """Nearest neighbour both: the same source pixel, but for ties at exactly half a pixel
+    (measured: 0 to 0.03% of the pixels)."""
+    got = ops.Affine().torch(_tensor(photos), [(angle, tx, ty, scale, sx, sy)] * len(photos))
+    move = (float(round(tx * 96)), float(round(ty * 72)))
+    want = [_pil_affine(p, angle, move, scale, (sx, sy)) for p in photos]
+    assert _share_differing(got, want) < 0.002
+
+
+def test_rotate_flip_and_sharpness_are_pils(photos):
+    images = _tensor(photos)
+    rotated = ops.Rotate(45).torch(images, [25.0] * len(photos))  # counter-clockwise
+    assert _share_differing(rotated, [p.rotate(25.0, Image.NEAREST) for p in photos]) < 0.01
+    flipped = ops.Flip(p=1.0).torch(images, [True] * len(photos))
+    assert torch.equal(flipped, _tensor([ImageOps.mirror(p) for p in photos]))
+    flipped = ops.Flip(p=1.0, vertical=True).torch(images, [True] * len(photos))
+    assert torch.equal(flipped, _tensor([ImageOps.flip(p) for p in photos]))
+    for f in (0.2, 1.8):
+        diff = _diff(ops.Sharpness(f), f, photos,
+                     lambda p, f=f: ImageEnhance.Sharpness(p).enhance(f))
+        assert diff.max() <= 1 and diff.float().mean() < 0.1
+
+
+@pytest.mark.parametrize("name, magnitude, reference", [
+    # torchvision's _apply_op on PIL images: shears about the top-left corner
+    ("ShearX", 0.3, lambda p: _pil_affine(p, 0.0, (0.0, 0.0), 1.0,
+                                          (math.degrees(math.atan(0.3)), 0.0), (0.0, 0.0))),
+    # (-0.2 would put a fifth of the columns on exact half-pixel ties, which the two break
+    # apart by float rounding: 9% of the pixels)
+    ("ShearY", -0.23, lambda p: _pil_affine(p, 0.0, (0.0, 0.0), 1.0,
+                                            (0.0, math.degrees(math.atan(-0.23))), (0.0, 0.0))),
+    ("TranslateX", 13.7, lambda p: _pil_affine(p, 0.0, (13.0, 0.0), 1.0, (0.0, 0.0))),
+    ("TranslateY", -9.2, lambda p: _pil_affine(p, 0.0, (0.0, -9.0), 1.0, (0.0, 0.0))),
+    ("Rotate", 20.0, lambda p: p.rotate(20.0, Image.NEAREST)),
+    ("Posterize", 5.0, lambda p: ImageOps.posterize(p, 5)),
+    ("Solarize", 170.0, lambda p: ImageOps.solarize(p, 170.0)),
+    ("Brightness", 0.4, lambda p: ImageEnhance.Brightness(p).enhance(1.4)),
+    ("Color", -0.6, lambda p: ImageEnhance.Color(p).enhance(0.4)),
+    ("Equalize", 0.0, ImageOps.equalize),
+])
+def test_each_policy_op_is_torchvisions_on_pil(photos, name, magnitude, reference):
+    from pipeline.ops.policies import run_op
+
+    got = run_op(name, _tensor(photos), [magnitude] * len(photos))
+    want = _tensor([reference(p) for p in photos])
+    diff = (got.int() - want.int()).abs()
+    # geometry: the same pixels but for half-pixel ties; colour: within one level
+    assert (diff > 1).any(1).float().mean() < 0.01, name
+    assert diff.float().mean() < 0.6, name
+
+
+def _chi_square(counts: list[int]) -> float:
+    expected = sum(counts) / len(counts)
+    return sum((c - expected) ** 2 / expected for c in counts)
+
+
+def test_randaugment_draws_follow_its_definition():
+    """10,000 images x 2 ops: the 14 ops uniformly (chi-square, 13 degrees of freedom, below
+    the 0.001 critical value 34.5), each at bin 9, the signed ones negated half the time."""
+    from pipeline.ops.policies import RAND_AUGMENT
+
+    policy = ops.RandAugment(num_ops=2, magnitude=9)
+    steps = [s for rng in ops.sample_rngs(0, 0, map(str, range(10_000)))
+             for s in policy.draw(rng)]
+    names = list(RAND_AUGMENT)
+    assert _chi_square([sum(s[0] == n for s in steps) for n in names]) < 34.5
+    signed = [s for s in steps if RAND_AUGMENT[s[0]][1]]
+    assert {s[1] for s in signed} == {9}
+    assert sum(s[2] for s in signed) / len(signed) == pytest.approx(0.5, abs=0.015)
+    assert not any(s[2] for s in steps if not RAND_AUGMENT[s[0]][1])
+    # the magnitudes at bin 9 of 31, torchvision's: 30 * 9/30 degrees, 0.9 * 9/30, 7 bits
+    magnitude = {n: RAND_AUGMENT[n][0](9, 31, 224, 224) for n in ("Rotate", "Brightness",
+                                                                   "Posterize", "TranslateX")}
+    assert magnitude == pytest.approx({"Rotate": 9.0, "Brightness": 0.27, "Posterize": 7.0,
+                                       "TranslateX": 150 / 331 * 224 * 9 / 30})
+
+
+def test_trivial_augment_draws_follow_its_definition():
+    """10,000 images: one op of 14 uniformly, its bin uniformly of 31 (chi-square, 30
+    degrees of freedom, below the 0.001 critical value 59.7), signs half and half."""
+    from pipeline.ops.policies import TRIVIAL_AUGMENT_WIDE as SPACE
+
+    policy = ops.TrivialAugmentWide()
+    steps = [policy.draw(rng)[0] for rng in ops.sample_rngs(1, 0, map(str, range(10_000)))]
+    assert _chi_square([sum(s[0] == n for s in steps) for n in SPACE]) < 34.5
+    with_bins = [s for s in steps if SPACE[s[0]][0] is not None]
+    assert _chi_square([sum(s[1] == b for s in with_bins) for b in range(31)]) < 59.7
+    signed = [s for s in with_bins if SPACE[s[0]][1]]
+    assert sum(s[2] for s in signed) / len(signed) == pytest.approx(0.5, abs=0.02)
+    assert SPACE["Rotate"][0](30, 31, 1, 1) == 135.0 and SPACE["Posterize"][0](30, 31, 1, 1) == 2
+
+
+def test_policies_batched_are_each_image_on_its_own(photos):
+    images, keys = _tensor(photos * 4), [f"p{i}" for i in range(24)]
+    for policy in (ops.RandAugment(num_ops=3, magnitude=15), ops.TrivialAugmentWide()):
+        batch = ops.apply([policy], images, ops.sample_rngs(5, 0, keys))
+        for i in (0, 7, 23):
+            alone = ops.apply([policy], images[i:i + 1], ops.sample_rngs(5, 0, [keys[i]]))
+            assert torch.equal(batch[i], alone[0]), (policy, i)
+        assert sum(not torch.equal(batch[i], images[i]) for i in range(24)) > 12
+
+
+@pytest.mark.gpu
+def test_ops_on_cuda_are_the_cpu_ops_and_never_wait_for_the_host(photos):
+    """The same pixels on the GPU as on the CPU (nearest-neighbour geometry and integer
+    colour: exact but for float rounding at level edges), and no host sync on the way:
+    parameters cross through pinned memory (torch's sync debug mode raises on a sync)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA here")
+    recipe = [ops.RandAugment(num_ops=2, magnitude=15), ops.ColorJitter(0.4, 0.4, 0.4, 0.1),
+              ops.Affine(15, (0.1, 0.1), (0.9, 1.1), (-8, 8)), ops.Flip(), ops.Equalize()]
+    images, keys = _tensor(photos * 4), [f"g{i}" for i in range(24)]
+    cpu = ops.apply(recipe, images, ops.sample_rngs(0, 0, keys))
+    mix = ops.Mix(0.8, 1.0, classes=10)
+    on_gpu = images.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gpu = ops.apply(recipe, on_gpu, ops.sample_rngs(0, 0, keys))
+        mixed, targets, _ = mix(gpu, torch.arange(24, device="cuda") % 10,
+                                ops.batch_rng(0, 0, keys))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    diff = (gpu.cpu().int() - cpu.int()).abs()
+    assert (diff > 1).float().mean() < 0.01 and targets.shape == (24, 10)
+    assert mixed.device.type == "cuda"

@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "workers feed the GPU through pinned memory)")
     p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--size", type=positive_int, default=224, help="image side after cropping")
+    add_augment_flags(p)
     p.add_argument("--objective", choices=("mlm", "clm"), default="clm",
                    help="text: masked (BERT-style encoder) or causal (GPT-style decoder)")
     p.add_argument("--seq-len", type=positive_int, default=128, help="text: tokens per row")
@@ -106,6 +107,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true")
     add_storage_options(p, "URLs of --data and --eval-data")
     return p
+
+
+def add_augment_flags(p: argparse.ArgumentParser) -> None:
+    """The image task's training augmentation (pipeline.ops, run on the device)."""
+    p.add_argument("--augment", default=None, metavar="RECIPE",
+                   help="image: training batches through pipeline.ops, by timm's recipe "
+                   "names: rand-m9-n2-mstd0.5 (RandAugment), trivial (TrivialAugmentWide)")
+    p.add_argument("--mixup", type=float, default=0.0, metavar="ALPHA",
+                   help="image: mixup's alpha (0.8 in timm's recipes); soft targets")
+    p.add_argument("--cutmix", type=float, default=0.0, metavar="ALPHA",
+                   help="image: cutmix's alpha (1.0 in timm's); with --mixup, half the batches")
+    p.add_argument("--label-smoothing", type=float, default=0.0, metavar="E")
 
 
 def add_loader_flags(p: argparse.ArgumentParser) -> None:

@@ -363,7 +363,9 @@ class Trainer:
                 "activation_checkpointing": bool(getattr(bare, "activation_checkpointing",
                                                          False)),
                 "compiled": is_compiled(self.task.model),
-                "ddp": distributed_module(self.task.model) is not None}
+                "ddp": distributed_module(self.task.model) is not None,
+                # the training batches' augmentation, as the task runs it (image only)
+                "augment": self.task.describe().get("augment")}
 
     def due_for_checkpoint(self) -> bool:
         """Every `checkpoint_every` steps, at the end, or when `checkpoint_minutes` passed on

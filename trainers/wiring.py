@@ -59,6 +59,11 @@ class TaskOptions:
     num_buckets: int | None = None  # ctr: ids per field; None: the tabular loader's default
     embeddings_on_cpu: bool = False  # ctr: tables in host memory, the network on `device`
     activation_checkpointing: bool = False
+    # image: training batches through pipeline.ops (trainers/image_task.py)
+    augment: str | None = None  # a recipe name: rand-m9-n2-mstd0.5, trivial
+    mixup: float = 0.0  # mixup's alpha; 0: none
+    cutmix: float = 0.0  # cutmix's alpha; 0: none
+    label_smoothing: float = 0.0
     num_classes: int | None = None  # when the manifest has no class map or label statistics
     pad_token: str | None = None  # text: the padding token of a tokenizer.json without one
     loader_threads: int | None = None  # None: the tuning file's, else cores // local ranks
@@ -143,6 +148,14 @@ def build_task(opts: TaskOptions, split: EvalSplit, rank: int, world: int,
                          "pointcloud loaders; the text and tabular loaders read and prepare "
                          "batches in one stage of their own: drop the flag (--prefetch "
                          "applies)")
+    if opts.task != "image" and (opts.augment or opts.mixup or opts.cutmix
+                                 or opts.label_smoothing):
+        raise ValueError("--augment, --mixup, --cutmix and --label-smoothing are for --task "
+                         "image")
+    if opts.augment:
+        from pipeline.ops import spec
+
+        spec.parse(opts.augment)  # a bad recipe name is refused before anything is read
     if opts.tuning_file is not None and not Path(opts.tuning_file).is_file():
         raise FileNotFoundError(f"--tuning-file {opts.tuning_file}: no such file (write one "
                                 "with tools/bench_loader.py --tune, or drop the flag)")
@@ -291,8 +304,24 @@ def _image(opts: TaskOptions, split: EvalSplit, ranks: _Ranks, train_options: di
     evaluation = None if held_options is None else \
         ImageLoader(split.held, ImageConfig(train=False, **held_options, **own), 0, 1)
     task = ImageClassification(classes, opts.model or "small-resnet", device_of(loader),
-                               opts.activation_checkpointing)
+                               opts.activation_checkpointing, _augment(opts, classes, loader))
     return loader, evaluation, task
+
+
+def _augment(opts: TaskOptions, classes: int, loader: Any) -> Any:
+    """--augment, --mixup, --cutmix, --label-smoothing as a TrainAugment, or None."""
+    from pipeline import ops
+    from pipeline.ops import spec
+    from trainers.image_task import TrainAugment
+
+    if not (opts.augment or opts.mixup or opts.cutmix or opts.label_smoothing):
+        return None
+    mix = None
+    if opts.mixup or opts.cutmix:
+        mix = ops.Mix(opts.mixup, opts.cutmix, classes=classes,
+                      label_smoothing=opts.label_smoothing)
+    recipe = spec.parse(opts.augment) if opts.augment else []
+    return TrainAugment(recipe, mix, opts.label_smoothing, opts.seed, lambda: loader.epoch)
 
 
 def _text(opts: TaskOptions, split: EvalSplit, ranks: _Ranks, train_options: dict[str, Any],

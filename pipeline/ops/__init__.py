@@ -20,8 +20,11 @@ from pipeline.ops.color import (
     Saturation,
     Solarize,
 )
+from pipeline.ops.geometry import Affine, Flip, Rotate, Sharpness
 from pipeline.ops.mix import CutMix, Mix, MixUp, batch_rng, soft_targets
+from pipeline.ops.policies import RandAugment, TrivialAugmentWide
 
-__all__ = ["AutoContrast", "Brightness", "ColorJitter", "Contrast", "CutMix", "Equalize",
-           "Grayscale", "Hue", "Mix", "MixUp", "Op", "Posterize", "Saturation", "Solarize",
+__all__ = ["Affine", "AutoContrast", "Brightness", "ColorJitter", "Contrast", "CutMix",
+           "Equalize", "Flip", "Grayscale", "Hue", "Mix", "MixUp", "Op", "Posterize",
+           "RandAugment", "Rotate", "Saturation", "Sharpness", "Solarize", "TrivialAugmentWide",
            "apply", "batch_rng", "sample_rngs", "soft_targets"]

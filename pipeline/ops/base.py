@@ -52,6 +52,17 @@ def apply(ops: Sequence[Op], images: torch.Tensor, rngs: Sequence[random.Random]
     return images
 
 
+def on_device(values: Any, device: torch.device, dtype: torch.dtype | None = None
+              ) -> torch.Tensor:
+    """A tensor of Python values on `device`. To a GPU through pinned memory, without
+    blocking: a copy from pageable memory would wait for the stream, a host sync in the
+    training step."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def chosen(params: Sequence[Any]) -> list[int]:
     """The samples an op changes (its parameter is not None)."""
     return [i for i, p in enumerate(params) if p is not None]
@@ -63,12 +74,12 @@ def per_sample(images: torch.Tensor, params: Sequence[Any], fn: Any) -> torch.Te
     idx = chosen(params)
     if not idx:
         return images
-    values = torch.tensor([float(params[i]) for i in idx], dtype=torch.float32)
-    values = values.to(images.device).view(-1, 1, 1, 1)
+    values = on_device([float(params[i]) for i in idx], images.device, torch.float32)
+    values = values.view(-1, 1, 1, 1)
     if len(idx) == len(images):
         return fn(images, values)
     out = images.clone()
-    where = torch.tensor(idx, device=images.device)
+    where = on_device(idx, images.device)
     out[where] = fn(images[where], values)
     return out
 

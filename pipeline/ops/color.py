@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor  # in the classes below, `torch` is also the method of each op
 
-from pipeline.ops.base import Op, check_uint8, chosen, per_sample
+from pipeline.ops.base import Op, check_uint8, chosen, on_device, per_sample
 
 Factor = float | tuple[float, float]
 
@@ -188,7 +188,7 @@ def _where(images: torch.Tensor, params: Sequence[Any], fn: Any) -> torch.Tensor
         return images
     if len(idx) == len(images):
         return fn(images).contiguous()
-    out, where = images.clone(), torch.tensor(idx, device=images.device)
+    out, where = images.clone(), on_device(idx, images.device)
     out[where] = fn(images[where])
     return out
 

@@ -56,6 +56,11 @@ class Mix:
         self.mixup_alpha, self.cutmix_alpha, self.classes = mixup_alpha, cutmix_alpha, classes
         self.prob, self.switch_prob, self.label_smoothing = prob, switch_prob, label_smoothing
 
+    def __repr__(self) -> str:
+        return (f"Mix(mixup_alpha={self.mixup_alpha}, cutmix_alpha={self.cutmix_alpha}, "
+                f"classes={self.classes}, prob={self.prob}, switch_prob={self.switch_prob}, "
+                f"label_smoothing={self.label_smoothing})")
+
     def draw(self, rng: random.Random, height: int, width: int) -> MixParams:
         if rng.random() >= self.prob:
             return MixParams(1.0)

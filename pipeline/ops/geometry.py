@@ -1,0 +1,163 @@
+"""Geometric ops, torchvision's definitions over uint8 tensors, batched: one affine matrix
+per image, applied by one grid_sample over the batch (nearest neighbour, zeros outside),
+with torchvision's pixel-centre convention, so they match PIL's Image.transform.
+
+An op's drawn parameters do not depend on the image's size (a translation is drawn as a
+share of the side, as torchvision's RandomAffine draws it); the torch form turns them into
+pixels for the batch it gets, rounding a translation to whole pixels as torchvision does.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - torch's own spelling
+from torch import Tensor  # in the classes below, `torch` is also the method of each op
+
+from pipeline.ops.base import Op, check_uint8, chosen, on_device, per_sample
+from pipeline.ops.color import blend
+
+
+def inverse_affine(angle: float, translate: tuple[float, float], scale: float,
+                   shear: tuple[float, float], center: tuple[float, float] = (0.0, 0.0)
+                   ) -> list[float]:
+    """torchvision's _get_inverse_affine_matrix: the 2x3 matrix from output to input
+    coordinates (relative to `center`) of rotating by `angle` degrees clockwise, shearing by
+    `shear` degrees (x, y), scaling and translating (pixels)."""
+    rot, sx, sy = math.radians(angle), math.radians(shear[0]), math.radians(shear[1])
+    cx, cy = center
+    tx, ty = translate
+    a = math.cos(rot - sy) / math.cos(sy)
+    b = -math.cos(rot - sy) * math.tan(sx) / math.cos(sy) - math.sin(rot)
+    c = math.sin(rot - sy) / math.cos(sy)
+    d = -math.sin(rot - sy) * math.tan(sx) / math.cos(sy) + math.cos(rot)
+    m = [x / scale for x in (d, -b, 0.0, -c, a, 0.0)]
+    m[2] += m[0] * (-cx - tx) + m[1] * (-cy - ty) + cx
+    m[5] += m[3] * (-cx - tx) + m[4] * (-cy - ty) + cy
+    return m
+
+
+def warp(images: torch.Tensor, matrices: Sequence[Sequence[float]]) -> torch.Tensor:
+    """Each image through its inverse matrix (coordinates relative to the image's centre,
+    output pixel centres at +0.5), nearest neighbour, 0 outside: torchvision's tensor
+    affine, batched."""
+    n, _, h, w = images.shape
+    theta = on_device(matrices, images.device, torch.float32).view(n, 2, 3)
+    xs = torch.arange(w, dtype=torch.float32, device=images.device) + 0.5 - w / 2
+    ys = torch.arange(h, dtype=torch.float32, device=images.device) + 0.5 - h / 2
+    base = torch.stack([xs.expand(h, w), ys[:, None].expand(h, w), torch.ones(h, w,
+                        device=images.device)], dim=-1).view(1, h * w, 3)
+    scale = on_device([0.5 * w, 0.5 * h], images.device, torch.float32)
+    grid = base.expand(n, -1, -1).bmm(theta.transpose(1, 2)) / scale
+    out = F.grid_sample(images.float(), grid.view(n, h, w, 2), mode="nearest",
+                        padding_mode="zeros", align_corners=False)
+    return out.to(torch.uint8)  # nearest: the values are the input's, exactly
+
+
+def _warp_chosen(images: Tensor, params: Sequence[Any], matrix: Any) -> Tensor:
+    idx = chosen(params)
+    if not idx:
+        return images
+    h, w = images.shape[-2:]
+    matrices = [matrix(params[i], h, w) for i in idx]
+    if len(idx) == len(images):
+        return warp(images, matrices)
+    out, where = images.clone(), on_device(idx, images.device)
+    out[where] = warp(images[where], matrices)
+    return out
+
+
+class Flip(Op):
+    """torchvision's RandomHorizontalFlip (vertical=True: RandomVerticalFlip)."""
+
+    def __init__(self, p: float = 0.5, vertical: bool = False) -> None:
+        self.p, self.vertical = p, vertical
+
+    def draw(self, rng: random.Random) -> bool | None:
+        return True if rng.random() < self.p else None
+
+    def torch(self, images: Tensor, params: Sequence[Any]) -> Tensor:
+        check_uint8(images, self)
+        flipped = on_device([q is not None for q in params], images.device)
+        dim = 2 if self.vertical else 3
+        return torch.where(flipped.view(-1, 1, 1, 1), images.flip(dim), images)
+
+
+class Affine(Op):
+    """torchvision's RandomAffine: angle uniform in (-degrees, degrees) clockwise, a
+    translation of up to translate = (x, y) of the sides, a scale in `scale`, a shear in
+    `shear` degrees ((x_lo, x_hi) or (x_lo, x_hi, y_lo, y_hi)), about the centre."""
+
+    def __init__(self, degrees: float = 0.0, translate: tuple[float, float] | None = None,
+                 scale: tuple[float, float] | None = None,
+                 shear: tuple[float, ...] | None = None) -> None:
+        self.degrees, self.translate, self.scale, self.shear = degrees, translate, scale, shear
+
+    def draw(self, rng: random.Random) -> tuple[float, float, float, float, float, float]:
+        angle = rng.uniform(-self.degrees, self.degrees)
+        tx, ty = ((rng.uniform(-self.translate[0], self.translate[0]),
+                   rng.uniform(-self.translate[1], self.translate[1]))
+                  if self.translate else (0.0, 0.0))
+        scale = rng.uniform(*self.scale) if self.scale else 1.0
+        shear = self.shear or (0.0, 0.0)
+        sx = rng.uniform(shear[0], shear[1])
+        sy = rng.uniform(shear[2], shear[3]) if len(shear) == 4 else 0.0
+        return angle, tx, ty, scale, sx, sy
+
+    def torch(self, images: Tensor, params: Sequence[Any]) -> Tensor:
+        check_uint8(images, self)
+
+        def matrix(p: Any, h: int, w: int) -> list[float]:
+            angle, tx, ty, scale, sx, sy = p
+            return inverse_affine(angle, (float(round(tx * w)), float(round(ty * h))), scale,
+                                  (sx, sy))
+        return _warp_chosen(images, params, matrix)
+
+
+class Rotate(Op):
+    """torchvision's RandomRotation: an angle uniform in (-degrees, degrees),
+    counter-clockwise, about the centre, zeros where nothing maps."""
+
+    def __init__(self, degrees: float) -> None:
+        self.degrees = degrees
+
+    def draw(self, rng: random.Random) -> float:
+        return rng.uniform(-self.degrees, self.degrees)
+
+    def torch(self, images: Tensor, params: Sequence[Any]) -> Tensor:
+        check_uint8(images, self)
+        return _warp_chosen(images, params, lambda angle, h, w: inverse_affine(
+            -angle, (0.0, 0.0), 1.0, (0.0, 0.0)))
+
+
+def sharpness(images: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """PIL's ImageEnhance.Sharpness: blend with the image smoothed by PIL's SMOOTH kernel
+    ([1 1 1; 1 5 1; 1 1 1] / 13), its border pixels kept."""
+    c = images.shape[1]
+    kernel = torch.ones(3, 3, device=images.device)
+    kernel[1, 1] = 5.0
+    kernel = (kernel / kernel.sum()).expand(c, 1, 3, 3)
+    smooth = images.float().clone()
+    smooth[..., 1:-1, 1:-1] = F.conv2d(images.float(), kernel, groups=c).round()
+    return blend(images, smooth, f)
+
+
+class Sharpness(Op):
+    """PIL's ImageEnhance.Sharpness: 0 smoothed, 1 the image, 2 sharpened."""
+
+    def __init__(self, factor: float | tuple[float, float], p: float = 1.0) -> None:
+        self.factor, self.p = factor, p
+
+    def draw(self, rng: random.Random) -> float | None:
+        if self.p < 1.0 and rng.random() >= self.p:
+            return None
+        f = self.factor
+        return rng.uniform(*f) if isinstance(f, tuple) else float(f)
+
+    def torch(self, images: Tensor, params: Sequence[Any]) -> Tensor:
+        check_uint8(images, self)
+        return per_sample(images, params, sharpness)
