@@ -9,7 +9,8 @@
 
 Images:
 Same JPEG bytes for everyone (a photo-like corpus as an image folder and as shards), same work
-(random-resized-crop 224, flip, uint8 out), same batch size and thread count; contenders run
+(random-resized-crop 224, flip, uint8 out; the RandAugment+mixup pair adds RandAugment and
+mixup/cutmix, pipeline/bench/recipe.py), same batch size and thread count; contenders run
 alternately after a warm-up, and every figure is a median of the repeats. Ratios are against
 baselines measured in this same run: the median over the rounds of each round's pair.
 """
@@ -29,6 +30,7 @@ from typing import Any
 from cliutil import positive_int, setup_logging
 
 from pipeline.bench import image as bi
+from pipeline.bench import recipe
 from pipeline.bench.core import alternate, cpu_seconds, loader_figures
 from pipeline.builtin import make_photo_corpus
 from pipeline.convert import ConvertConfig, convert
@@ -65,7 +67,10 @@ def contenders(c: bi.Corpus, backend: str = "auto") -> dict[str, Any]:
             "shardflow portable": bi.Ours(c, backend="portable"),
             "torchvision-style uint8": bi.TorchvisionStyle(c),
             "torchvision-style float": bi.TorchvisionStyle(c, normalize=True),
-            "webdataset + PIL": bi.WebdatasetPil(c)}
+            "webdataset + PIL": bi.WebdatasetPil(c),
+            # the same recipe with RandAugment and mixup, each the way it is usually run
+            "shardflow RandAugment+mixup": recipe.OursRecipe(c),
+            "torchvision-style RandAugment+mixup": recipe.TorchvisionRecipe(c)}
     if dali_importable():
         runs.update({"DALI by hand": bi.DaliByHand(c),
                      "DALI decode only": bi.DaliByHand(c, decode_only=True)})
@@ -84,10 +89,13 @@ def report(c: bi.Corpus, timings: Any, runs: dict[str, Any], args: argparse.Name
     ratios["shardflow float/torchvision-style float"] = round(
         timings.ratio("shardflow float", "torchvision-style float"), 3)
     ratios["shardflow float/shardflow"] = round(timings.ratio("shardflow float", "shardflow"), 3)
+    ratios["shardflow RandAugment+mixup/tv RandAugment+mixup"] = round(timings.ratio(
+        "shardflow RandAugment+mixup", "torchvision-style RandAugment+mixup"), 3)
     return {
         "images": c.images, "batch_size": c.batch_size, "threads": c.threads,
         "backend": runs["shardflow"].loader.backend,  # what "shardflow" ran ("auto" resolved)
         "repeats": args.repeats, "torchvision": runs["torchvision-style uint8"].flavour,
+        "recipe_torchvision": runs["torchvision-style RandAugment+mixup"].flavour,
         "images_per_s": {k: round(v, 1) for k, v in rate.items()}, "ratios": ratios,
         "images_read": timings.counts,  # by each timed epoch: the same work for all
         "cpu_s_per_image": {k: round(statistics.median(timings.cpu[k]) / c.images, 5)

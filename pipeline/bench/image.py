@@ -84,7 +84,7 @@ class DaliByHand:
 
         self.pipe = pipe()
         self.pipe.build()
-        self.batches = -(-c.images // c.batch_size)
+        self.batches, self.images = -(-c.images // c.batch_size), c.images
         self.primed = False
 
     def epoch(self) -> int:
@@ -97,7 +97,9 @@ class DaliByHand:
         self.primed, scheduled, n = True, depth, 0
         for _ in range(self.batches):
             images, _labels = self.pipe.outputs()
-            n += len(images)
+            # pad_last_batch fills the last batch with copies of the last sample: they are
+            # decoded (a cost of DALI's epoch-aligned batches, kept), but not images read
+            n += min(len(images), self.images - n)
             if scheduled < self.batches:
                 self.pipe.schedule_run()
                 scheduled += 1
@@ -114,10 +116,10 @@ class _PilTransform:
         self.size, self.normalize = size, normalize
         self.rng = np.random.default_rng()
 
-    def __call__(self, img: Any) -> Any:
+    def pil(self, img: Any) -> Any:
+        """Upright, cropped, resized and flipped, still a PIL image."""
         import random
 
-        import torch
         from PIL import Image
 
         img = upright(img).convert("RGB")
@@ -126,7 +128,12 @@ class _PilTransform:
         img = img.resize((self.size, self.size), Image.Resampling.BILINEAR)
         if w.flip:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        out = torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)
+        return img
+
+    def __call__(self, img: Any) -> Any:
+        import torch
+
+        out = torch.from_numpy(np.asarray(self.pil(img)).copy()).permute(2, 0, 1)
         if not self.normalize:
             return out
         mean = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
