@@ -287,9 +287,9 @@ def test_offload_and_activation_checkpointing_flags_take_effect(one_shard, tmp_p
         states[name] = torch.load(tmp_path / name / "ckpt-00000003.pt", weights_only=True)
     assert setups["flags"] == {"optimizer_state": "host", "fused_optimizer": False,
                                "activation_checkpointing": True, "compiled": False,
-                               "ddp": False}
+                               "ddp": False, "augment": None}
     assert setups["plain"] == {"optimizer_state": "cpu", "fused_optimizer": True,
                                "activation_checkpointing": False, "compiled": False,
-                               "ddp": False}
+                               "ddp": False, "augment": None}
     assert states["flags"]["fingerprint"]["offload_optimizer"] is True
     assert states["plain"]["fingerprint"]["offload_optimizer"] is False
