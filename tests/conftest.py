@@ -158,6 +158,17 @@ def make_image_folder(root: Path, classes: int = 3, per_class: int = 5) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def op_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """40 built-in images of 40 px in 10 classes, 8 a shard: what the ops tests load."""
+    from pipeline.builtin import make_image_folder as builtin_folder
+
+    root = tmp_path_factory.mktemp("opshards")
+    src = builtin_folder(root / "src", per_class=4, size=40)
+    run_tool("make_shards", "imagefolder", src, root / "out", "--max-count", 8, check=True)
+    return root / "out"
+
+
 def run_tool(name: str, *args: object, check: bool = False) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, str(ROOT / "tools" / f"{name}.py"), *map(str, args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -202,18 +202,6 @@ class Invert(ops.Op):
         return torch.where(chosen.view(-1, 1, 1, 1), 255 - images, images)
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory: pytest.TempPathFactory):
-    from conftest import run_tool
-
-    from pipeline.builtin import make_image_folder
-
-    root = tmp_path_factory.mktemp("opshards")
-    src = make_image_folder(root / "src", per_class=4, size=40)
-    run_tool("make_shards", "imagefolder", src, root / "out", "--max-count", 8, check=True)
-    return root / "out"
-
-
 def _augmented(loader, batches, recipe, mix) -> list[tuple[list, torch.Tensor, torch.Tensor]]:
     """What the README's loop trains on, batch by batch."""
     out = []
@@ -226,7 +214,7 @@ def _augmented(loader, batches, recipe, mix) -> list[tuple[list, torch.Tensor, t
 
 @pytest.mark.parametrize("reader, backend", [
     pytest.param("dali", "dali", marks=pytest.mark.dali), ("stream", "portable")])
-def test_augmented_and_mixed_batches_resume_bit_identical(shards, reader, backend):
+def test_augmented_and_mixed_batches_resume_bit_identical(op_shards, reader, backend):
     """Ops on a loader's batches, own op included, resumed mid-epoch after a state saved:
     the same keys, pixels and targets as the run that went on."""
     from pipeline import image_loader
@@ -237,7 +225,7 @@ def test_augmented_and_mixed_batches_resume_bit_identical(shards, reader, backen
     mix = ops.Mix(0.8, 1.0, classes=10, label_smoothing=0.1)
 
     def make():  # type: ignore[no-untyped-def]
-        return image_loader(shards, batch_size=8, size=32, device="cpu", seed=0, threads=1,
+        return image_loader(op_shards, batch_size=8, size=32, device="cpu", seed=0, threads=1,
                             reader=reader, backend=backend, use_tuning=False)
 
     with make() as full:
@@ -401,3 +389,52 @@ def test_ops_on_cuda_are_the_cpu_ops_and_never_wait_for_the_host(photos):
     diff = (gpu.cpu().int() - cpu.int()).abs()
     assert (diff > 1).float().mean() < 0.01 and targets.shape == (24, 10)
     assert mixed.device.type == "cuda"
+
+
+def test_the_cpu_fast_paths_give_the_general_forms_pixels():
+    """Lookup tables (brightness, contrast, solarize, autocontrast) and whole-pixel shifts
+    (RandAugment's translations) are the float maths and the warp they replace, bit for
+    bit, flat images and moves off the image included."""
+    from pipeline.ops import color, geometry
+    from pipeline.ops.policies import run_op
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (16, 3, 40, 50), dtype=torch.uint8, generator=gen)
+    x[3] = 7  # one flat image
+    f = torch.rand(16, 1, 1, 1, generator=gen) * 2
+
+    def u8(t: torch.Tensor) -> torch.Tensor:
+        return t.clamp(0, 255).to(torch.uint8)
+
+    assert torch.equal(color.brightness(x, f), u8(x.float() * f))
+    mean = color.grey(x).float().mean(dim=(1, 2, 3), keepdim=True)
+    assert torch.equal(color.contrast(x, f), u8(f * x.float() + (1 - f) * mean))
+    th = torch.rand(16, 1, 1, 1, generator=gen) * 255
+    assert torch.equal(color.solarize(x, th), torch.where(x.float() >= th, 255 - x, x))
+    lo, hi = (v.float() for v in (x.amin(dim=(2, 3), keepdim=True),
+                                  x.amax(dim=(2, 3), keepdim=True)))
+    scale = torch.where(hi <= lo, torch.ones_like(hi), 255.0 / (hi - lo).clamp(min=1))
+    want = u8((x.float() - torch.where(hi <= lo, torch.zeros_like(lo), lo)) * scale)
+    assert torch.equal(color.AutoContrast(p=1.0).fn(x), want)
+    mags = [float(m) for m in torch.randint(-60, 60, (16,), generator=gen)]
+    for name, move in (("TranslateX", lambda m: (float(int(m)), 0.0)),
+                       ("TranslateY", lambda m: (0.0, float(int(m))))):
+        warped = geometry.warp(x, [geometry.inverse_affine(0.0, move(m), 1.0, (0.0, 0.0))
+                                   for m in mags])
+        assert torch.equal(run_op(name, x, mags), warped), name
+
+
+def test_a_cpu_batch_gets_the_same_pixels_in_any_chunk(photos, monkeypatch):
+    """ops.apply takes a CPU batch CPU_CHUNK images at a time: the pixels do not depend on
+    the chunk, the op's draws stay the sample's own."""
+    from pipeline.ops import base
+
+    images = torch.cat([_tensor(photos)] * 3)  # 18 images: chunks that do not divide it
+    keys = [f"k{i}" for i in range(len(images))]
+    recipe = [ops.RandAugment(2, 9), ops.ColorJitter(0.4, 0.4, 0.4, 0.1), ops.Equalize(0.5)]
+    got = {}
+    for chunk in (1, 4, 7, 64):
+        monkeypatch.setattr(base, "CPU_CHUNK", chunk)
+        got[chunk] = ops.apply(recipe, images, ops.sample_rngs(0, 0, keys))
+    assert all(torch.equal(got[64], g) for g in got.values())
+    assert not torch.equal(got[64], images)

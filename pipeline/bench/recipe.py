@@ -2,8 +2,8 @@
 bytes: random-resized-crop 224 and flip, RandAugment(2 ops, magnitude 9 of torchvision's 31
 bins), then mixup/cutmix (timm's batch mode) on each batch, uint8 out.
 
-    shardflow:          our loader; RandAugment batched in torch (pipeline.ops) and the mix,
-                        in the training process on each batch
+    shardflow:          our loader with augment=[RandAugment] and batch_augment=[Mix]: both
+                        batched in torch (pipeline.ops), in its decode stage's thread
     torchvision-style:  ImageFolder + DataLoader workers; RandAugment per image on PIL
                         (torchvision's own where it imports, else its PIL definitions here);
                         the same mix on each collated batch, as timm's Mixup runs it
@@ -27,27 +27,21 @@ def _mix() -> Any:
 
 
 class OursRecipe:
+    """The loader with the recipe as its own options: RandAugment and the mix run in its
+    decode stage's thread (image/batchops.py), overlapping the consumer."""
+
     def __init__(self, c: bi.Corpus) -> None:
         from pipeline import ops
 
-        self.ours, self.c = bi.Ours(c), c
-        self.policy, self.mix = ops.RandAugment(NUM_OPS, MAGNITUDE, BINS), _mix()
+        self.ours = bi.Ours(c, augment=[ops.RandAugment(NUM_OPS, MAGNITUDE, BINS)],
+                            batch_augment=[_mix()])
 
     @property
     def loader(self) -> Any:
         return self.ours.loader
 
     def epoch(self) -> int:
-        from pipeline import ops
-
-        n, loader = 0, self.ours.loader
-        for batch in loader:
-            images = ops.apply([self.policy], batch.image,
-                               ops.sample_rngs(0, loader.epoch, batch.keys))
-            images, _, _ = self.mix(images, batch.label, ops.batch_rng(0, loader.epoch,
-                                                                       batch.keys))
-            n += len(images)
-        return n
+        return self.ours.epoch()
 
 
 def _pil_op(img: Any, name: str, m: float) -> Any:

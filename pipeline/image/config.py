@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pipeline.image.graph import IMAGENET_MEAN, IMAGENET_STD, Layout
 from pipeline.loading.options import GraphOptions, choice, interval, positive
@@ -41,6 +41,11 @@ class ImageConfig(GraphOptions):
     # txt/text -> str (UTF-8 checked), json -> json.loads' object, anything else -> bytes.
     extras: tuple[str, ...] = ()
     max_extra_bytes: int = 1 << 20  # per extra member: larger is a data error
+    # pipeline.ops ops run over each batch after the crop, resize and flip, drawn per sample
+    # from (seed, epoch, key); batch_augment: one ops.Mix (mixup/cutmix) -> batch.target.
+    # Normalization (normalize=True) comes after them (image/batchops.py).
+    augment: tuple[Any, ...] = ()
+    batch_augment: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -57,6 +62,11 @@ class ImageConfig(GraphOptions):
         positive(self, "max_extra_bytes")
         check_extras(self.extras)
         object.__setattr__(self, "extras", tuple(self.extras))  # a list is taken too
+        for name in ("augment", "batch_augment"):
+            value = getattr(self, name)
+            if not isinstance(value, (tuple, list)):  # one op alone is taken too
+                value = (value,)
+            object.__setattr__(self, name, tuple(value))
 
 
 def check_extras(extras: object) -> None:

@@ -18,19 +18,22 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from pipeline.errors import DataError, OnError
-from pipeline.image import augment
+from pipeline.image import augment, batchops
 from pipeline.image.config import ImageConfig
 from pipeline.image.decode import DecodeStage, ImageStage
 from pipeline.image.portable import PortableImageStage
 from pipeline.loading import mix, readers, tuning
 from pipeline.loading.batch import EncodedBatch
 from pipeline.loading.graphstage import GraphLoader
+from pipeline.loading.loader import Produced
 from pipeline.loading.options import Device
+from pipeline.loading.readplan import EpochPlan
 from pipeline.loading.rng import sample_rng
 from pipeline.loading.shardlist import Source
 from pipeline.samples.checks import IMAGE_EXTS, check_label
@@ -81,12 +84,39 @@ class ImageLoader(GraphLoader):
             _refuse_unlabelled(self.source)
 
     def _decode_stage(self) -> ImageStage:
+        c = self.cfg
+        self.batch_ops = batchops.build(
+            c.augment, c.batch_augment, seed=c.seed, channels_first=c.layout == "NCHW",
+            normalize=(c.mean, c.std) if c.normalize else None, labels=c.labels,
+            num_classes=self.num_classes)
+        if self.batch_ops is not None:
+            log.info("image loader ops: %s", self.describe()["augment"])
         if self.backend == "dali":
-            return DecodeStage(self.cfg, self.placement)
-        if self.cfg.resize_on == "dali":
+            return DecodeStage(c, self.placement, self.batch_ops)
+        if c.resize_on == "dali":
             raise ValueError("resize_on='dali' resizes in the DALI graph, but this loader runs "
                              "the portable backend (no DALI): use resize_on='torch' or 'auto'")
-        return PortableImageStage(self.cfg, self.placement)
+        return PortableImageStage(c, self.placement, self.batch_ops)
+
+    def describe(self) -> dict[str, Any]:
+        """Where each stage runs: the backend, reader and decode, and each op of augment and
+        batch_augment in order (after the loader's crop, resize and flip)."""
+        target = "cpu" if self.placement.target == "cpu" else f"cuda:{self.cuda_index}"
+        ops = self.batch_ops.describe(target) if self.batch_ops is not None else []
+        return {"backend": self.backend, "reader": self.reader, "decode": self.decode,
+                "device": target, "augment": ops}
+
+    # -- the user's ops ---------------------------------------------------------------------
+
+    def _produce(self, plan: EpochPlan, reader_state: dict[str, Any] | None,
+                 stop: threading.Event) -> Iterator[Produced]:
+        self._decoder.epoch = plan.epoch  # a CPU loader's ops draw from it (batchops.py)
+        return super()._produce(plan, reader_state, stop)
+
+    def _delivered(self, batch: Any, epoch: int) -> Any:
+        if self.batch_ops is None or self.placement.target == "cpu":
+            return batch  # none, or run by the decode stage already
+        return self.batch_ops(batch, epoch)
 
     # -- the reader stage ------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from PIL import Image
 
 from pipeline.errors import DataError
 from pipeline.image.augment import CropParams
+from pipeline.image.batchops import BatchOps
 from pipeline.image.config import ImageConfig
 from pipeline.image.decode import ImageStage, Item
 from pipeline.loading.portablestage import PortableStage
@@ -43,8 +44,9 @@ class PortableImageStage(ImageStage, PortableStage):
     """Decodes with PIL in `threads` threads (PIL releases the GIL while it decodes); the
     batch is built as the DALI stage builds it after a CPU decode (ImageStage)."""
 
-    def __init__(self, cfg: ImageConfig, placement: Placement) -> None:
-        self._setup(cfg, placement)
+    def __init__(self, cfg: ImageConfig, placement: Placement, batch_ops: BatchOps | None
+                 ) -> None:
+        self._setup(cfg, placement, batch_ops)
         super().__init__(placement, cfg.on_error, cfg.prefetch, cfg.threads)
 
     def _decode_one(self, data: np.ndarray, window: CropParams) -> np.ndarray:

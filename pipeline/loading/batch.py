@@ -50,13 +50,15 @@ class ImageBatch:
     object for JSON, bytes otherwise (None when none were asked for). Under on_error="skip"
     a batch can be smaller than batch_size, or even empty (N == 0) when every sample in it
     was bad: every rank still runs the same number of batches, so a training step must
-    accept (and may skip) an empty batch.
+    accept (and may skip) an empty batch. `target` is float32 (N, classes), soft targets
+    whose rows sum to 1, from a loader built with batch_augment (mixup, cutmix); else None.
     """
 
     image: Any  # torch.Tensor
     label: Any  # torch.Tensor, or None (labels=False)
     keys: list[str]
     extras: dict[str, list[Any]] | None = None
+    target: Any = None  # torch.Tensor (N, classes), or None (no batch_augment)
 
     def __len__(self) -> int:
         return len(self.keys)

@@ -193,6 +193,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
                     continue
                 if ready is not None:
                     _wait(ready, batch)
+                batch = self._delivered(batch, plan.epoch)
                 self._batches_done, yielded = self._batches_done + 1, yielded + 1
                 yield batch
             if stage.completed and self.agree_to_stop is not None:
@@ -215,6 +216,11 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
             stage.close()
             self._stage = None
         return yielded
+
+    def _delivered(self, batch: Any, epoch: int) -> Any:
+        """A batch of `epoch` as the consumer gets it, once delivered and waited for (on the
+        consumer's stream); the image loader runs a GPU loader's ops here."""
+        return batch
 
     def _checked(self, plan: EpochPlan, state: dict[str, Any] | None,
                  stop: threading.Event) -> Iterator[Produced | Burst]:

@@ -41,14 +41,36 @@ def sample_rngs(seed: int, epoch: int, keys: Sequence[str]) -> list[random.Rando
     return [random.Random(f"ops/{seed}/{epoch}/{key}") for key in keys]
 
 
+# Images a CPU batch is augmented by at a time: an op's float temporaries for 4 images of
+# 224 (2.4 MB) stay in the cache, where a whole batch's (38 MB at 64) go through memory.
+# Measured over 64 images of 224, one thread, ms an image: ColorJitter(0.4, 0.4, 0.4, 0.1)
+# 8.7 whole, 5.7 by 4, 4.6 one by one; RandAugment(2, 9) 1.1 either way. The same pixels
+# whatever the chunk (tests/test_ops.py).
+CPU_CHUNK = 4
+
+
 def apply(ops: Sequence[Op], images: torch.Tensor, rngs: Sequence[random.Random]
           ) -> torch.Tensor:
     """Each op in turn over the batch, its parameters drawn from each sample's generator in
-    op order (so a sample's draws do not depend on its batch)."""
+    op order (so a sample's draws do not depend on its batch). On the CPU the batch goes
+    through the ops CPU_CHUNK images at a time (each image's pixels are its own whatever it
+    is batched with); a GPU takes the whole batch in each op."""
     if len(rngs) != len(images):
         raise ValueError(f"{len(rngs)} generators for a batch of {len(images)} images")
-    for op in ops:
-        images = op.torch(images, [op.draw(rng) for rng in rngs])
+    params = [[op.draw(rng) for rng in rngs] for op in ops]
+    step = CPU_CHUNK if images.device.type == "cpu" else max(len(images), 1)
+    if len(images) <= step:
+        return _through(ops, images, params)
+    def chunk(i: int) -> torch.Tensor:
+        return _through(ops, images[i:i + step], [p[i:i + step] for p in params])
+
+    return torch.cat([chunk(i) for i in range(0, len(images), step)])
+
+
+def _through(ops: Sequence[Op], images: torch.Tensor, params: Sequence[Sequence[Any]]
+             ) -> torch.Tensor:
+    for op, drawn in zip(ops, params, strict=True):
+        images = op.torch(images, drawn)
     return images
 
 
@@ -82,6 +104,33 @@ def per_sample(images: torch.Tensor, params: Sequence[Any], fn: Any) -> torch.Te
     where = on_device(idx, images.device)
     out[where] = fn(images[where], values)
     return out
+
+
+def through_lut(images: torch.Tensor, luts: torch.Tensor) -> torch.Tensor:
+    """uint8 (N, C, H, W) through lookup tables `luts` (N or 1, C or 1, 256) uint8: one table
+    per image and channel, for the ops that map each value alone (brightness, contrast,
+    solarize, autocontrast, equalize). On the CPU numpy's take with the uint8 pixels as
+    indices (measured 4x faster than the same ops in float over a 224 batch, 7x than
+    torch.where, with no int64 copy of the pixels); elsewhere a gather. The table is the
+    op's own float maths over 0..255, so the pixels are the same either way."""
+    n, c = images.shape[:2]
+    luts = luts.expand(n, c, 256)
+    if images.device.type != "cpu":
+        flat = images.reshape(n, c, -1).long()
+        return luts.gather(2, flat).reshape(images.shape)
+    import numpy as np
+
+    out = torch.empty(images.shape, dtype=torch.uint8)
+    src, dst, tables = images.contiguous().numpy(), out.numpy(), luts.contiguous().numpy()
+    for i in range(n):
+        for j in range(c):
+            np.take(tables[i, j], src[i, j], out=dst[i, j])
+    return out
+
+
+def levels(images: torch.Tensor) -> torch.Tensor:
+    """The 256 values as float32 (1, 1, 256) on the images' device, for building tables."""
+    return torch.arange(256, dtype=torch.float32, device=images.device).view(1, 1, 256)
 
 
 def check_uint8(images: torch.Tensor, op: Op) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor  # in the classes below, `torch` is also the method of each op
 
-from pipeline.ops.base import Op, check_uint8, chosen, on_device, per_sample
+from pipeline.ops.base import Op, check_uint8, chosen, levels, on_device, per_sample, through_lut
 
 Factor = float | tuple[float, float]
 
@@ -45,12 +45,19 @@ def grey(images: torch.Tensor) -> torch.Tensor:
 
 
 def brightness(images: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-    return _to_uint8(images.float() * f)
+    return through_lut(images, _to_uint8(levels(images) * f.view(-1, 1, 1)))
 
 
 def contrast(images: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     mean = grey(images).float().mean(dim=(1, 2, 3), keepdim=True)
-    return blend(images, mean, f)
+    return through_lut(images, blend(levels(images), mean.view(-1, 1, 1), f.view(-1, 1, 1)))
+
+
+def solarize(images: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+    """Each value at or above its image's threshold (float (N, 1, 1, 1)) inverted."""
+    v = levels(images)
+    return through_lut(images, torch.where(v >= thresholds.view(-1, 1, 1), 255.0 - v, v)
+                       .to(torch.uint8))
 
 
 def saturation(images: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
@@ -214,7 +221,8 @@ class Solarize(_Maybe):
         self.threshold, self.p = threshold, p
 
     def fn(self, images: torch.Tensor) -> torch.Tensor:
-        return torch.where(images >= self.threshold, 255 - images, images)
+        return solarize(images, torch.full((1, 1, 1, 1), float(self.threshold),
+                                           device=images.device))
 
 
 class Posterize(_Maybe):
@@ -242,7 +250,9 @@ class AutoContrast(_Maybe):
         flat = hi <= lo
         scale = torch.where(flat, torch.ones_like(hi), 255.0 / (hi - lo).clamp(min=1))
         lo = torch.where(flat, torch.zeros_like(lo), lo)
-        return _to_uint8((images.float() - lo) * scale)
+        n, c = images.shape[:2]
+        return through_lut(images, _to_uint8((levels(images) - lo.view(n, c, 1))
+                                             * scale.view(n, c, 1)))
 
 
 class Equalize(_Maybe):
@@ -263,4 +273,4 @@ class Equalize(_Maybe):
         cum = torch.cumsum(hist, dim=1) - hist  # pixels below each value
         lut = ((cum + step // 2) // step.clamp(min=1)).clamp(0, 255)
         lut = torch.where(step > 0, lut, torch.arange(256, device=images.device))
-        return lut.gather(1, flat).reshape(n, c, h, w).to(torch.uint8)
+        return through_lut(images, lut.to(torch.uint8).view(n, c, 256))

@@ -59,6 +59,20 @@ def warp(images: torch.Tensor, matrices: Sequence[Sequence[float]]) -> torch.Ten
     return out.to(torch.uint8)  # nearest: the values are the input's, exactly
 
 
+def shift(images: torch.Tensor, moves: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Each image moved by whole pixels (dx right, dy down), 0 where nothing comes in: what
+    `warp` gives for a whole-pixel translation, as one copy per image instead of a float
+    grid_sample (on the CPU; a GPU loops on no image and warps)."""
+    out = torch.zeros_like(images)
+    h, w = images.shape[-2:]
+    for i, (dx, dy) in enumerate(moves):
+        if abs(dx) >= w or abs(dy) >= h:
+            continue
+        out[i, :, max(dy, 0):h + min(dy, 0), max(dx, 0):w + min(dx, 0)] = \
+            images[i, :, max(-dy, 0):h + min(-dy, 0), max(-dx, 0):w + min(-dx, 0)]
+    return out
+
+
 def _warp_chosen(images: Tensor, params: Sequence[Any], matrix: Any) -> Tensor:
     idx = chosen(params)
     if not idx:
@@ -138,15 +152,15 @@ class Rotate(Op):
 def sharpness(images: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     """PIL's ImageEnhance.Sharpness: blend with the image smoothed by PIL's SMOOTH kernel
     ([1 1 1; 1 5 1; 1 1 1] / 13), its border pixels kept. The 3x3 sum in int16 from shifted
-    views (no float convolution), rounded as torchvision rounds it."""
+    views, rows then columns (no float convolution), rounded as torchvision rounds it: a
+    sum over 13 never ends in exactly .5, so (sum + 6) // 13 is that rounding."""
     x = images.to(torch.int16)
     h, w = x.shape[-2:]
-    total = 4 * x[..., 1:-1, 1:-1]
-    for dy in range(3):
-        for dx in range(3):
-            total = total + x[..., dy:h - 2 + dy, dx:w - 2 + dx]
+    rows = x[..., :, :-2] + x[..., :, 1:-1] + x[..., :, 2:]
+    total = rows[..., :-2, :] + rows[..., 1:-1, :] + rows[..., 2:, :]
+    total += 4 * x[..., 1:-1, 1:-1] + 6
     smooth = images.clone()
-    smooth[..., 1:-1, 1:-1] = torch.round(total.float() / 13.0).to(torch.uint8)
+    smooth[..., 1:-1, 1:-1] = total.div_(13, rounding_mode="floor").to(torch.uint8)
     return blend(images, smooth, f)
 
 

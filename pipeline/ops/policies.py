@@ -73,10 +73,11 @@ def run_op(name: str, images: Tensor, mags: list[float]) -> Tensor:
         return _affine(images, [geometry.inverse_affine(0.0, (0.0, 0.0), 1.0, s, corner)
                                 for s in shears])
     if name in ("TranslateX", "TranslateY"):
-        moves = [(float(int(m)), 0.0) if name == "TranslateX" else (0.0, float(int(m)))
-                 for m in mags]
-        return _affine(images, [geometry.inverse_affine(0.0, t, 1.0, (0.0, 0.0))
-                                for t in moves])
+        moves = [(int(m), 0) if name == "TranslateX" else (0, int(m)) for m in mags]
+        if images.device.type == "cpu":  # whole pixels: a copy, as the warp would give
+            return geometry.shift(images, moves)
+        return _affine(images, [geometry.inverse_affine(0.0, (float(x), float(y)), 1.0,
+                                                        (0.0, 0.0)) for x, y in moves])
     if name == "Rotate":  # counter-clockwise, as F.rotate
         return _affine(images, [geometry.inverse_affine(-m, (0.0, 0.0), 1.0, (0.0, 0.0))
                                 for m in mags])
@@ -88,7 +89,7 @@ def run_op(name: str, images: Tensor, mags: list[float]) -> Tensor:
         masks = [0xFF ^ ((1 << (8 - int(m))) - 1) for m in mags]
         return images & on_device(masks, images.device, torch.uint8).view(-1, 1, 1, 1)
     if name == "Solarize":
-        return torch.where(images.float() >= factors(0.0), 255 - images, images)
+        return color.solarize(images, factors(0.0))
     if name == "AutoContrast":
         return color.AutoContrast(p=1.0).fn(images)
     if name == "Equalize":

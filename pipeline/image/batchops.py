@@ -1,0 +1,108 @@
+"""The user's ops on each decoded batch: `image_loader(augment=[...], batch_augment=[...])`.
+
+After the loader's own crop, resize and flip, `augment` (pipeline.ops ops) runs over the
+batch's uint8 images, each sample's parameters drawn from its generator (seed, epoch, key:
+ops.sample_rngs), then `batch_augment` (one ops.Mix: mixup or cutmix) from the batch's
+generator (ops.batch_rng), giving `batch.target`, soft targets (N, classes). The draws are
+the ones `ops.apply` makes on the loader's plain batches, so a batch comes out the same on
+either backend and reader, on any rank count, after a resume.
+
+Where they run: for a CPU loader, in the decode stage's thread, so they overlap the
+consumer's step; for a GPU loader, on the device once the batch is delivered, on the
+consumer's stream (loader.py's `_delivered`). Normalization, if asked for, comes after them:
+the ops take uint8.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.loading.batch import ImageBatch
+
+
+@dataclass(frozen=True)
+class BatchOps:
+    """The ops of one loader, with what they need to draw and to lay out."""
+
+    ops: tuple[Any, ...]  # pipeline.ops.Op
+    mix: Any  # pipeline.ops.Mix, or None
+    seed: int
+    channels_first: bool
+    normalize: tuple[tuple[float, ...], tuple[float, ...]] | None  # 0..255 units, or None
+
+    def __call__(self, batch: ImageBatch, epoch: int) -> ImageBatch:
+        """The batch with its images augmented (and normalized), and, with a mix, its soft
+        targets: a new ImageBatch, the keys, labels and extras unchanged."""
+        from pipeline import ops
+
+        images = batch.image if self.channels_first else batch.image.permute(0, 3, 1, 2)
+        if len(images):  # an empty batch (every sample skipped) has nothing to draw for
+            images = ops.apply(self.ops, images, ops.sample_rngs(self.seed, epoch, batch.keys))
+        target = None
+        if self.mix is not None:
+            images, target, _ = self.mix(images, batch.label,
+                                         ops.batch_rng(self.seed, epoch, batch.keys))
+        if self.normalize is not None:
+            images = _normalized(images, *self.normalize)
+        if not self.channels_first:
+            images = images.permute(0, 2, 3, 1)
+        return ImageBatch(image=images.contiguous(), label=batch.label, keys=batch.keys,
+                          extras=batch.extras, target=target)
+
+    def describe(self, device: str) -> list[dict[str, str]]:
+        """Where each op runs: one entry per op, in order."""
+        where = ("torch on the CPU, in the decode stage's thread" if device == "cpu"
+                 else f"torch on {device}, after delivery, on the consumer's stream")
+        entries = [{"op": repr(op), "runs": where} for op in self.ops]
+        if self.mix is not None:
+            entries.append({"op": repr(self.mix), "runs": where})
+        return entries
+
+
+def build(augment: Sequence[Any], batch_augment: Sequence[Any], *, seed: int,
+          channels_first: bool, normalize: tuple[Any, Any] | None, labels: bool,
+          num_classes: int | None) -> BatchOps | None:
+    """The loader's BatchOps, or None when it has no ops; ValueError for ops it cannot run."""
+    from pipeline import ops
+
+    if not augment and not batch_augment:
+        return None
+    for op in augment:
+        if not isinstance(op, ops.Op):
+            raise ValueError(f"augment: {op!r} is not a pipeline.ops.Op (subclass ops.Op with "
+                             "draw and torch; mixup and cutmix go in batch_augment)")
+    if len(batch_augment) > 1:
+        raise ValueError(f"batch_augment={list(batch_augment)!r}: one ops.Mix at most (it "
+                         "mixes mixup and cutmix itself: ops.Mix(mixup_alpha, cutmix_alpha))")
+    mix = batch_augment[0] if batch_augment else None
+    if mix is not None:
+        _check_mix(mix, labels, num_classes)
+    mean_std = (tuple(normalize[0]), tuple(normalize[1])) if normalize else None
+    return BatchOps(tuple(augment), mix, seed, channels_first, mean_std)
+
+
+def _check_mix(mix: Any, labels: bool, num_classes: int | None) -> None:
+    from pipeline import ops
+
+    if not isinstance(mix, ops.Mix):
+        raise ValueError(f"batch_augment: {mix!r} is not an ops.Mix (ops.MixUp, ops.CutMix "
+                         "or ops.Mix)")
+    if not labels:
+        raise ValueError("batch_augment mixes labels into soft targets, but this loader reads "
+                         "none (labels=False)")
+    if num_classes is not None and mix.classes != num_classes:
+        raise ValueError(f"batch_augment: {mix!r} has classes={mix.classes}, but the shards "
+                         f"hold {num_classes} classes")
+
+
+def _normalized(images: Any, mean: Sequence[float], std: Sequence[float]) -> Any:
+    """float32 (x - mean) / std in 0..255 units, as the copier and resize.py normalize."""
+    import torch
+
+    from pipeline.ops.base import on_device  # through pinned memory: no host sync
+
+    m = on_device(list(mean), images.device, torch.float32).view(1, -1, 1, 1)
+    s = on_device(list(std), images.device, torch.float32).view(1, -1, 1, 1)
+    return (images.float() - m) / s

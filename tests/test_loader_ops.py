@@ -1,0 +1,184 @@
+"""image_loader(augment=[...], batch_augment=[...]): the ops run inside the loader, drawn per
+sample from (seed, epoch, key), so its batches are the plain loader's batches with
+`ops.apply` and the mix run over them, on every backend and reader, and after a resume."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import gpu_available
+from test_ops import Invert  # the README's own op
+
+from pipeline import image_loader, ops
+
+BACKENDS = [pytest.param("dali", "dali", marks=pytest.mark.dali),
+            pytest.param("stream", "dali", marks=pytest.mark.dali),
+            ("stream", "portable")]
+
+
+def _recipe() -> list[ops.Op]:
+    return [ops.RandAugment(2, 9), ops.ColorJitter(0.4, 0.4, 0.4, 0.1), Invert(0.3)]
+
+
+def _make(op_shards, reader: str, backend: str, threads: int = 1, **options
+          ):  # type: ignore[no-untyped-def]
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+    return image_loader(op_shards, batch_size=8, size=32, device="cpu", seed=3, threads=threads,
+                        reader=reader, backend=backend, use_tuning=False, **options)
+
+
+@pytest.mark.parametrize("reader, backend", BACKENDS)
+def test_the_loaders_ops_are_ops_apply_over_its_plain_batches(op_shards, reader, backend):
+    mix = ops.Mix(0.8, 1.0, classes=10, label_smoothing=0.1)
+    for epoch in (0, 1):
+        with _make(op_shards, reader, backend) as plain:
+            plain.set_epoch(epoch)
+            want = []
+            for batch in plain:
+                images = ops.apply(_recipe(), batch.image,
+                                   ops.sample_rngs(3, epoch, batch.keys))
+                want.append((batch.keys, *mix(images, batch.label,
+                                              ops.batch_rng(3, epoch, batch.keys))[:2]))
+        # two decode threads: the ops run in the decode stage all the same
+        with _make(op_shards, reader, backend, threads=2, augment=_recipe(),
+                   batch_augment=[mix]) as aug:
+            aug.set_epoch(epoch)
+            got = [(b.keys, b.image, b.target) for b in aug]
+            where = aug.describe()["augment"]
+        assert [k for k, *_ in got] == [k for k, *_ in want] and len(got) == 5
+        for (_, a, ta), (_, b, tb) in zip(got, want, strict=True):
+            assert a.dtype == torch.uint8 and torch.equal(a, b) and torch.equal(ta, tb)
+            assert ta.shape == (8, 10) and torch.allclose(ta.sum(1), torch.ones(8))
+    # the ops changed the pixels: RandAugment's two ops reach nearly every image
+    with _make(op_shards, reader, backend) as plain:
+        plain.set_epoch(1)
+        first = next(iter(plain)).image
+    assert (got[0][1] != first).flatten(1).any(1).float().mean() > 0.5
+    assert [e["op"] for e in where] == [repr(op) for op in _recipe()] + [repr(mix)]
+    assert all("CPU, in the decode stage" in e["runs"] for e in where)
+
+
+@pytest.mark.parametrize("reader, backend", BACKENDS)
+def test_randaugment_and_mixup_resume_bit_identical(op_shards, reader, backend):
+    """State saved after two batches, loaded into a new loader: the same keys, pixels and
+    targets as the loader that went on; every sample once in the epoch."""
+    def make():  # type: ignore[no-untyped-def]
+        return _make(op_shards, reader, backend, augment=_recipe(),
+                     batch_augment=ops.MixUp(0.8, classes=10))
+
+    with make() as full:
+        it = iter(full)
+        head = [next(it) for _ in range(2)]
+        state = json.loads(json.dumps(full.state_dict()))
+        rest = list(it)
+    with make() as resumed:
+        resumed.load_state_dict(state)
+        again = list(resumed)
+    assert len(rest) == 3 and [b.keys for b in again] == [b.keys for b in rest]
+    for a, b in zip(again, rest, strict=True):
+        assert torch.equal(a.image, b.image) and torch.equal(a.target, b.target)
+    assert len({k for b in head + rest for k in b.keys}) == 40
+
+
+def test_normalize_and_nhwc_come_after_the_ops(op_shards):
+    recipe = [ops.Solarize(128, p=0.5), Invert(0.5)]
+    with _make(op_shards, "stream", "portable", augment=recipe) as loader:
+        want = next(iter(loader))
+    with _make(op_shards, "stream", "portable", augment=recipe, normalize=True) as loader:
+        normed = next(iter(loader))
+        mean, std = loader.cfg.mean, loader.cfg.std
+    with _make(op_shards, "stream", "portable", augment=recipe, layout="NHWC") as loader:
+        nhwc = next(iter(loader))
+    expect = (want.image.float() - torch.tensor(mean).view(1, 3, 1, 1)) / \
+        torch.tensor(std).view(1, 3, 1, 1)
+    assert normed.image.dtype == torch.float32 and torch.allclose(normed.image, expect)
+    assert nhwc.image.shape == (8, 32, 32, 3) and nhwc.image.is_contiguous()
+    assert torch.equal(nhwc.image.permute(0, 3, 1, 2), want.image)
+
+
+def test_a_skipped_sample_leaves_the_others_their_own_draws(tmp_path):
+    """A corrupt image skipped (its batch one short): every other sample gets the pixels its
+    key draws, as if it were augmented alone."""
+    from test_image_loader import _bad_shards, _corrupt_scan
+
+    out = _bad_shards(tmp_path, {"class0_img004.jpg": _corrupt_scan(1)})
+    recipe = [ops.TrivialAugmentWide(), Invert(0.5)]
+    with image_loader(out, batch_size=4, size=32, device="cpu", seed=3, threads=1,
+                      train=False, on_error="skip", backend="portable",
+                      use_tuning=False) as plain:
+        alone = {k: ops.apply(recipe, b.image[i:i + 1], ops.sample_rngs(3, 0, [k]))
+                 for b in plain for i, k in enumerate(b.keys)}
+    with image_loader(out, batch_size=4, size=32, device="cpu", seed=3, threads=1,
+                      train=False, on_error="skip", backend="portable", use_tuning=False,
+                      augment=recipe) as loader:
+        batches = list(loader)
+        assert loader.skip_counts() == {"bad-image": 1}
+    assert sorted(len(b) for b in batches) == [3, 4, 4]
+    for b in batches:
+        for i, k in enumerate(b.keys):
+            assert torch.equal(b.image[i:i + 1], alone[k]), k
+
+
+def _readme_example() -> str:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("### Augmentation ops"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.parametrize("reader, backend", BACKENDS)
+def test_the_readmes_own_op_runs_in_the_loader(op_shards, reader, backend, capsys):
+    """The README's example as written, on our shards (its "shards/" replaced, and a
+    smaller size): its last batch is the plain loader's, augmented by its recipe and mix."""
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+    code = _readme_example()
+    assert code.count('"shards/", ') == 1
+    options = {"size": 32, "threads": 1, "device": "cpu", "reader": reader,
+               "backend": backend, "use_tuning": False}
+    scope = {"SHARDS": op_shards, "OPTIONS": options}
+    exec(code.replace('"shards/", ', "SHARDS, **OPTIONS, "), scope)  # our README's code
+    assert "decode stage" in capsys.readouterr().out
+    last, recipe, mix = scope["batch"], scope["recipe"], scope["mix"]
+    with image_loader(op_shards, batch_size=64, seed=0, **options) as plain:
+        want = list(plain)[-1]
+    images = ops.apply(recipe, want.image, ops.sample_rngs(0, 0, want.keys))
+    images, target, _ = mix(images, want.label, ops.batch_rng(0, 0, want.keys))
+    assert last.keys == want.keys and len(last) == 40
+    assert torch.equal(last.image, images) and torch.equal(last.target, target)
+    assert torch.allclose(last.target.sum(1), torch.ones(40))
+
+
+def test_ops_the_loader_cannot_run_are_refused(op_shards):
+    with pytest.raises(ValueError, match="not a pipeline.ops.Op"):
+        _make(op_shards, "stream", "portable", augment=[lambda x: x])
+    with pytest.raises(ValueError, match="one ops.Mix at most"):
+        _make(op_shards, "stream", "portable",
+              batch_augment=[ops.MixUp(classes=10), ops.CutMix(classes=10)])
+    with pytest.raises(ValueError, match="classes=7, but the shards hold 10"):
+        _make(op_shards, "stream", "portable", batch_augment=[ops.MixUp(classes=7)])
+    with pytest.raises(ValueError, match="labels=False"):
+        _make(op_shards, "stream", "portable", labels=False,
+              batch_augment=[ops.MixUp(classes=10)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs CUDA (no GPU on this machine)")
+def test_a_gpu_loaders_ops_run_on_the_device_and_match_the_cpu(op_shards):
+    mix = ops.CutMix(1.0, classes=10)
+    with _make(op_shards, "stream", "portable", augment=_recipe(), batch_augment=mix) as cpu:
+        want = list(cpu)
+    with image_loader(op_shards, batch_size=8, size=32, device="cuda", seed=3, threads=1,
+                      reader="stream", backend="portable", use_tuning=False,
+                      augment=_recipe(), batch_augment=mix) as gpu:
+        got = list(gpu)
+        assert "after delivery" in gpu.describe()["augment"][0]["runs"]
+    for a, b in zip(got, want, strict=True):
+        assert a.image.is_cuda and a.target.is_cuda and a.keys == b.keys
+        # colour ops round the same float maths; a level apart at most on another device
+        assert (a.image.cpu().int() - b.image.int()).abs().max() <= 1
+        assert torch.allclose(a.target.cpu(), b.target)
