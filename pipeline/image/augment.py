@@ -166,8 +166,16 @@ class CropParams:
 def random_resized_crop(rng: random.Random, width: int, height: int,
                         scale: tuple[float, float], ratio: tuple[float, float],
                         flip_probability: float = 0.5) -> CropParams:
-    """The window of torchvision's RandomResizedCrop: area fraction in `scale`, aspect ratio
-    (log-uniform) in `ratio`; ten tries, then the largest central window within `ratio`."""
+    """The window of torchvision's RandomResizedCrop (`random_window`), then the flip."""
+    x, y, w, h = random_window(rng, width, height, scale, ratio)
+    return CropParams(x, y, w, h, rng.random() < flip_probability)
+
+
+def random_window(rng: random.Random, width: int, height: int, scale: tuple[float, float],
+                  ratio: tuple[float, float]) -> tuple[int, int, int, int]:
+    """(x, y, w, h) of torchvision's RandomResizedCrop: area fraction in `scale`, aspect
+    ratio (log-uniform) in `ratio`; ten tries, then the largest central window within
+    `ratio`."""
     area = width * height
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
     for _ in range(10):
@@ -175,10 +183,9 @@ def random_resized_crop(rng: random.Random, width: int, height: int,
         aspect = math.exp(rng.uniform(log_lo, log_hi))
         w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
         if 0 < w <= width and 0 < h <= height:
-            x, y = rng.randint(0, width - w), rng.randint(0, height - h)
-            return CropParams(x, y, w, h, rng.random() < flip_probability)
+            return rng.randint(0, width - w), rng.randint(0, height - h), w, h
     w, h = _central(width, height, ratio)
-    return CropParams((width - w) // 2, (height - h) // 2, w, h, rng.random() < flip_probability)
+    return (width - w) // 2, (height - h) // 2, w, h
 
 
 def _central(width: int, height: int, ratio: tuple[float, float]) -> tuple[int, int]:

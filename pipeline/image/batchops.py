@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.image.views import View, view_key
 from pipeline.loading.batch import ImageBatch
 
 
@@ -31,30 +32,57 @@ class BatchOps:
     seed: int
     channels_first: bool
     normalize: tuple[tuple[float, ...], tuple[float, ...]] | None  # 0..255 units, or None
+    views: tuple[View, ...] | None = None  # each view's ops (then `ops` is empty)
 
     def __call__(self, batch: ImageBatch, epoch: int) -> ImageBatch:
-        """The batch with its images augmented (and normalized), and, with a mix, its soft
-        targets: a new ImageBatch, the keys, labels and extras unchanged."""
+        """The batch with its images (each view's) augmented and normalized, and, with a
+        mix, its soft targets: a new ImageBatch, the keys, labels and extras unchanged."""
         from pipeline import ops
 
-        images = batch.image if self.channels_first else batch.image.permute(0, 3, 1, 2)
+        if self.views is not None and batch.views is not None:
+            done = [self._one(image, view.ops, epoch, [view_key(k, v) for k in batch.keys])
+                    for v, (image, view) in enumerate(zip(batch.views, self.views,
+                                                          strict=True))]
+            return ImageBatch(image=done[0], label=batch.label, keys=batch.keys,
+                              extras=batch.extras, views=done)
+        if self.mix is None:
+            return ImageBatch(image=self._one(batch.image, self.ops, epoch, batch.keys),
+                              label=batch.label, keys=batch.keys, extras=batch.extras)
+        images = self._nchw(batch.image)
         if len(images):  # an empty batch (every sample skipped) has nothing to draw for
             images = ops.apply(self.ops, images, ops.sample_rngs(self.seed, epoch, batch.keys))
-        target = None
-        if self.mix is not None:
-            images, target, _ = self.mix(images, batch.label,
-                                         ops.batch_rng(self.seed, epoch, batch.keys))
+        images, target, _ = self.mix(images, batch.label,
+                                     ops.batch_rng(self.seed, epoch, batch.keys))
+        return ImageBatch(image=self._finished(images), label=batch.label, keys=batch.keys,
+                          extras=batch.extras, target=target)
+
+    def _one(self, image: Any, ops_: Sequence[Any], epoch: int, keys: list[str]) -> Any:
+        """One view's (or the batch's) images through `ops_`, each drawn from its key."""
+        from pipeline import ops
+
+        images = self._nchw(image)
+        if len(images) and ops_:
+            images = ops.apply(ops_, images, ops.sample_rngs(self.seed, epoch, keys))
+        return self._finished(images)
+
+    def _nchw(self, image: Any) -> Any:
+        return image if self.channels_first else image.permute(0, 3, 1, 2)
+
+    def _finished(self, images: Any) -> Any:
+        """uint8 NCHW as the loader's layout and dtype: normalized, NHWC if asked."""
         if self.normalize is not None:
             images = _normalized(images, *self.normalize)
         if not self.channels_first:
             images = images.permute(0, 2, 3, 1)
-        return ImageBatch(image=images.contiguous(), label=batch.label, keys=batch.keys,
-                          extras=batch.extras, target=target)
+        return images.contiguous()
 
     def describe(self, device: str) -> list[dict[str, str]]:
-        """Where each op runs: one entry per op, in order."""
+        """Where each op runs: one entry per op, in order (with views, per view)."""
         where = ("torch on the CPU, in the decode stage's thread" if device == "cpu"
                  else f"torch on {device}, after delivery, on the consumer's stream")
+        if self.views is not None:
+            return [{"op": repr(op), "runs": where, "view": str(v)}
+                    for v, view in enumerate(self.views) for op in view.ops]
         entries = [{"op": repr(op), "runs": where} for op in self.ops]
         if self.mix is not None:
             entries.append({"op": repr(self.mix), "runs": where})
@@ -63,10 +91,14 @@ class BatchOps:
 
 def build(augment: Sequence[Any], batch_augment: Sequence[Any], *, seed: int,
           channels_first: bool, normalize: tuple[Any, Any] | None, labels: bool,
-          num_classes: int | None) -> BatchOps | None:
-    """The loader's BatchOps, or None when it has no ops; ValueError for ops it cannot run."""
+          num_classes: int | None, views: tuple[View, ...] | None = None) -> BatchOps | None:
+    """The loader's BatchOps, or None when it has no ops and no views (those are laid out
+    and normalized here, after their ops); ValueError for ops it cannot run."""
     from pipeline import ops
 
+    mean_std = (tuple(normalize[0]), tuple(normalize[1])) if normalize else None
+    if views is not None:  # views.resolve checked their ops
+        return BatchOps((), None, seed, channels_first, mean_std, views)
     if not augment and not batch_augment:
         return None
     for op in augment:
@@ -79,7 +111,6 @@ def build(augment: Sequence[Any], batch_augment: Sequence[Any], *, seed: int,
     mix = batch_augment[0] if batch_augment else None
     if mix is not None:
         _check_mix(mix, labels, num_classes)
-    mean_std = (tuple(normalize[0]), tuple(normalize[1])) if normalize else None
     return BatchOps(tuple(augment), mix, seed, channels_first, mean_std)
 
 

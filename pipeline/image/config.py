@@ -46,6 +46,9 @@ class ImageConfig(GraphOptions):
     # Normalization (normalize=True) comes after them (image/batchops.py).
     augment: tuple[Any, ...] = ()
     batch_augment: tuple[Any, ...] = ()
+    # Several views of each sample (image/views.py): a number of views of this recipe, or a
+    # list of op lists, each maybe led by its window op (ops.RandomResizedCrop, CenterCrop).
+    views: Any = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -17,7 +17,6 @@ import numpy as np
 from pipeline import dali
 from pipeline.image import graph as image_graph
 from pipeline.image import resize
-from pipeline.image.augment import CropParams
 from pipeline.image.batchops import BatchOps
 from pipeline.image.config import ImageConfig
 from pipeline.loading.batch import EncodedBatch, ImageBatch
@@ -28,8 +27,9 @@ from pipeline.loading.loader import Produced
 from pipeline.loading.readers import Placement
 from pipeline.samples.checks import CheckLimits, check_image
 
-# (batch, labels (None each with labels=False), windows)
-Item = tuple[EncodedBatch, list[int | None], list[CropParams]]
+# (batch, labels (None each with labels=False), windows: a CropParams each, or with views a
+# tuple of one per view)
+Item = tuple[EncodedBatch, list[int | None], list[Any]]
 
 
 class ImageStage(BackendStage):
@@ -46,6 +46,10 @@ class ImageStage(BackendStage):
         # epoch the loader set before the pass; a GPU loader runs them after delivery.
         self.batch_ops = batch_ops if placement.target == "cpu" else None
         self.epoch = 0
+        # Several views (views.py): every sample's V windows decoded, each view resized to
+        # its size; None: one window a sample, resized to cfg.size.
+        self.views = batch_ops.views if batch_ops is not None else None
+        self.per_sample = len(self.views) if self.views is not None else 1
         # uint8 crosses the bus: a batch bound for a GPU is normalized there, by the copier.
         # The ops take uint8: with ops, normalization is theirs to do last.
         self.host_normalizes = cfg.normalize and placement.target == "cpu" and \
@@ -57,10 +61,16 @@ class ImageStage(BackendStage):
         # prefetch queue's batches, the one being made, the one in use, and one more.
         self.pool = HostPool(cfg.prefetch + 3)
 
-    def _resized(self, images: list[np.ndarray], windows: list[CropParams]) -> Any:
+    def _resized(self, images: list[Any], windows: list[Any]) -> Any:
         """Decoded windows (HWC uint8, as stored) as the batch tensor: resized, turned
-        upright, flipped, laid out (and normalized for the CPU)."""
+        upright, flipped, laid out (and normalized for the CPU). With views, `images` and
+        `windows` hold each sample's V, and the result is a list of V batch tensors."""
         c = self.cfg
+        if self.views is not None:
+            return [resize.batch([s[v] for s in images], [w[v].flip for w in windows],
+                                 view.size, c.layout == "NCHW", None,
+                                 [(w[v].transpose, w[v].vflip) for w in windows])
+                    for v, view in enumerate(self.views)]
         norm = (c.mean, c.std) if self.host_normalizes else None
         out = self.pool.take(*resize.batch_shape(len(images), c.size, c.layout == "NCHW",
                                                  norm is not None))
@@ -88,10 +98,15 @@ class ImageStage(BackendStage):
         # labels=False: an empty tensor rides along where the labels would (the copier takes
         # a tensor there), and the batch says None.
         label = torch.tensor(labels if self.cfg.labels else [], dtype=torch.int64)
-        image, label, ready = self.copier(images, label)
+        views = None
+        if self.views is not None:  # one copy of them all, one ready event
+            (*views, label), ready = self.copier.move(*images, label)
+            image = views[0]
+        else:
+            image, label, ready = self.copier(images, label)
         extras = {ext: list(enc.extras.get(ext, [])) for ext in self.cfg.extras}
         batch = ImageBatch(image=image, label=label if self.cfg.labels else None,
-                           keys=list(enc.keys), extras=extras or None)
+                           keys=list(enc.keys), extras=extras or None, views=views)
         if self.batch_ops is not None:
             # In this thread: spreading the ops' chunks over `threads` threads as well
             # measured no faster on 2 cores (4.4 CPU-ms an image against 3.3: they contend
@@ -103,6 +118,8 @@ class ImageStage(BackendStage):
         import torch
 
         c = self.cfg
+        if self.views is not None:
+            return [torch.zeros((0, 3, v.size, v.size), dtype=torch.uint8) for v in self.views]
         shape = (0, 3, c.size, c.size) if c.layout == "NCHW" else (0, c.size, c.size, 3)
         return torch.zeros(shape, dtype=torch.float32 if self.host_normalizes else torch.uint8)
 
@@ -115,8 +132,10 @@ class DecodeStage(ImageStage, GraphStage):
                  ) -> None:
         self._setup(cfg, placement, batch_ops)
         # "auto" reaching here (no tuning file said otherwise) is torch: measured faster on
-        # the CPU (resize.py); a GPU graph always resizes.
-        self.graph_resizes = placement.decode == "gpu" or cfg.resize_on == "dali"
+        # the CPU (resize.py); a GPU graph always resizes. Views are resized by resize.py,
+        # each to its size (a GPU loader with views decodes on the CPU: loader.py).
+        self.graph_resizes = (placement.decode == "gpu" or cfg.resize_on == "dali") and \
+            self.views is None
         super().__init__(placement, cfg.on_error, cfg.prefetch)
 
     # -- the graph -------------------------------------------------------------------------
@@ -130,13 +149,18 @@ class DecodeStage(ImageStage, GraphStage):
             normalize=(c.mean, c.std) if self.host_normalizes else None)
 
     def _build(self, depth: int, batch_size: int | None = None) -> Any:
-        return image_graph.build(self._spec(), batch_size=batch_size or self.cfg.batch_size,
+        samples = (batch_size or self.cfg.batch_size) * self.per_sample  # a window each
+        return image_graph.build(self._spec(), batch_size=samples,
                                  num_threads=self.cfg.threads, device_id=self.cuda_index,
                                  seed=self.cfg.seed, prefetch_depth=depth)
 
     def _feed(self, graph: Any, item: Item) -> None:
         enc, _labels, windows = item
-        graph.feed_input("encoded", enc.data)
+        data = enc.data
+        if self.views is not None:  # each sample's bytes once per view, with its window
+            data = [d for d in data for _ in range(self.per_sample)]
+            windows = [w for ws in windows for w in ws]
+        graph.feed_input("encoded", data)
         graph.feed_input("anchor", [np.array([w.x, w.y], np.int32) for w in windows])
         graph.feed_input("shape", [np.array([w.width, w.height], np.int32) for w in windows])
         if self.graph_resizes:  # else resize.py flips
@@ -160,4 +184,8 @@ class DecodeStage(ImageStage, GraphStage):
             batch = self.pool.take(array.shape, dtype)
             batch.numpy()[...] = array
             return batch
-        return self._resized(resize.views(out), item[2])
+        decoded: list[Any] = resize.views(out)
+        if self.views is not None:  # V windows a sample, in order
+            k = self.per_sample
+            decoded = [decoded[i:i + k] for i in range(0, len(decoded), k)]
+        return self._resized(decoded, item[2])

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import DataError, OnError
-from pipeline.image import augment, batchops
+from pipeline.image import augment, batchops, views
 from pipeline.image.config import ImageConfig
 from pipeline.image.decode import DecodeStage, ImageStage
 from pipeline.image.portable import PortableImageStage
@@ -85,10 +85,15 @@ class ImageLoader(GraphLoader):
 
     def _decode_stage(self) -> ImageStage:
         c = self.cfg
+        self.views = views.resolve(c.views, c.size, c.augment, c.batch_augment)
+        if self.views is not None and self.decode == "gpu":
+            raise ValueError("views are resized on the CPU, each to its size, but decode='gpu' "
+                             "resizes in the graph: use decode='cpu' (the batches still land "
+                             "on the device)")
         self.batch_ops = batchops.build(
             c.augment, c.batch_augment, seed=c.seed, channels_first=c.layout == "NCHW",
             normalize=(c.mean, c.std) if c.normalize else None, labels=c.labels,
-            num_classes=self.num_classes)
+            num_classes=self.num_classes, views=self.views)
         if self.batch_ops is not None:
             log.info("image loader ops: %s", self.describe()["augment"])
         if self.backend == "dali":
@@ -103,8 +108,10 @@ class ImageLoader(GraphLoader):
         batch_augment in order (after the loader's crop, resize and flip)."""
         target = "cpu" if self.placement.target == "cpu" else f"cuda:{self.cuda_index}"
         ops = self.batch_ops.describe(target) if self.batch_ops is not None else []
+        shown = [{"size": v.size, "crop": repr(v.crop) if v.crop else "the loader's"}
+                 for v in self.views] if self.views is not None else None
         return {"backend": self.backend, "reader": self.reader, "decode": self.decode,
-                "device": target, "augment": ops}
+                "device": target, "augment": ops, "views": shown}
 
     # -- the user's ops ---------------------------------------------------------------------
 
@@ -132,20 +139,35 @@ class ImageLoader(GraphLoader):
             enc.extras[ext][i] = parse_extra(ext, enc.extras[ext][i], self.cfg.max_extra_bytes)
         return label, self._window(enc.data[i].tobytes(), enc.keys[i], epoch)
 
-    def _window(self, data: bytes, key: str, epoch: int) -> augment.CropParams:
+    def _window(self, data: bytes, key: str, epoch: int) -> Any:
         """The sample's crop, drawn in the upright frame (the EXIF orientation applied unless
-        exif_orientation=False), as the stored-frame window to decode and its turns."""
+        exif_orientation=False), as the stored-frame window to decode and its turns; with
+        views, a tuple of one per view (image/views.py)."""
         header = augment.check_header(data, self.cfg.max_pixels)
         orientation = header.orientation if self.cfg.exif_orientation else 1
         width, height = augment.ImageHeader(header.width, header.height,
                                             orientation).upright_size()
+        if self.views is None:
+            window = self._crop(key, epoch, width, height)
+            return augment.to_stored(window, orientation, header.width, header.height)
+        return tuple(augment.to_stored(self._view_crop(view, views.view_key(key, v), epoch,
+                                                       width, height),
+                                       orientation, header.width, header.height)
+                     for v, view in enumerate(self.views))
+
+    def _crop(self, key: str, epoch: int, width: int, height: int) -> augment.CropParams:
+        """The loader's own crop (upright frame): centred for evaluation, else random."""
         if not self.cfg.train:
-            window = augment.center_crop(width, height, self.cfg.crop_fraction)
-        else:
-            window = augment.random_resized_crop(sample_rng(self.seed, epoch, key), width,
-                                                 height, self.cfg.crop_scale,
-                                                 self.cfg.crop_ratio)
-        return augment.to_stored(window, orientation, header.width, header.height)
+            return augment.center_crop(width, height, self.cfg.crop_fraction)
+        return augment.random_resized_crop(sample_rng(self.seed, epoch, key), width, height,
+                                           self.cfg.crop_scale, self.cfg.crop_ratio)
+
+    def _view_crop(self, view: views.View, key: str, epoch: int, width: int, height: int
+                   ) -> augment.CropParams:
+        if view.crop is None:
+            return self._crop(key, epoch, width, height)
+        x, y, w, h = view.crop.window(sample_rng(self.seed, epoch, key), width, height)
+        return augment.CropParams(x, y, w, h, False)
 
 
 def _refuse_unlabelled(source: Source) -> None:

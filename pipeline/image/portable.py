@@ -49,8 +49,12 @@ class PortableImageStage(ImageStage, PortableStage):
         self._setup(cfg, placement, batch_ops)
         super().__init__(placement, cfg.on_error, cfg.prefetch, cfg.threads)
 
-    def _decode_one(self, data: np.ndarray, window: CropParams) -> np.ndarray:
+    def _decode_one(self, data: np.ndarray, window: Any) -> Any:
+        """The window's pixels; with views, each view's window (a tuple), at its size."""
         try:
+            if self.views is not None:
+                return [decode_window(data, w, view.size) for w, view in zip(window, self.views,
+                                                                             strict=True)]
             return decode_window(data, window, self.cfg.size)
         except (OSError, ValueError, SyntaxError, EOFError, IndexError, struct.error,
                 Image.DecompressionBombError) as exc:  # what Pillow raises on bad data

@@ -52,6 +52,8 @@ class ImageBatch:
     was bad: every rank still runs the same number of batches, so a training step must
     accept (and may skip) an empty batch. `target` is float32 (N, classes), soft targets
     whose rows sum to 1, from a loader built with batch_augment (mixup, cutmix); else None.
+    `views`: from a loader built with views (image/views.py), one tensor (N, C, h, w) per
+    view, each at its view's size; `image` is the first of them. Else None.
     """
 
     image: Any  # torch.Tensor
@@ -59,6 +61,7 @@ class ImageBatch:
     keys: list[str]
     extras: dict[str, list[Any]] | None = None
     target: Any = None  # torch.Tensor (N, classes), or None (no batch_augment)
+    views: list[Any] | None = None  # a loader with views: one tensor per view (image: the first)
 
     def __len__(self) -> int:
         return len(self.keys)

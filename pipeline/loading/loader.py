@@ -481,7 +481,9 @@ def _wait(ready: Any, batch: Any) -> None:
     """The consumer's side of the stream contract (pipeline/loading/delivery.py)."""
     import torch
 
-    tensors = [v for v in vars(batch).values() if isinstance(v, torch.Tensor) and v.is_cuda]
+    fields = [v for value in vars(batch).values()
+              for v in (value if isinstance(value, list) else [value])]  # views: a list
+    tensors = [v for v in fields if isinstance(v, torch.Tensor) and v.is_cuda]
     if not tensors:
         return
     # The current stream of the batch's device (not of whichever device is current here).

@@ -1,0 +1,193 @@
+"""image_loader(views=...): several augmented views of each sample, each drawn apart and
+following its own op list, the same on both backends and after a resume."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import gpu_available
+from PIL import Image
+from test_ops import Invert
+
+from pipeline import image_loader, ops
+from pipeline.builtin import make_photo_corpus
+from pipeline.ops.crop import CenterCrop, RandomResizedCrop
+
+BACKENDS = [pytest.param("dali", "dali", marks=pytest.mark.dali),
+            pytest.param("stream", "dali", marks=pytest.mark.dali),
+            ("stream", "portable")]
+
+
+def _make(shards, reader: str = "stream", backend: str = "portable", **options
+          ):  # type: ignore[no-untyped-def]
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+    return image_loader(shards, batch_size=8, size=32, device="cpu", seed=3, threads=1,
+                        reader=reader, backend=backend, use_tuning=False, **options)
+
+
+def _dino() -> list[list[ops.Op]]:
+    """DINO's multi-crop, small: 2 global crops and 3 local ones."""
+    return [[RandomResizedCrop(32, scale=(0.4, 1.0)), ops.Flip()]] * 2 + \
+        [[RandomResizedCrop(16, scale=(0.05, 0.4)), ops.Flip()]] * 3
+
+
+@pytest.mark.parametrize("reader, backend", BACKENDS)
+def test_two_views_differ_and_the_first_is_the_loaders_own_image(op_shards, reader, backend):
+    with _make(op_shards, reader, backend) as plain:
+        want = list(plain)
+    with _make(op_shards, reader, backend, views=2) as loader:
+        got = list(loader)
+        assert [v["crop"] for v in loader.describe()["views"]] == ["the loader's"] * 2
+    assert [b.keys for b in got] == [b.keys for b in want] and len(got) == 5
+    for a, b in zip(got, want, strict=True):
+        assert len(a.views) == 2 and a.image is a.views[0]
+        assert torch.equal(a.views[0], b.image)
+        # drawn apart: another window (and flip) for nearly every sample
+        assert (a.views[0] != a.views[1]).flatten(1).any(1).float().mean() >= 0.75
+
+
+def test_each_view_follows_its_own_op_list(op_shards):
+    """An op added to one view changes that view alone, exactly as the op does; window ops
+    give each view its size."""
+    with _make(op_shards, views=_dino()) as loader:
+        base = list(loader)
+    inverted = _dino()
+    inverted[3] = inverted[3] + [Invert(p=1.0)]
+    inverted[0] = inverted[0] + [ops.Grayscale(p=1.0)]
+    with _make(op_shards, views=inverted) as loader:
+        changed = list(loader)
+    for a, b in zip(base, changed, strict=True):
+        assert [tuple(v.shape[1:]) for v in a.views] == [(3, 32, 32)] * 2 + [(3, 16, 16)] * 3
+        assert torch.equal(b.views[3], 255 - a.views[3])
+        grey = b.views[0]
+        assert torch.equal(grey[:, 0], grey[:, 1]) and torch.equal(grey[:, 1], grey[:, 2])
+        assert not torch.equal(grey, a.views[0])
+        for v in (1, 2, 4):
+            assert torch.equal(a.views[v], b.views[v])
+        # the two global views (same op list) are drawn apart
+        assert not torch.equal(a.views[0], a.views[1])
+
+
+def _by_key(batches) -> dict[str, list[torch.Tensor]]:  # type: ignore[no-untyped-def]
+    return {k: [v[i] for v in b.views] for b in batches for i, k in enumerate(b.keys)}
+
+
+@pytest.mark.dali
+def test_views_are_the_same_on_both_backends(op_shards):
+    """Each sample's views, whichever reader batched it: the same pixels (the readers
+    shuffle apart; the draws are the sample's own)."""
+    with _make(op_shards, "stream", "portable", views=_dino()) as loader:
+        portable = _by_key(loader)
+    for reader in ("stream", "dali"):
+        with _make(op_shards, reader, "dali", views=_dino()) as loader:
+            dali = _by_key(loader)
+        assert sorted(dali) == sorted(portable) and len(dali) == 40
+        for key, views in dali.items():
+            assert all(torch.equal(x, y) for x, y in zip(views, portable[key], strict=True))
+
+
+@pytest.mark.parametrize("reader, backend", BACKENDS)
+def test_views_with_ops_resume_bit_identical(op_shards, reader, backend):
+    views = [[RandomResizedCrop(32), ops.RandAugment(2, 9)],
+             [RandomResizedCrop(16, scale=(0.05, 0.4)), ops.ColorJitter(0.4, 0.4, 0.4, 0.1)]]
+
+    def make():  # type: ignore[no-untyped-def]
+        return _make(op_shards, reader, backend, views=views)
+
+    with make() as full:
+        it = iter(full)
+        head = [next(it) for _ in range(2)]
+        state = json.loads(json.dumps(full.state_dict()))
+        rest = list(it)
+    with make() as resumed:
+        resumed.load_state_dict(state)
+        again = list(resumed)
+    assert [b.keys for b in again] == [b.keys for b in rest] and len(rest) == 3
+    for a, b in zip(again, rest, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a.views, b.views, strict=True))
+    assert len({k for b in head + rest for k in b.keys}) == 40
+
+
+def test_views_are_normalized_and_laid_out_after_their_ops(op_shards):
+    views = [[RandomResizedCrop(32), Invert(0.5)], [CenterCrop(16)]]
+    with _make(op_shards, views=views) as loader:
+        want = next(iter(loader))
+    with _make(op_shards, views=views, normalize=True, layout="NHWC") as loader:
+        got = next(iter(loader))
+        mean, std = torch.tensor(loader.cfg.mean), torch.tensor(loader.cfg.std)
+    for a, b in zip(got.views, want.views, strict=True):
+        assert a.dtype == torch.float32 and a.shape == b.permute(0, 2, 3, 1).shape
+        assert torch.allclose(a, (b.permute(0, 2, 3, 1).float() - mean) / std)
+
+
+def test_a_skipped_sample_leaves_every_view_aligned(tmp_path):
+    from test_image_loader import _bad_shards, _corrupt_scan
+
+    out = _bad_shards(tmp_path, {"class0_img004.jpg": _corrupt_scan(1)})
+    with image_loader(out, batch_size=4, size=32, device="cpu", threads=1, train=False,
+                      on_error="skip", backend="portable", use_tuning=False) as plain:
+        alone = {k: b.image[i] for b in plain for i, k in enumerate(b.keys)}
+    with image_loader(out, batch_size=4, size=32, device="cpu", threads=1, train=False,
+                      on_error="skip", backend="portable", use_tuning=False,
+                      views=[[], [CenterCrop(16, 0.5)]]) as loader:
+        batches = list(loader)
+        assert loader.skip_counts() == {"bad-image": 1}
+    assert sorted(len(b) for b in batches) == [3, 4, 4]
+    for b in batches:
+        assert [len(v) for v in b.views] == [len(b)] * 2
+        for i, k in enumerate(b.keys):
+            assert torch.equal(b.views[0][i], alone[k])
+
+
+def test_window_ops_outside_a_loader_are_pils_crop_and_resize(tmp_path):
+    """ops.apply over a batch: RandomResizedCrop's window, resized antialiased bilinear, is
+    PIL's resize of that box within a few levels (PIL's filter works in fixed point)."""
+    folder = make_photo_corpus(tmp_path / "photos", count=4)
+    photos = [Image.open(f).convert("RGB").resize((96, 72))
+              for f in sorted(folder.rglob("*.jpg"))]
+    images = torch.stack([torch.from_numpy(np.array(p)).permute(2, 0, 1) for p in photos])
+    op = RandomResizedCrop(40, scale=(0.3, 1.0))
+    rngs = ops.sample_rngs(0, 0, ["a", "b", "c", "d"])
+    seeds = [op.draw(r) for r in ops.sample_rngs(0, 0, ["a", "b", "c", "d"])]
+    got = ops.apply([op], images, rngs)
+    for image, photo, seed in zip(got, photos, seeds, strict=True):
+        x, y, w, h = op.window(random.Random(seed), 96, 72)
+        want = np.array(photo.resize((40, 40), Image.Resampling.BILINEAR,
+                                     box=(x, y, x + w, y + h)))
+        diff = np.abs(image.permute(1, 2, 0).numpy().astype(int) - want.astype(int))
+        # measured on these photos (windows of 90x72 down to 56x44 into 40): at most 4
+        # levels apart, up to 2% of values by more than 1 and 0.4% by more than 2, a mean
+        # of 0.16-0.24 (PIL's filter is fixed point, torch's float)
+        assert diff.max() <= 5 and (diff > 2).mean() < 0.01 and diff.mean() < 0.4
+
+
+def test_what_cannot_be_views_is_refused(op_shards):
+    with pytest.raises(ValueError, match="batch_augment"):
+        _make(op_shards, views=2, batch_augment=[ops.MixUp(classes=10)])
+    with pytest.raises(ValueError, match="can only come first"):
+        _make(op_shards, views=[[ops.Flip(), RandomResizedCrop(16)]])
+    with pytest.raises(ValueError, match="put each view's ops in its list"):
+        _make(op_shards, views=[[RandomResizedCrop(16)]], augment=[ops.Flip()])
+    with pytest.raises(ValueError, match="at least 1"):
+        _make(op_shards, views=0)
+    with pytest.raises(ValueError, match="a list of op lists"):
+        _make(op_shards, views=[RandomResizedCrop(16)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs CUDA (no GPU on this machine)")
+def test_views_on_a_gpu_are_the_cpu_views(op_shards):
+    with _make(op_shards, views=_dino()) as cpu:
+        want = list(cpu)
+    with image_loader(op_shards, batch_size=8, size=32, device="cuda", seed=3, threads=1,
+                      reader="stream", backend="portable", use_tuning=False,
+                      views=_dino()) as gpu:
+        got = list(gpu)
+    for a, b in zip(got, want, strict=True):
+        assert all(x.is_cuda and torch.equal(x.cpu(), y)
+                   for x, y in zip(a.views, b.views, strict=True))
