@@ -158,6 +158,20 @@ def make_image_folder(root: Path, classes: int = 3, per_class: int = 5) -> Path:
     return root
 
 
+def resumed_run(make, after: int = 2):  # type: ignore[no-untyped-def]
+    """(head, rest, again): `after` batches of a loader from `make()`, its state saved (through
+    JSON) and the batches it went on with; then those of a new loader given that state."""
+    with make() as full:
+        it = iter(full)
+        head = [next(it) for _ in range(after)]
+        state = json.loads(json.dumps(full.state_dict()))
+        rest = list(it)
+    with make() as resumed:
+        resumed.load_state_dict(state)
+        again = list(resumed)
+    return head, rest, again
+
+
 @pytest.fixture(scope="module")
 def op_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """40 built-in images of 40 px in 10 classes, 8 a shard: what the ops tests load."""

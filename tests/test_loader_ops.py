@@ -4,13 +4,12 @@ sample from (seed, epoch, key), so its batches are the plain loader's batches wi
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import gpu_available
+from conftest import gpu_available, resumed_run
 from test_ops import Invert  # the README's own op
 
 from pipeline import image_loader, ops
@@ -71,14 +70,7 @@ def test_randaugment_and_mixup_resume_bit_identical(op_shards, reader, backend):
         return _make(op_shards, reader, backend, augment=_recipe(),
                      batch_augment=ops.MixUp(0.8, classes=10))
 
-    with make() as full:
-        it = iter(full)
-        head = [next(it) for _ in range(2)]
-        state = json.loads(json.dumps(full.state_dict()))
-        rest = list(it)
-    with make() as resumed:
-        resumed.load_state_dict(state)
-        again = list(resumed)
+    head, rest, again = resumed_run(make)
     assert len(rest) == 3 and [b.keys for b in again] == [b.keys for b in rest]
     for a, b in zip(again, rest, strict=True):
         assert torch.equal(a.image, b.image) and torch.equal(a.target, b.target)

@@ -3,13 +3,12 @@ following its own op list, the same on both backends and after a resume."""
 
 from __future__ import annotations
 
-import json
 import random
 
 import numpy as np
 import pytest
 import torch
-from conftest import gpu_available
+from conftest import gpu_available, resumed_run
 from PIL import Image
 from test_ops import Invert
 
@@ -99,14 +98,7 @@ def test_views_with_ops_resume_bit_identical(op_shards, reader, backend):
     def make():  # type: ignore[no-untyped-def]
         return _make(op_shards, reader, backend, views=views)
 
-    with make() as full:
-        it = iter(full)
-        head = [next(it) for _ in range(2)]
-        state = json.loads(json.dumps(full.state_dict()))
-        rest = list(it)
-    with make() as resumed:
-        resumed.load_state_dict(state)
-        again = list(resumed)
+    head, rest, again = resumed_run(make)
     assert [b.keys for b in again] == [b.keys for b in rest] and len(rest) == 3
     for a, b in zip(again, rest, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a.views, b.views, strict=True))
