@@ -7,6 +7,7 @@ truncates (tests/test_ops.py states each tolerance).
     saturation f: blend(img, grey, f)          hue h:        HSV hue + h (turns, mod 1)
     solarize t:   255 - v where v >= t         posterize b:  the top b bits of each value
     autocontrast: each channel stretched to 0..255; equalize: each channel's histogram
+    normalize:    float32 (x - mean) / std, the last op (every other op takes uint8)
 """
 
 from __future__ import annotations
@@ -274,3 +275,31 @@ class Equalize(_Maybe):
         lut = ((cum + step // 2) // step.clamp(min=1)).clamp(0, 255)
         lut = torch.where(step > 0, lut, torch.arange(256, device=images.device))
         return through_lut(images, lut.to(torch.uint8).view(n, c, 256))
+
+
+class Normalize(Op):
+    """torchvision's Normalize on a uint8 batch: float32 (x - mean) / std per channel, mean
+    and std in 0..255 units as the loaders take them (pipeline.image.graph.IMAGENET_MEAN:
+    0.485 * 255, ...), i.e. torchvision's ToTensor then Normalize(mean / 255, std / 255).
+
+    The last op of a recipe: it returns floats, and every op refuses what is not uint8
+    (check_uint8), so an op after it raises. image_loader normalizes after its ops itself
+    (its mean and std): this op is for ops.apply outside a loader. It draws nothing, so
+    adding it changes no other op's draws."""
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
+        if len(mean) != len(std) or len(mean) not in (1, 3) or min(std) <= 0:
+            raise ValueError(f"Normalize(mean={mean}, std={std}): one or three of each, the "
+                             "stds positive")
+        self.mean, self.std = tuple(mean), tuple(std)
+
+    def draw(self, rng: random.Random) -> bool:
+        return True  # every sample, and no draw from its generator
+
+    def torch(self, images: Tensor, params: Sequence[Any]) -> Tensor:
+        check_uint8(images, self)
+        if len(self.mean) not in (1, images.shape[1]):
+            raise ValueError(f"{self!r}: {len(self.mean)} means for {images.shape[1]} channels")
+        mean = on_device(list(self.mean), images.device, torch.float32).view(1, -1, 1, 1)
+        std = on_device(list(self.std), images.device, torch.float32).view(1, -1, 1, 1)
+        return (images.float() - mean) / std

@@ -4,9 +4,15 @@
                          torchvision's 31), each op's level drawn from N(9, 0.5), clipped
     rand-m9              the same with n2 (timm's default), no noise
     trivial              TrivialAugmentWide
+    original             AutoAugment("imagenet"): timm's name for the AutoAugment paper's
+                         ImageNet policy, torchvision's AutoAugmentPolicy.IMAGENET (also
+                         accepted as "autoaug"; timm's other policies, v0 and the "r"
+                         variants, and its mstd noise on them are not built)
 
 timm's levels run 0..10 (its _LEVEL_DENOM); the ops and their ranges here are
-torchvision's, so a level L is bin L / 10 * 30.
+torchvision's, so a level L is bin L / 10 * 30. The same holds for "original": the 25
+sub-policies are the paper's, as timm's and torchvision's, and each op's magnitude at its
+bin is torchvision's (timm maps the paper's levels to its own ranges).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import re
 
 from pipeline.ops.base import Op
-from pipeline.ops.policies import RandAugment, TrivialAugmentWide
+from pipeline.ops.policies import AutoAugment, RandAugment, TrivialAugmentWide
 
 LEVELS = 10  # timm's magnitude scale
 _RAND = re.compile(r"rand((?:-(?:m[\d.]+|n\d+|mstd[\d.]+))*)")
@@ -24,10 +30,13 @@ def parse(spec: str) -> list[Op]:
     """The ops of a recipe name; ValueError naming what is accepted for anything else."""
     if spec == "trivial":
         return [TrivialAugmentWide()]
+    if spec in ("original", "autoaug"):
+        return [AutoAugment("imagenet")]
     match = _RAND.fullmatch(spec)
     if match is None:
         raise ValueError(f"augment spec {spec!r}: use 'rand-m<level>[-n<ops>][-mstd<std>]' "
-                         "(RandAugment, timm's spelling: rand-m9-n2-mstd0.5) or 'trivial'")
+                         "(RandAugment, timm's spelling: rand-m9-n2-mstd0.5), 'trivial' or "
+                         "'original' (AutoAugment's ImageNet policy)")
     options = {"m": 9.0, "n": 2.0, "mstd": 0.0}
     for part in filter(None, match[1].split("-")):
         name = re.match(r"mstd|m|n", part)[0]  # type: ignore[index]
