@@ -16,6 +16,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -156,6 +157,29 @@ def make_image_folder(root: Path, classes: int = 3, per_class: int = 5) -> Path:
         for i in range(per_class):
             (folder / f"img{i:03d}.jpg").write_bytes(jpeg_bytes(c * 1000 + i))
     return root
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory: pytest.TempPathFactory) -> list[Image.Image]:
+    """Six built-in photo-like JPEGs at 96 x 72, RGB: what the ops are checked on."""
+    from pipeline.builtin import make_photo_corpus
+
+    folder = make_photo_corpus(tmp_path_factory.mktemp("ops") / "photos", count=6)
+    return [Image.open(f).convert("RGB").resize((96, 72)) for f in sorted(folder.rglob("*.jpg"))]
+
+
+def photo_tensor(images: list[Image.Image]) -> Any:
+    """uint8 (N, 3, H, W) of PIL images."""
+    import torch
+
+    return torch.stack([torch.from_numpy(np.array(p.convert("RGB"))).permute(2, 0, 1)
+                        for p in images])
+
+
+def chi_square(counts: list[int]) -> float:
+    """Pearson's statistic of `counts` against equal expected counts."""
+    expected = sum(counts) / len(counts)
+    return sum((c - expected) ** 2 / expected for c in counts)
 
 
 def resumed_run(make, after: int = 2):  # type: ignore[no-untyped-def]

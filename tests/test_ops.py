@@ -14,26 +14,15 @@ import random
 import numpy as np
 import pytest
 import torch
+from conftest import chi_square, photo_tensor
 from PIL import Image, ImageEnhance, ImageOps
 
 from pipeline import ops
-from pipeline.builtin import make_photo_corpus
-
-
-@pytest.fixture(scope="module")
-def photos(tmp_path_factory: pytest.TempPathFactory) -> list[Image.Image]:
-    folder = make_photo_corpus(tmp_path_factory.mktemp("ops") / "photos", count=6)
-    return [Image.open(f).convert("RGB").resize((96, 72)) for f in sorted(folder.rglob("*.jpg"))]
-
-
-def _tensor(images: list[Image.Image]) -> torch.Tensor:
-    return torch.stack([torch.from_numpy(np.array(p.convert("RGB"))).permute(2, 0, 1)
-                        for p in images])
 
 
 def _diff(op: ops.Op, param: object, photos: list[Image.Image], reference) -> torch.Tensor:
-    got = op.torch(_tensor(photos), [param] * len(photos))
-    return (got.int() - _tensor([reference(p) for p in photos]).int()).abs()
+    got = op.torch(photo_tensor(photos), [param] * len(photos))
+    return (got.int() - photo_tensor([reference(p) for p in photos]).int()).abs()
 
 
 # PIL rounds the grey level (fixed point, +0.5) and the mean it blends with; torchvision's
@@ -89,7 +78,7 @@ def test_a_batch_is_each_image_on_its_own_and_draws_follow_the_key(photos):
     its key alone (another batch, another position: the same pixels)."""
     recipe = [ops.ColorJitter(0.4, 0.4, 0.4, 0.1), ops.Grayscale(0.3), ops.Solarize(128),
               ops.Posterize(4), ops.AutoContrast(), ops.Equalize()]
-    images, keys = _tensor(photos), [f"k{i}" for i in range(len(photos))]
+    images, keys = photo_tensor(photos), [f"k{i}" for i in range(len(photos))]
     batch = ops.apply(recipe, images, ops.sample_rngs(7, 2, keys))
     for i, key in enumerate(keys):
         alone = ops.apply(recipe, images[i:i + 1], ops.sample_rngs(7, 2, [key]))
@@ -111,7 +100,7 @@ def test_colour_jitter_draws_torchvisions_ranges_in_a_drawn_order(photos):
     firsts = np.bincount([order[0] for order, _ in draws], minlength=4)
     assert all(abs(f - 1000) < 120 for f in firsts), firsts  # each op first a quarter of the time
     # applied in the drawn order: the same as calling the four functions in that order
-    image = _tensor(photos[:1])
+    image = photo_tensor(photos[:1])
     order, factors = draws[0]
     expected = image
     for kind in order:
@@ -121,7 +110,7 @@ def test_colour_jitter_draws_torchvisions_ranges_in_a_drawn_order(photos):
 
 
 def test_an_op_with_p_changes_about_p_of_the_samples_and_leaves_the_rest(photos):
-    images = _tensor(photos * 50)  # 300
+    images = photo_tensor(photos * 50)  # 300
     solarize = ops.Solarize(0, p=0.5)  # threshold 0: every value of a chosen image inverted
     params = [solarize.draw(rng) for rng in ops.sample_rngs(0, 0, map(str, range(300)))]
     out = solarize.torch(images, params)
@@ -141,7 +130,7 @@ def test_ops_refuse_what_is_not_a_uint8_batch():
 # -- MixUp and CutMix ----------------------------------------------------------------------
 
 def test_mixup_is_the_stated_blend_of_two_images_and_of_their_targets(photos):
-    images, labels = _tensor(photos), torch.tensor([0, 1, 2, 3, 4, 5])
+    images, labels = photo_tensor(photos), torch.tensor([0, 1, 2, 3, 4, 5])
     mix = ops.MixUp(0.8, classes=10, label_smoothing=0.1)
     out, targets, params = mix(images, labels, ops.batch_rng(0, 0, ["a", "b"]))
     lam = params.lam
@@ -154,7 +143,7 @@ def test_mixup_is_the_stated_blend_of_two_images_and_of_their_targets(photos):
 
 
 def test_cutmix_pastes_a_box_of_the_flipped_batch_and_lambda_is_its_area(photos):
-    images, labels = _tensor(photos), torch.arange(6)
+    images, labels = photo_tensor(photos), torch.arange(6)
     mix = ops.CutMix(1.0, classes=6, label_smoothing=0.0)
     for seed in range(20):
         out, targets, params = mix(images, labels, ops.batch_rng(seed, 0, ["x"]))
@@ -257,7 +246,7 @@ def _pil_affine(image: Image.Image, angle, translate, scale, shear, center=None)
 
 
 def _share_differing(got: torch.Tensor, images: list[Image.Image]) -> float:
-    return (got != _tensor(images)).any(1).float().mean().item()
+    return (got != photo_tensor(images)).any(1).float().mean().item()
 
 
 @pytest.mark.parametrize("angle, tx, ty, scale, sx, sy", [
@@ -266,20 +255,20 @@ def _share_differing(got: torch.Tensor, images: list[Image.Image]) -> float:
 def test_affine_is_pils_transform(photos, angle, tx, ty, scale, sx, sy):
     """Nearest neighbour both: the same source pixel, but for ties at exactly half a pixel
     (measured: 0 to 0.03% of the pixels)."""
-    got = ops.Affine().torch(_tensor(photos), [(angle, tx, ty, scale, sx, sy)] * len(photos))
+    got = ops.Affine().torch(photo_tensor(photos), [(angle, tx, ty, scale, sx, sy)] * len(photos))
     move = (float(round(tx * 96)), float(round(ty * 72)))
     want = [_pil_affine(p, angle, move, scale, (sx, sy)) for p in photos]
     assert _share_differing(got, want) < 0.002
 
 
 def test_rotate_flip_and_sharpness_are_pils(photos):
-    images = _tensor(photos)
+    images = photo_tensor(photos)
     rotated = ops.Rotate(45).torch(images, [25.0] * len(photos))  # counter-clockwise
     assert _share_differing(rotated, [p.rotate(25.0, Image.NEAREST) for p in photos]) < 0.01
     flipped = ops.Flip(p=1.0).torch(images, [True] * len(photos))
-    assert torch.equal(flipped, _tensor([ImageOps.mirror(p) for p in photos]))
+    assert torch.equal(flipped, photo_tensor([ImageOps.mirror(p) for p in photos]))
     flipped = ops.Flip(p=1.0, vertical=True).torch(images, [True] * len(photos))
-    assert torch.equal(flipped, _tensor([ImageOps.flip(p) for p in photos]))
+    assert torch.equal(flipped, photo_tensor([ImageOps.flip(p) for p in photos]))
     for f in (0.2, 1.8):
         diff = _diff(ops.Sharpness(f), f, photos,
                      lambda p, f=f: ImageEnhance.Sharpness(p).enhance(f))
@@ -306,17 +295,12 @@ def test_rotate_flip_and_sharpness_are_pils(photos):
 def test_each_policy_op_is_torchvisions_on_pil(photos, name, magnitude, reference):
     from pipeline.ops.policies import run_op
 
-    got = run_op(name, _tensor(photos), [magnitude] * len(photos))
-    want = _tensor([reference(p) for p in photos])
+    got = run_op(name, photo_tensor(photos), [magnitude] * len(photos))
+    want = photo_tensor([reference(p) for p in photos])
     diff = (got.int() - want.int()).abs()
     # geometry: the same pixels but for half-pixel ties; colour: within one level
     assert (diff > 1).any(1).float().mean() < 0.01, name
     assert diff.float().mean() < 0.6, name
-
-
-def _chi_square(counts: list[int]) -> float:
-    expected = sum(counts) / len(counts)
-    return sum((c - expected) ** 2 / expected for c in counts)
 
 
 def test_randaugment_draws_follow_its_definition():
@@ -328,7 +312,7 @@ def test_randaugment_draws_follow_its_definition():
     steps = [s for rng in ops.sample_rngs(0, 0, map(str, range(10_000)))
              for s in policy.draw(rng)]
     names = list(RAND_AUGMENT)
-    assert _chi_square([sum(s[0] == n for s in steps) for n in names]) < 34.5
+    assert chi_square([sum(s[0] == n for s in steps) for n in names]) < 34.5
     signed = [s for s in steps if RAND_AUGMENT[s[0]][1]]
     assert {s[1] for s in signed} == {9}
     assert sum(s[2] for s in signed) / len(signed) == pytest.approx(0.5, abs=0.015)
@@ -347,16 +331,16 @@ def test_trivial_augment_draws_follow_its_definition():
 
     policy = ops.TrivialAugmentWide()
     steps = [policy.draw(rng)[0] for rng in ops.sample_rngs(1, 0, map(str, range(10_000)))]
-    assert _chi_square([sum(s[0] == n for s in steps) for n in SPACE]) < 34.5
+    assert chi_square([sum(s[0] == n for s in steps) for n in SPACE]) < 34.5
     with_bins = [s for s in steps if SPACE[s[0]][0] is not None]
-    assert _chi_square([sum(s[1] == b for s in with_bins) for b in range(31)]) < 59.7
+    assert chi_square([sum(s[1] == b for s in with_bins) for b in range(31)]) < 59.7
     signed = [s for s in with_bins if SPACE[s[0]][1]]
     assert sum(s[2] for s in signed) / len(signed) == pytest.approx(0.5, abs=0.02)
     assert SPACE["Rotate"][0](30, 31, 1, 1) == 135.0 and SPACE["Posterize"][0](30, 31, 1, 1) == 2
 
 
 def test_policies_batched_are_each_image_on_its_own(photos):
-    images, keys = _tensor(photos * 4), [f"p{i}" for i in range(24)]
+    images, keys = photo_tensor(photos * 4), [f"p{i}" for i in range(24)]
     for policy in (ops.RandAugment(num_ops=3, magnitude=15), ops.TrivialAugmentWide()):
         batch = ops.apply([policy], images, ops.sample_rngs(5, 0, keys))
         for i in (0, 7, 23):
@@ -374,7 +358,7 @@ def test_ops_on_cuda_are_the_cpu_ops_and_never_wait_for_the_host(photos):
         pytest.skip("no CUDA here")
     recipe = [ops.RandAugment(num_ops=2, magnitude=15), ops.ColorJitter(0.4, 0.4, 0.4, 0.1),
               ops.Affine(15, (0.1, 0.1), (0.9, 1.1), (-8, 8)), ops.Flip(), ops.Equalize()]
-    images, keys = _tensor(photos * 4), [f"g{i}" for i in range(24)]
+    images, keys = photo_tensor(photos * 4), [f"g{i}" for i in range(24)]
     cpu = ops.apply(recipe, images, ops.sample_rngs(0, 0, keys))
     mix = ops.Mix(0.8, 1.0, classes=10)
     on_gpu = images.cuda()
@@ -429,7 +413,7 @@ def test_a_cpu_batch_gets_the_same_pixels_in_any_chunk(photos, monkeypatch):
     the chunk, the op's draws stay the sample's own."""
     from pipeline.ops import base
 
-    images = torch.cat([_tensor(photos)] * 3)  # 18 images: chunks that do not divide it
+    images = torch.cat([photo_tensor(photos)] * 3)  # 18 images: chunks that do not divide it
     keys = [f"k{i}" for i in range(len(images))]
     recipe = [ops.RandAugment(2, 9), ops.ColorJitter(0.4, 0.4, 0.4, 0.1), ops.Equalize(0.5)]
     got = {}

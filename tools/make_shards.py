@@ -127,6 +127,9 @@ def _kind_options(p: argparse.ArgumentParser, kind: str) -> None:
         p.add_argument("--path-column", default="path", help="CSV column / JSON field of paths")
         p.add_argument("--label-column", default="label",
                        help="CSV column / JSON field of labels (names or integers; optional)")
+        p.add_argument("--mask-column", default=None, metavar="COLUMN",
+                       help="CSV column / JSON field of each image's segmentation mask (a "
+                       "lossless label map of the image's size), stored as KEY.seg.png")
     if kind == "text":
         p.add_argument("--split-lines", action="store_true", help="one document per line")
         p.add_argument("--text-field", default="text", help="JSONL field holding the text")
@@ -220,6 +223,7 @@ def config_from_args(args: argparse.Namespace) -> ConvertConfig:
         text=TextOptions(getattr(args, "split_lines", False), getattr(args, "text_field", "text")),
         path_column=getattr(args, "path_column", "path"),
         label_column=getattr(args, "label_column", "label"),
+        mask_column=getattr(args, "mask_column", None),
         max_file_bytes=getattr(args, "max_file_size", 2**30),
         classes=_classes_from(getattr(args, "classes_from", None), args.storage_options),
         parquet=ParquetOptions(getattr(args, "image_column", None),

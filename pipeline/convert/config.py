@@ -40,6 +40,7 @@ class ConvertConfig:
     text: TextOptions = field(default_factory=TextOptions)
     path_column: str = "path"
     label_column: str = "label"
+    mask_column: str | None = None  # manifest: each image's mask, stored as KEY.seg.png
     classes: dict[str, int] | None = None  # reuse an earlier conversion's class map
     parquet: ParquetOptions = field(default_factory=ParquetOptions)  # the parquet kind's columns
     tabular: TabularOptions = field(default_factory=TabularOptions)  # the tabular kind's

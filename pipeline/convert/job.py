@@ -69,7 +69,8 @@ def make_plan(cfg: ConvertConfig) -> Plan:
     if cfg.kind == "text":
         return plan_text(src, cfg.text)
     if cfg.kind == "manifest":
-        return plan_manifest(src, cfg.path_column, cfg.label_column, cfg.classes)
+        return plan_manifest(src, cfg.path_column, cfg.label_column, cfg.classes,
+                             cfg.mask_column)
     if cfg.kind == "parquet":
         return plan_parquet(src, cfg.parquet, cfg.classes)
     if cfg.kind == "tabular":

@@ -22,9 +22,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import fsspec
+from PIL import Image
 
 from pipeline.errors import DataError
-from pipeline.samples import checks
+from pipeline.samples import checks, masks
 from pipeline.shards.listing import regular_file
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class InputItem:
     label: int | None = None
     start: int = 0  # lines/jsonl: the byte range whose lines this task converts
     end: int = -1
+    mask: str | None = None  # an image's segmentation mask (manifest --mask-column)
 
 
 @dataclass(frozen=True)
@@ -179,7 +181,8 @@ def _text_mode(rel: str, opts: TextOptions) -> str:
 
 
 def plan_manifest(src: Path, path_column: str, label_column: str,
-                  classes: dict[str, int] | None = None) -> Plan:
+                  classes: dict[str, int] | None = None, mask_column: str | None = None
+                  ) -> Plan:
     rows = _read_rows(src)
     if not rows:
         raise ValueError(f"{src}: the manifest lists no files")
@@ -192,9 +195,28 @@ def plan_manifest(src: Path, path_column: str, label_column: str,
     paths = [p if "://" in p else str(src.parent / p) for p in (str(r[path_column]) for r in rows)]
     _no_repeats(src, [p if "://" in p else os.path.abspath(p) for p in paths])
     mode = "image" if modality == "image" else "points"
-    tasks = [InputItem(k, p, mode, indices[i] if indices else None)
+    masks = _mask_paths(src, rows, mask_column, modality) if mask_column else None
+    tasks = [InputItem(k, p, mode, indices[i] if indices else None,
+                       mask=masks[i] if masks else None)
              for i, (k, p) in enumerate(zip(make_keys(_relative(paths)), paths, strict=True))]
     return Plan(modality, tasks, classes, [])
+
+
+def _mask_paths(src: Path, rows: list[dict[str, str]], column: str, modality: str
+                ) -> list[str]:
+    """Each row's mask path (relative paths against the manifest's folder); every image has
+    one: a segmentation set with holes would train on unlabelled pixels as background."""
+    if modality != "image":
+        raise ValueError(f"{src}: --mask-column is for images; these are point clouds")
+    if column not in rows[0]:
+        raise ValueError(f"{src}: no column {column!r} (columns: {sorted(rows[0])}) for "
+                         "--mask-column")
+    missing = [i for i, r in enumerate(rows) if not str(r.get(column) or "").strip()]
+    if missing:
+        raise ValueError(f"{src}: row {missing[0] + 1} has no mask ({len(missing)} rows in "
+                         "all); every image needs one")
+    paths = [str(r[column]).strip() for r in rows]
+    return [p if "://" in p else str(src.parent / p) for p in paths]
 
 
 def _relative(paths: list[str]) -> list[str]:
@@ -280,7 +302,11 @@ def build_samples(task: InputItem, limits: checks.CheckLimits, text: TextOptions
         if task.mode in ("lines", "jsonl"):
             return list(_text_samples(task, limits, text))
         data = _read_file(task.path, max_file_bytes, storage_options or {})
-        return [_one_sample(task, data, limits)]
+        sample = _one_sample(task, data, limits)
+        if task.mask is not None:
+            sample[masks.MASK_EXT] = _mask_member(task.mask, sample, max_file_bytes,
+                                                  storage_options or {})
+        return [sample]
     except DataError as err:
         return [err.located(source=task.path, key=task.key)]
 
@@ -298,6 +324,19 @@ def _read_file(path: str, max_bytes: int, storage_options: Mapping[str, Any]) ->
     if len(data) > max_bytes:
         raise DataError("file-too-large", f"more than max_file_bytes={max_bytes} bytes")
     return data
+
+
+def _mask_member(path: str, sample: Sample, max_file_bytes: int,
+                 storage_options: Mapping[str, Any]) -> bytes:
+    """The mask file as stored (samples/masks.py), checked against the stored image's size;
+    a bad one names the mask's path."""
+    image = next(v for k, v in sample.items() if k in checks.IMAGE_EXTS)
+    with Image.open(io.BytesIO(image)) as img:  # type: ignore[arg-type]
+        size = img.size
+    try:
+        return masks.prepare_mask(_read_file(path, max_file_bytes, storage_options), size)
+    except DataError as err:
+        raise DataError(err.reason, f"{err.detail} (mask {path})") from None
 
 
 def _one_sample(task: InputItem, data: bytes, limits: checks.CheckLimits) -> Sample:

@@ -20,6 +20,7 @@ import math
 import random
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 from pipeline.errors import DataError
 
@@ -161,6 +162,15 @@ class CropParams:
     flip: bool
     transpose: bool = False
     vflip: bool = False
+
+
+@dataclass(frozen=True)
+class MaskedCrop(CropParams):
+    """A sample's window with its masks' windows (image_loader's `targets`), each cut from
+    the decoded mask in the reader stage (H, W), as stored: resized and turned with the image
+    (resize.mask_batch)."""
+
+    masks: tuple[Any, ...] = ()
 
 
 def random_resized_crop(rng: random.Random, width: int, height: int,

@@ -33,6 +33,7 @@ class BatchOps:
     channels_first: bool
     normalize: tuple[tuple[float, ...], tuple[float, ...]] | None  # 0..255 units, or None
     views: tuple[View, ...] | None = None  # each view's ops (then `ops` is empty)
+    targets: tuple[str, ...] = ()  # the names of batch.targets, warped with the images
 
     def __call__(self, batch: ImageBatch, epoch: int) -> ImageBatch:
         """The batch with its images (each view's) augmented and normalized, and, with a
@@ -45,6 +46,10 @@ class BatchOps:
                                                           strict=True))]
             return ImageBatch(image=done[0], label=batch.label, keys=batch.keys,
                               extras=batch.extras, views=done)
+        if self.targets and batch.targets is not None:
+            image, maps = self._with_targets(batch, epoch)
+            return ImageBatch(image=image, label=batch.label, keys=batch.keys,
+                              extras=batch.extras, targets=maps)
         if self.mix is None:
             return ImageBatch(image=self._one(batch.image, self.ops, epoch, batch.keys),
                               label=batch.label, keys=batch.keys, extras=batch.extras)
@@ -55,6 +60,25 @@ class BatchOps:
                                      ops.batch_rng(self.seed, epoch, batch.keys))
         return ImageBatch(image=self._finished(images), label=batch.label, keys=batch.keys,
                           extras=batch.extras, target=target)
+
+    def _with_targets(self, batch: ImageBatch, epoch: int) -> tuple[Any, dict[str, Any]]:
+        """The images through the ops, and each target's masks through their geometry
+        (ops.apply's masks: the same draws; colour ops leave masks as they are)."""
+        import torch
+
+        from pipeline import ops
+
+        assert batch.targets is not None
+        images = self._nchw(batch.image)
+        maps = [batch.targets[name] for name in self.targets]
+        if len(images) and self.ops:  # the masks as channels of one (N, K, H, W) tensor
+            common = torch.int32 if any(m.dtype != torch.uint8 for m in maps) else torch.uint8
+            stacked = torch.stack([m.to(common) for m in maps], dim=1)
+            images, stacked = ops.apply(self.ops, images,
+                                        ops.sample_rngs(self.seed, epoch, batch.keys),
+                                        masks=stacked)
+            maps = [m.to(old.dtype) for m, old in zip(stacked.unbind(1), maps, strict=True)]
+        return self._finished(images), dict(zip(self.targets, maps, strict=True))
 
     def _one(self, image: Any, ops_: Sequence[Any], epoch: int, keys: list[str]) -> Any:
         """One view's (or the batch's) images through `ops_`, each drawn from its key."""
@@ -91,15 +115,16 @@ class BatchOps:
 
 def build(augment: Sequence[Any], batch_augment: Sequence[Any], *, seed: int,
           channels_first: bool, normalize: tuple[Any, Any] | None, labels: bool,
-          num_classes: int | None, views: tuple[View, ...] | None = None) -> BatchOps | None:
-    """The loader's BatchOps, or None when it has no ops and no views (those are laid out
-    and normalized here, after their ops); ValueError for ops it cannot run."""
+          num_classes: int | None, views: tuple[View, ...] | None = None,
+          targets: Sequence[tuple[str, str]] = ()) -> BatchOps | None:
+    """The loader's BatchOps, or None when it has no ops, views or targets (those are laid
+    out and normalized here, after their ops); ValueError for ops it cannot run."""
     from pipeline import ops
 
     mean_std = (tuple(normalize[0]), tuple(normalize[1])) if normalize else None
     if views is not None:  # views.resolve checked their ops
         return BatchOps((), None, seed, channels_first, mean_std, views)
-    if not augment and not batch_augment:
+    if not augment and not batch_augment and not targets:
         return None
     for op in augment:
         if not isinstance(op, ops.Op):
@@ -111,7 +136,8 @@ def build(augment: Sequence[Any], batch_augment: Sequence[Any], *, seed: int,
     mix = batch_augment[0] if batch_augment else None
     if mix is not None:
         _check_mix(mix, labels, num_classes)
-    return BatchOps(tuple(augment), mix, seed, channels_first, mean_std)
+    return BatchOps(tuple(augment), mix, seed, channels_first, mean_std,
+                    targets=tuple(name for name, _ in targets))
 
 
 def _check_mix(mix: Any, labels: bool, num_classes: int | None) -> None:

@@ -49,6 +49,9 @@ class ImageConfig(GraphOptions):
     # Several views of each sample (image/views.py): a number of views of this recipe, or a
     # list of op lists, each maybe led by its window op (ops.RandomResizedCrop, CenterCrop).
     views: Any = None
+    # Spatial targets read beside the image, by name: {"mask": "seg.png"} gives
+    # batch.targets["mask"], (N, size, size), warped as the image is (samples/masks.py).
+    targets: Any = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -65,11 +68,31 @@ class ImageConfig(GraphOptions):
         positive(self, "max_extra_bytes")
         check_extras(self.extras)
         object.__setattr__(self, "extras", tuple(self.extras))  # a list is taken too
+        object.__setattr__(self, "targets", check_targets(self.targets, self.extras))
         for name in ("augment", "batch_augment"):
             value = getattr(self, name)
             if not isinstance(value, (tuple, list)):  # one op alone is taken too
                 value = (value,)
             object.__setattr__(self, name, tuple(value))
+
+
+def check_targets(targets: object, extras: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """{name: member extension} as ((name, ext), ...); () for None."""
+    if targets is None:
+        return ()
+    if isinstance(targets, tuple):  # already checked (a config copied)
+        targets = dict(targets)
+    if not isinstance(targets, dict) or not targets or not all(
+            isinstance(k, str) and k and isinstance(v, str) and v.strip(".")
+            for k, v in targets.items()):
+        raise ValueError(f"targets={targets!r}: a dict of name -> member extension, e.g. "
+                         "{'mask': 'seg.png'}")
+    for name, ext in targets.items():
+        if ext in extras or ext.rsplit(".", 1)[-1].lower() == "cls" or \
+                ext.lower() in IMAGE_EXTS:
+            raise ValueError(f"targets={targets!r}: .{ext} ({name}) is the image, the label "
+                             "or an extra; a mask is a member of its own, e.g. seg.png")
+    return tuple(targets.items())
 
 
 def check_extras(extras: object) -> None:

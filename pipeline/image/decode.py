@@ -98,21 +98,33 @@ class ImageStage(BackendStage):
         # labels=False: an empty tensor rides along where the labels would (the copier takes
         # a tensor there), and the batch says None.
         label = torch.tensor(labels if self.cfg.labels else [], dtype=torch.int64)
-        views = None
-        if self.views is not None:  # one copy of them all, one ready event
-            (*views, label), ready = self.copier.move(*images, label)
-            image = views[0]
+        views, targets = None, None
+        if self.views is not None or self.cfg.targets:  # one copy of all, one ready event
+            tensors = images if self.views is not None else [images]
+            maps = self._masks(_windows) if self.cfg.targets else {}
+            (*moved, label), ready = self.copier.move(*tensors, *maps.values(), label)
+            image = moved[0]
+            views = moved[:len(tensors)] if self.views is not None else None
+            targets = dict(zip(maps, moved[len(tensors):], strict=True)) or None
         else:
             image, label, ready = self.copier(images, label)
         extras = {ext: list(enc.extras.get(ext, [])) for ext in self.cfg.extras}
         batch = ImageBatch(image=image, label=label if self.cfg.labels else None,
-                           keys=list(enc.keys), extras=extras or None, views=views)
+                           keys=list(enc.keys), extras=extras or None, views=views,
+                           targets=targets)
         if self.batch_ops is not None:
             # In this thread: spreading the ops' chunks over `threads` threads as well
             # measured no faster on 2 cores (4.4 CPU-ms an image against 3.3: they contend
             # with DALI's threads for the same cores).
             batch = self.batch_ops(batch, self.epoch)
         return batch, enc.state, ready, enc.skips
+
+    def _masks(self, windows: list[Any]) -> dict[str, Any]:
+        """Each target's masks for the batch (N, size, size), from the cuts the reader stage
+        made (augment.MaskedCrop), resized and turned as the images are."""
+        turns = [(w.transpose, w.vflip, w.flip) for w in windows]
+        return {name: resize.mask_batch([w.masks[j] for w in windows], turns, self.cfg.size)
+                for j, (name, _) in enumerate(self.cfg.targets)}
 
     def _empty(self) -> Any:
         import torch

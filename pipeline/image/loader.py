@@ -23,6 +23,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pipeline.errors import DataError, OnError
 from pipeline.image import augment, batchops, views
 from pipeline.image.config import ImageConfig
@@ -36,6 +38,7 @@ from pipeline.loading.options import Device
 from pipeline.loading.readplan import EpochPlan
 from pipeline.loading.rng import sample_rng
 from pipeline.loading.shardlist import Source
+from pipeline.samples import masks
 from pipeline.samples.checks import IMAGE_EXTS, check_label
 from pipeline.shards.daliindex import parse_index
 
@@ -78,7 +81,8 @@ class ImageLoader(GraphLoader):
     def __init__(self, source: Source, cfg: ImageConfig, rank: int, world_size: int
                  ) -> None:
         self.cfg = cfg
-        self.extras = cfg.extras
+        # the readers carry the targets' members too (checked and cut in _check_one)
+        self.extras = cfg.extras + tuple(ext for _, ext in cfg.targets)
         super().__init__(source, cfg, rank, world_size)
         if cfg.labels and self.reader == "dali":  # indexed shards say up front what they hold
             _refuse_unlabelled(self.source)
@@ -86,6 +90,9 @@ class ImageLoader(GraphLoader):
     def _decode_stage(self) -> ImageStage:
         c = self.cfg
         self.views = views.resolve(c.views, c.size, c.augment, c.batch_augment)
+        if c.targets and (self.views is not None or c.batch_augment):
+            raise ValueError("targets with views or batch_augment: not built yet (a mask a "
+                             "view; cutmix of masks); use targets with augment")
         if self.views is not None and self.decode == "gpu":
             raise ValueError("views are resized on the CPU, each to its size, but decode='gpu' "
                              "resizes in the graph: use decode='cpu' (the batches still land "
@@ -93,7 +100,7 @@ class ImageLoader(GraphLoader):
         self.batch_ops = batchops.build(
             c.augment, c.batch_augment, seed=c.seed, channels_first=c.layout == "NCHW",
             normalize=(c.mean, c.std) if c.normalize else None, labels=c.labels,
-            num_classes=self.num_classes, views=self.views)
+            num_classes=self.num_classes, views=self.views, targets=c.targets)
         if self.batch_ops is not None:
             log.info("image loader ops: %s", self.describe()["augment"])
         if self.backend == "dali":
@@ -135,9 +142,31 @@ class ImageLoader(GraphLoader):
             raise DataError("missing-field", "no .jpg/.png member")
         label = check_label(enc.labels[i] or b"", self.num_classes) if self.cfg.labels \
             else None
-        for ext in self.extras:  # parsed here, so that a bad one is raised or skipped by key
+        for ext in self.cfg.extras:  # parsed here, so a bad one is raised or skipped by key
             enc.extras[ext][i] = parse_extra(ext, enc.extras[ext][i], self.cfg.max_extra_bytes)
-        return label, self._window(enc.data[i].tobytes(), enc.keys[i], epoch)
+        data = enc.data[i].tobytes()
+        window = self._window(data, enc.keys[i], epoch)
+        if not self.cfg.targets:
+            return label, window
+        return label, self._with_masks(window, enc, i, augment.header_size(data))
+
+    def _with_masks(self, window: augment.CropParams, enc: EncodedBatch, i: int,
+                    size: tuple[int, int]) -> augment.MaskedCrop:
+        """The window with each target's mask decoded, checked (a PNG label map of the
+        image's stored size: samples/masks.py) and cut to it; DataError names the member."""
+        cuts = []
+        for _, ext in self.cfg.targets:
+            data = enc.extras[ext][i]
+            if data is None:
+                raise DataError("missing-field", f"no .{ext} member (asked for by targets)")
+            enc.extras[ext][i] = None  # the cut is kept; the bytes are not carried on
+            try:
+                label_map = masks.read_mask(bytes(data), size)
+            except DataError as err:
+                raise DataError(err.reason, f".{ext}: {err.detail}") from None
+            w = window
+            cuts.append(np.ascontiguousarray(label_map[w.y:w.y + w.height, w.x:w.x + w.width]))
+        return augment.MaskedCrop(**vars(window), masks=tuple(cuts))
 
     def _window(self, data: bytes, key: str, epoch: int) -> Any:
         """The sample's crop, drawn in the upright frame (the EXIF orientation applied unless

@@ -80,6 +80,22 @@ def _orient(chw: torch.Tensor, transpose: bool, vflip: bool, hflip: bool) -> tor
     return chw.flip(dims) if dims else chw
 
 
+def mask_batch(crops: Sequence[np.ndarray], turns: Sequence[tuple[bool, bool, bool]],
+               size: int) -> torch.Tensor:
+    """Each mask window (H, W), as stored, resized to size x size by nearest neighbour (the
+    pixel centres the image's resize maps: a label is never blended into another) and turned
+    and flipped as its image is (transpose, vflip, hflip): (N, size, size), the masks' dtype."""
+    dtype = torch.int32 if any(c.dtype != np.uint8 for c in crops) else torch.uint8
+    out = torch.empty((len(crops), size, size), dtype=dtype)
+    for i, (crop, (transpose, vflip, hflip)) in enumerate(zip(crops, turns, strict=True)):
+        one = torch.from_numpy(crop)[None, None]
+        if dtype != torch.uint8:  # torch's nearest takes no int32: float holds 16-bit exactly
+            one = one.float()
+        one = F.interpolate(one, size=(size, size), mode="nearest-exact")
+        out[i] = _orient(one[0], transpose, vflip, hflip)[0].to(dtype)
+    return out
+
+
 def views(tensor_list: Any) -> list[np.ndarray]:
     """Per-sample numpy views of a CPU DALI TensorList (valid until its pipeline runs again)."""
     return [np.asarray(tensor_list[i]) for i in range(len(tensor_list))]

@@ -53,7 +53,9 @@ class ImageBatch:
     accept (and may skip) an empty batch. `target` is float32 (N, classes), soft targets
     whose rows sum to 1, from a loader built with batch_augment (mixup, cutmix); else None.
     `views`: from a loader built with views (image/views.py), one tensor (N, C, h, w) per
-    view, each at its view's size; `image` is the first of them. Else None.
+    view, each at its view's size; `image` is the first of them. Else None. `targets`: from
+    a loader built with targets={"mask": "seg.png"}, each name's label maps (N, H, W), uint8
+    (int32 for 16-bit masks), cropped, flipped and warped exactly as the images are.
     """
 
     image: Any  # torch.Tensor
@@ -62,6 +64,7 @@ class ImageBatch:
     extras: dict[str, list[Any]] | None = None
     target: Any = None  # torch.Tensor (N, classes), or None (no batch_augment)
     views: list[Any] | None = None  # a loader with views: one tensor per view (image: the first)
+    targets: dict[str, Any] | None = None  # a loader with targets: name -> (N, H, W)
 
     def __len__(self) -> int:
         return len(self.keys)

@@ -481,8 +481,9 @@ def _wait(ready: Any, batch: Any) -> None:
     """The consumer's side of the stream contract (pipeline/loading/delivery.py)."""
     import torch
 
-    fields = [v for value in vars(batch).values()
-              for v in (value if isinstance(value, list) else [value])]  # views: a list
+    fields = [v for value in vars(batch).values()  # views: a list; targets: a dict
+              for v in (value if isinstance(value, list) else
+                        value.values() if isinstance(value, dict) else [value])]
     tensors = [v for v in fields if isinstance(v, torch.Tensor) and v.is_cuda]
     if not tensors:
         return

@@ -16,15 +16,20 @@ from pipeline.ops.color import (
     Equalize,
     Grayscale,
     Hue,
+    Normalize,
     Posterize,
     Saturation,
     Solarize,
 )
-from pipeline.ops.geometry import Affine, Flip, Rotate, Sharpness
+from pipeline.ops.crop import CenterCrop, RandomResizedCrop, WindowOp
+from pipeline.ops.erase import RandomErasing
+from pipeline.ops.geometry import Affine, Flip, GaussianBlur, Rotate, Sharpness
 from pipeline.ops.mix import CutMix, Mix, MixUp, batch_rng, soft_targets
-from pipeline.ops.policies import RandAugment, TrivialAugmentWide
+from pipeline.ops.policies import AutoAugment, RandAugment, TrivialAugmentWide
 
-__all__ = ["Affine", "AutoContrast", "Brightness", "ColorJitter", "Contrast", "CutMix",
-           "Equalize", "Flip", "Grayscale", "Hue", "Mix", "MixUp", "Op", "Posterize",
-           "RandAugment", "Rotate", "Saturation", "Sharpness", "Solarize", "TrivialAugmentWide",
-           "apply", "batch_rng", "sample_rngs", "soft_targets"]
+__all__ = ["Affine", "AutoAugment", "AutoContrast", "Brightness", "CenterCrop", "ColorJitter",
+           "Contrast", "CutMix", "Equalize", "Flip", "GaussianBlur", "Grayscale", "Hue", "Mix",
+           "MixUp", "Normalize", "Op", "Posterize", "RandAugment", "RandomErasing",
+           "RandomResizedCrop", "Rotate", "Saturation", "Sharpness", "Solarize",
+           "TrivialAugmentWide", "WindowOp", "apply", "batch_rng", "sample_rngs",
+           "soft_targets"]

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, overload
 
 import torch
+from torch import Tensor  # in Op, `torch` is also the method of each op
 
 
 class Op:
@@ -29,6 +30,12 @@ class Op:
     def torch(self, images: torch.Tensor, params: Sequence[Any]) -> torch.Tensor:
         """The batch with each image changed by its parameter (uint8 in, uint8 out)."""
         raise NotImplementedError
+
+    def mask(self, masks: Tensor, params: Sequence[Any]) -> Tensor:
+        """The images' label maps (N, K, H, W) as this op moves their pixels: unchanged for
+        an op that moves none (colour ops); a geometric op warps them with the same
+        parameters, nearest neighbour, 0 where nothing comes in."""
+        return masks
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
@@ -49,29 +56,43 @@ def sample_rngs(seed: int, epoch: int, keys: Sequence[str]) -> list[random.Rando
 CPU_CHUNK = 4
 
 
+@overload
 def apply(ops: Sequence[Op], images: torch.Tensor, rngs: Sequence[random.Random]
-          ) -> torch.Tensor:
+          ) -> torch.Tensor: ...
+@overload
+def apply(ops: Sequence[Op], images: torch.Tensor, rngs: Sequence[random.Random],
+          masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+def apply(ops: Sequence[Op], images: torch.Tensor, rngs: Sequence[random.Random],
+          masks: torch.Tensor | None = None) -> Any:
     """Each op in turn over the batch, its parameters drawn from each sample's generator in
     op order (so a sample's draws do not depend on its batch). On the CPU the batch goes
     through the ops CPU_CHUNK images at a time (each image's pixels are its own whatever it
-    is batched with); a GPU takes the whole batch in each op."""
+    is batched with); a GPU takes the whole batch in each op. With `masks` (N, K, H, W)
+    label maps of the images: (images, masks), each op's geometry applied to both."""
     if len(rngs) != len(images):
         raise ValueError(f"{len(rngs)} generators for a batch of {len(images)} images")
+    if masks is not None and (masks.dim() != 4 or len(masks) != len(images)
+                              or masks.shape[-2:] != images.shape[-2:]):
+        raise ValueError(f"masks {tuple(masks.shape)} for images {tuple(images.shape)}: "
+                         "need (N, K, H, W) of the images' N, H, W")
     params = [[op.draw(rng) for rng in rngs] for op in ops]
     step = CPU_CHUNK if images.device.type == "cpu" else max(len(images), 1)
-    if len(images) <= step:
-        return _through(ops, images, params)
-    def chunk(i: int) -> torch.Tensor:
-        return _through(ops, images[i:i + step], [p[i:i + step] for p in params])
+    parts = [_through(ops, images[i:i + step], None if masks is None else masks[i:i + step],
+                      [p[i:i + step] for p in params])
+             for i in range(0, max(len(images), 1), step)]
+    images = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts])
+    if masks is None:
+        return images
+    return images, torch.cat([p[1] for p in parts if p[1] is not None])
 
-    return torch.cat([chunk(i) for i in range(0, len(images), step)])
 
-
-def _through(ops: Sequence[Op], images: torch.Tensor, params: Sequence[Sequence[Any]]
-             ) -> torch.Tensor:
+def _through(ops: Sequence[Op], images: torch.Tensor, masks: torch.Tensor | None,
+             params: Sequence[Sequence[Any]]) -> tuple[torch.Tensor, torch.Tensor | None]:
     for op, drawn in zip(ops, params, strict=True):
         images = op.torch(images, drawn)
-    return images
+        if masks is not None:
+            masks = op.mask(masks, drawn)
+    return images, masks
 
 
 def on_device(values: Any, device: torch.device, dtype: torch.dtype | None = None

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor  # in the ops, `torch` is also a method
 
 from pipeline.ops.base import Op, check_uint8
 
@@ -34,16 +35,27 @@ class WindowOp(Op):
         # The window needs the image's size: `torch` draws it from a generator seeded here.
         return rng.getrandbits(64)
 
-    def torch(self, images: torch.Tensor, params: Sequence[Any]) -> torch.Tensor:
+    def torch(self, images: Tensor, params: Sequence[Any]) -> Tensor:
         check_uint8(images, self)
+        out = [F.interpolate(crop.float(), size=(self.size, self.size), mode="bilinear",
+                             antialias=True, align_corners=False)
+               for crop in self._crops(images, params)]
+        return torch.cat(out).round_().clamp_(0, 255).to(torch.uint8)
+
+    def mask(self, masks: Tensor, params: Sequence[Any]) -> Tensor:
+        """The same windows, resized by nearest neighbour (the pixel centres the image's
+        resize maps)."""
+        out = [F.interpolate(crop.float(), size=(self.size, self.size), mode="nearest-exact")
+               for crop in self._crops(masks, params)]
+        return torch.cat(out).to(masks.dtype)
+
+    def _crops(self, images: Tensor, params: Sequence[Any]) -> list[Tensor]:
         h, w = images.shape[-2:]
-        out = []
+        crops = []
         for image, seed in zip(images, params, strict=True):
             x, y, cw, ch = self.window(random.Random(seed), w, h)
-            crop = image[None, :, y:y + ch, x:x + cw].float()
-            out.append(F.interpolate(crop, size=(self.size, self.size), mode="bilinear",
-                                     antialias=True, align_corners=False))
-        return torch.cat(out).round_().clamp_(0, 255).to(torch.uint8)
+            crops.append(image[None, :, y:y + ch, x:x + cw])
+        return crops
 
 
 class RandomResizedCrop(WindowOp):

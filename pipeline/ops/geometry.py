@@ -5,6 +5,9 @@ with torchvision's pixel-centre convention, so they match PIL's Image.transform.
 An op's drawn parameters do not depend on the image's size (a translation is drawn as a
 share of the side, as torchvision's RandomAffine draws it); the torch form turns them into
 pixels for the batch it gets, rounding a translation to whole pixels as torchvision does.
+
+The filters live here too: Sharpness (PIL's smoothing kernel) and GaussianBlur
+(torchvision's, one sigma per image as a grouped convolution over the batch).
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ def warp(images: torch.Tensor, matrices: Sequence[Sequence[float]]) -> torch.Ten
     grid = base.expand(n, -1, -1).bmm(theta.transpose(1, 2)) / scale
     out = F.grid_sample(images.float(), grid.view(n, h, w, 2), mode="nearest",
                         padding_mode="zeros", align_corners=False)
-    return out.to(torch.uint8)  # nearest: the values are the input's, exactly
+    # nearest: the values are the input's, exactly (float32 holds a 16-bit mask's too)
+    return out.to(images.dtype)
 
 
 def shift(images: torch.Tensor, moves: Sequence[tuple[int, int]]) -> torch.Tensor:
@@ -97,9 +101,12 @@ class Flip(Op):
 
     def torch(self, images: Tensor, params: Sequence[Any]) -> Tensor:
         check_uint8(images, self)
-        flipped = on_device([q is not None for q in params], images.device)
+        return self.mask(images, params)
+
+    def mask(self, masks: Tensor, params: Sequence[Any]) -> Tensor:
+        flipped = on_device([q is not None for q in params], masks.device)
         dim = 2 if self.vertical else 3
-        return torch.where(flipped.view(-1, 1, 1, 1), images.flip(dim), images)
+        return torch.where(flipped.view(-1, 1, 1, 1), masks.flip(dim), masks)
 
 
 class Affine(Op):
@@ -125,12 +132,14 @@ class Affine(Op):
 
     def torch(self, images: Tensor, params: Sequence[Any]) -> Tensor:
         check_uint8(images, self)
+        return self.mask(images, params)
 
+    def mask(self, masks: Tensor, params: Sequence[Any]) -> Tensor:
         def matrix(p: Any, h: int, w: int) -> list[float]:
             angle, tx, ty, scale, sx, sy = p
             return inverse_affine(angle, (float(round(tx * w)), float(round(ty * h))), scale,
                                   (sx, sy))
-        return _warp_chosen(images, params, matrix)
+        return _warp_chosen(masks, params, matrix)  # nearest neighbour: labels stay labels
 
 
 class Rotate(Op):
@@ -145,7 +154,10 @@ class Rotate(Op):
 
     def torch(self, images: Tensor, params: Sequence[Any]) -> Tensor:
         check_uint8(images, self)
-        return _warp_chosen(images, params, lambda angle, h, w: inverse_affine(
+        return self.mask(images, params)
+
+    def mask(self, masks: Tensor, params: Sequence[Any]) -> Tensor:
+        return _warp_chosen(masks, params, lambda angle, h, w: inverse_affine(
             -angle, (0.0, 0.0), 1.0, (0.0, 0.0)))
 
 
@@ -179,3 +191,61 @@ class Sharpness(Op):
     def torch(self, images: Tensor, params: Sequence[Any]) -> Tensor:
         check_uint8(images, self)
         return per_sample(images, params, sharpness)
+
+
+def gaussian_kernels(size: int, sigmas: torch.Tensor) -> torch.Tensor:
+    """torchvision's _get_gaussian_kernel1d, one per sigma (float32 (n, ...)): exp(-x^2 /
+    (2 sigma^2)) at x = -(size-1)/2 .. (size-1)/2, normalized to sum 1; float32 (n, size)."""
+    half = (size - 1) * 0.5
+    x = torch.linspace(-half, half, size, dtype=torch.float32, device=sigmas.device)
+    pdf = torch.exp(-0.5 * (x / sigmas.view(-1, 1)).pow(2))
+    return pdf / pdf.sum(dim=1, keepdim=True)
+
+
+def gaussian_blur(images: torch.Tensor, kernel_size: tuple[int, int], sigmas: torch.Tensor
+                  ) -> torch.Tensor:
+    """torchvision's tensor gaussian_blur, one sigma per image (float32 (n, 1, 1, 1)): the
+    kernel (kx wide, ky high) the outer product of two 1-D kernels, the image padded by
+    half of it in reflect mode, convolved in float32, rounded to uint8. Batched as two 1-D
+    convolutions (rows, then columns) with every image's channels as groups, each its
+    image's kernel: the same kernel as torchvision's 2-D one, summed in another order (a
+    float rounding apart, which moves a value that lands within ~1e-5 of .5 by one)."""
+    n, c, h, w = images.shape
+    kx, ky = kernel_size
+    x = F.pad(images.float().reshape(1, n * c, h, w), [kx // 2, kx // 2, ky // 2, ky // 2],
+              mode="reflect")
+    # each image's kernel for each of its channels (an expand: repeat_interleave can sync)
+    rows = gaussian_kernels(kx, sigmas).view(n, 1, kx).expand(n, c, kx).reshape(n * c, 1, 1, kx)
+    cols = gaussian_kernels(ky, sigmas).view(n, 1, ky).expand(n, c, ky).reshape(n * c, 1, ky, 1)
+    x = F.conv2d(F.conv2d(x, rows, groups=n * c), cols, groups=n * c)
+    # torchvision rounds and casts; a weighted mean of uint8 stays in 0..255 but for float
+    # error, which the clamp keeps from wrapping
+    return x.round_().clamp_(0, 255).to(torch.uint8).view(n, c, h, w)
+
+
+class GaussianBlur(Op):
+    """torchvision's GaussianBlur: a sigma drawn uniformly from `sigma` (a float: fixed) for
+    each image, its kernel `kernel_size` (odd; an int or (width, height)) and reflect padding
+    (gaussian_blur). torchvision's blurs every image; p < 1 is its
+    RandomApply([GaussianBlur(...)], p=p), as SimCLR-style recipes use it. Each side of the
+    image must be longer than half the kernel, as torchvision's reflect padding needs."""
+
+    def __init__(self, kernel_size: int | tuple[int, int],
+                 sigma: float | tuple[float, float] = (0.1, 2.0), p: float = 1.0) -> None:
+        kx, ky = (kernel_size, kernel_size) if isinstance(kernel_size, int) else kernel_size
+        if kx <= 0 or ky <= 0 or kx % 2 == 0 or ky % 2 == 0:
+            raise ValueError(f"GaussianBlur kernel_size={kernel_size}: odd and positive")
+        lo, hi = (sigma, sigma) if isinstance(sigma, (int, float)) else sigma
+        if not 0 < lo <= hi:
+            raise ValueError(f"GaussianBlur sigma={sigma}: positive, (min, max) with min <= max")
+        self.kernel_size, self.sigma, self.p = (kx, ky), (float(lo), float(hi)), p
+
+    def draw(self, rng: random.Random) -> float | None:
+        if self.p < 1.0 and rng.random() >= self.p:
+            return None
+        return rng.uniform(*self.sigma)
+
+    def torch(self, images: Tensor, params: Sequence[Any]) -> Tensor:
+        check_uint8(images, self)
+        return per_sample(images, params,
+                          lambda x, sigmas: gaussian_blur(x, self.kernel_size, sigmas))

@@ -1,4 +1,5 @@
-"""RandAugment and TrivialAugmentWide: torchvision's op spaces and draws, per image.
+"""RandAugment, TrivialAugmentWide and AutoAugment: torchvision's op spaces and draws, per
+image.
 
 Each image draws its own ops (a name, a magnitude bin, a sign) from its generator; the torch
 form runs the batch one step at a time, each op once over the images that drew it, so a
@@ -6,6 +7,8 @@ batch costs at most (steps x 14) batched calls, never a call per image.
 
     RandAugment(num_ops=2, magnitude=9): num_ops ops, uniformly, at bin `magnitude` of 31
     TrivialAugmentWide(): one op, uniformly, at a bin drawn uniformly
+    AutoAugment("imagenet"): one of 25 learned sub-policies, uniformly; each of its two ops
+                             with its own probability, at its own bin of 10
 """
 
 from __future__ import annotations
@@ -51,10 +54,17 @@ RAND_AUGMENT = _space(0.3, lambda i, n, h, w: (150 / 331 * w * i / (n - 1),
                                                150 / 331 * h * i / (n - 1)), 30.0, 0.9, 4)
 TRIVIAL_AUGMENT_WIDE = _space(0.99, lambda i, n, h, w: (32.0 * i / (n - 1),
                                                         32.0 * i / (n - 1)), 135.0, 0.99, 6)
+# torchvision's AutoAugment._augmentation_space: RandAugment's ranges, Invert for Identity
+AUTO_AUGMENT: Space = {**{k: v for k, v in RAND_AUGMENT.items() if k != "Identity"},
+                       "Invert": (None, False)}
 
 
 def _affine(images: Tensor, matrices: list[list[float]]) -> Tensor:
     return geometry.warp(images, matrices)
+
+
+# The policy ops that move pixels: the ones a mask follows (ops.apply's masks).
+GEOMETRIC = frozenset({"ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate"})
 
 
 def run_op(name: str, images: Tensor, mags: list[float]) -> Tensor:
@@ -94,16 +104,22 @@ def run_op(name: str, images: Tensor, mags: list[float]) -> Tensor:
         return color.AutoContrast(p=1.0).fn(images)
     if name == "Equalize":
         return color.Equalize(p=1.0).fn(images)
+    if name == "Invert":  # F.invert: 255 - x (AutoAugment's policies use it)
+        return 255 - images
     raise ValueError(f"unknown op {name!r}")
 
 
+Step = tuple[str, float, bool]  # (op name, magnitude bin, negated)
+
+
 class _Policy(Op):
-    """Per image: a list of (op name, magnitude bin, negative) steps."""
+    """Per image: a list of steps, each (op name, magnitude bin, negative) or None for a
+    step that leaves the image as it is (`steps` reads them from a policy's parameter)."""
 
     space: Space = {}
     bins: int = 31
 
-    def _step(self, rng: random.Random, bin_: float | None) -> tuple[str, float, bool]:
+    def _step(self, rng: random.Random, bin_: float | None) -> Step:
         name = rng.choice(list(self.space))
         magnitude, signed = self.space[name]
         if magnitude is None:
@@ -111,19 +127,37 @@ class _Policy(Op):
         at = rng.randrange(self.bins) if bin_ is None else bin_
         return name, at, signed and rng.random() < 0.5
 
+    def steps(self, param: Any) -> Sequence[Step | None]:
+        """The steps of one image's parameter, in order."""
+        return param
+
+    def _signed_magnitude(self, step: Step, h: int, w: int) -> float:
+        name, bin_, negative = step
+        magnitude = self.space[name][0]
+        if magnitude is None:
+            return 0.0
+        return magnitude(bin_, self.bins, h, w) * (-1.0 if negative else 1.0)
+
     def torch(self, images: Tensor, params: Sequence[Any]) -> Tensor:
         check_uint8(images, self)
+        return self._run(images, params, tuple(self.space))
+
+    def mask(self, masks: Tensor, params: Sequence[Any]) -> Tensor:
+        """The steps that move pixels (shears, translations, rotations), on the masks."""
+        return self._run(masks, params, tuple(n for n in self.space if n in GEOMETRIC))
+
+    def _run(self, images: Tensor, params: Sequence[Any], names: tuple[str, ...]) -> Tensor:
         _, _, h, w = images.shape
+        steps = [self.steps(p) for p in params]
         out = images.clone()
-        for step in range(max((len(p) for p in params), default=0)):
-            for name, (magnitude, _) in self.space.items():
-                idx = [i for i, p in enumerate(params) if p[step][0] == name]
-                if not idx or name == "Identity":
+        for step in range(max((len(s) for s in steps), default=0)):
+            at = [s[step] if step < len(s) else None for s in steps]
+            for name in names:
+                drew = [(i, s) for i, s in enumerate(at) if s is not None and s[0] == name]
+                if not drew or name == "Identity":
                     continue
-                mags = [0.0 if magnitude is None else
-                        magnitude(params[i][step][1], self.bins, h, w)
-                        * (-1.0 if params[i][step][2] else 1.0) for i in idx]
-                where = on_device(idx, images.device)
+                mags = [self._signed_magnitude(s, h, w) for _, s in drew]
+                where = on_device([i for i, _ in drew], images.device)
                 out[where] = run_op(name, out[where], mags)
         return out
 
@@ -148,7 +182,7 @@ class RandAugment(_Policy):
             return self.magnitude
         return min(max(rng.gauss(self.magnitude, self.magnitude_std), 0.0), self.bins - 1.0)
 
-    def draw(self, rng: random.Random) -> list[tuple[str, float, bool]]:
+    def draw(self, rng: random.Random) -> list[Step]:
         return [self._step(rng, self._magnitude(rng)) for _ in range(self.num_ops)]
 
 
@@ -161,5 +195,127 @@ class TrivialAugmentWide(_Policy):
     def __init__(self, num_magnitude_bins: int = 31) -> None:
         self.bins = num_magnitude_bins
 
-    def draw(self, rng: random.Random) -> list[tuple[str, float, bool]]:
+    def draw(self, rng: random.Random) -> list[Step]:
         return [self._step(rng, None)]
+
+
+# torchvision's AutoAugment._get_policies: each sub-policy two (op, probability, magnitude
+# bin of 10, None for the ops without one), as learned by Cubuk et al. (arXiv:1805.09501).
+SubPolicy = tuple[tuple[str, float, int | None], tuple[str, float, int | None]]
+AUTO_AUGMENT_POLICIES: dict[str, tuple[SubPolicy, ...]] = {
+    "imagenet": (
+        (("Posterize", 0.4, 8), ("Rotate", 0.6, 9)),
+        (("Solarize", 0.6, 5), ("AutoContrast", 0.6, None)),
+        (("Equalize", 0.8, None), ("Equalize", 0.6, None)),
+        (("Posterize", 0.6, 7), ("Posterize", 0.6, 6)),
+        (("Equalize", 0.4, None), ("Solarize", 0.2, 4)),
+        (("Equalize", 0.4, None), ("Rotate", 0.8, 8)),
+        (("Solarize", 0.6, 3), ("Equalize", 0.6, None)),
+        (("Posterize", 0.8, 5), ("Equalize", 1.0, None)),
+        (("Rotate", 0.2, 3), ("Solarize", 0.6, 8)),
+        (("Equalize", 0.6, None), ("Posterize", 0.4, 6)),
+        (("Rotate", 0.8, 8), ("Color", 0.4, 0)),
+        (("Rotate", 0.4, 9), ("Equalize", 0.6, None)),
+        (("Equalize", 0.0, None), ("Equalize", 0.8, None)),
+        (("Invert", 0.6, None), ("Equalize", 1.0, None)),
+        (("Color", 0.6, 4), ("Contrast", 1.0, 8)),
+        (("Rotate", 0.8, 8), ("Color", 1.0, 2)),
+        (("Color", 0.8, 8), ("Solarize", 0.8, 7)),
+        (("Sharpness", 0.4, 7), ("Invert", 0.6, None)),
+        (("ShearX", 0.6, 5), ("Equalize", 1.0, None)),
+        (("Color", 0.4, 0), ("Equalize", 0.6, None)),
+        (("Equalize", 0.4, None), ("Solarize", 0.2, 4)),
+        (("Solarize", 0.6, 5), ("AutoContrast", 0.6, None)),
+        (("Invert", 0.6, None), ("Equalize", 1.0, None)),
+        (("Color", 0.6, 4), ("Contrast", 1.0, 8)),
+        (("Equalize", 0.8, None), ("Equalize", 0.6, None)),
+    ),
+    "cifar10": (
+        (("Invert", 0.1, None), ("Contrast", 0.2, 6)),
+        (("Rotate", 0.7, 2), ("TranslateX", 0.3, 9)),
+        (("Sharpness", 0.8, 1), ("Sharpness", 0.9, 3)),
+        (("ShearY", 0.5, 8), ("TranslateY", 0.7, 9)),
+        (("AutoContrast", 0.5, None), ("Equalize", 0.9, None)),
+        (("ShearY", 0.2, 7), ("Posterize", 0.3, 7)),
+        (("Color", 0.4, 3), ("Brightness", 0.6, 7)),
+        (("Sharpness", 0.3, 9), ("Brightness", 0.7, 9)),
+        (("Equalize", 0.6, None), ("Equalize", 0.5, None)),
+        (("Contrast", 0.6, 7), ("Sharpness", 0.6, 5)),
+        (("Color", 0.7, 7), ("TranslateX", 0.5, 8)),
+        (("Equalize", 0.3, None), ("AutoContrast", 0.4, None)),
+        (("TranslateY", 0.4, 3), ("Sharpness", 0.2, 6)),
+        (("Brightness", 0.9, 6), ("Color", 0.2, 8)),
+        (("Solarize", 0.5, 2), ("Invert", 0.0, None)),
+        (("Equalize", 0.2, None), ("AutoContrast", 0.6, None)),
+        (("Equalize", 0.2, None), ("Equalize", 0.6, None)),
+        (("Color", 0.9, 9), ("Equalize", 0.6, None)),
+        (("AutoContrast", 0.8, None), ("Solarize", 0.2, 8)),
+        (("Brightness", 0.1, 3), ("Color", 0.7, 0)),
+        (("Solarize", 0.4, 5), ("AutoContrast", 0.9, None)),
+        (("TranslateY", 0.9, 9), ("TranslateY", 0.7, 9)),
+        (("AutoContrast", 0.9, None), ("Solarize", 0.8, 3)),
+        (("Equalize", 0.8, None), ("Invert", 0.1, None)),
+        (("TranslateY", 0.7, 9), ("AutoContrast", 0.9, None)),
+    ),
+    "svhn": (
+        (("ShearX", 0.9, 4), ("Invert", 0.2, None)),
+        (("ShearY", 0.9, 8), ("Invert", 0.7, None)),
+        (("Equalize", 0.6, None), ("Solarize", 0.6, 6)),
+        (("Invert", 0.9, None), ("Equalize", 0.6, None)),
+        (("Equalize", 0.6, None), ("Rotate", 0.9, 3)),
+        (("ShearX", 0.9, 4), ("AutoContrast", 0.8, None)),
+        (("ShearY", 0.9, 8), ("Invert", 0.4, None)),
+        (("ShearY", 0.9, 5), ("Solarize", 0.2, 6)),
+        (("Invert", 0.9, None), ("AutoContrast", 0.8, None)),
+        (("Equalize", 0.6, None), ("Rotate", 0.9, 3)),
+        (("ShearX", 0.9, 4), ("Solarize", 0.3, 3)),
+        (("ShearY", 0.8, 8), ("Invert", 0.7, None)),
+        (("Equalize", 0.9, None), ("TranslateY", 0.6, 6)),
+        (("Invert", 0.9, None), ("Equalize", 0.6, None)),
+        (("Contrast", 0.3, 3), ("Rotate", 0.8, 4)),
+        (("Invert", 0.8, None), ("TranslateY", 0.0, 2)),
+        (("ShearY", 0.7, 6), ("Solarize", 0.4, 8)),
+        (("Invert", 0.6, None), ("Rotate", 0.8, 4)),
+        (("ShearY", 0.3, 7), ("TranslateX", 0.9, 3)),
+        (("ShearX", 0.1, 6), ("Invert", 0.6, None)),
+        (("Solarize", 0.7, 2), ("TranslateY", 0.6, 7)),
+        (("ShearY", 0.8, 4), ("Invert", 0.8, None)),
+        (("ShearX", 0.7, 9), ("TranslateY", 0.8, 3)),
+        (("ShearY", 0.8, 5), ("AutoContrast", 0.7, None)),
+        (("ShearX", 0.7, 2), ("Invert", 0.1, None)),
+    ),
+}
+
+
+class AutoAugment(_Policy):
+    """torchvision's AutoAugment with one of its learned policies ("imagenet", "cifar10",
+    "svhn"): a sub-policy drawn uniformly from 25; each of its two ops applied when a uniform
+    draw is <= its probability (torchvision's `probs[i] <= p`), at its bin of
+    torchvision's 10-bin space (Rotate bin 9: 30 degrees, Posterize bin 8: 4 bits, Solarize
+    bin 5: 255 * 4/9), the signed ops negated half the time. The parameter of an image is
+    (sub-policy index, [step or None for each of its two ops]): None where the op does not
+    apply, so what applied can be read back."""
+
+    space = AUTO_AUGMENT
+    bins = 10  # torchvision: self._augmentation_space(10, image_size)
+
+    def __init__(self, policy: str = "imagenet") -> None:
+        if policy not in AUTO_AUGMENT_POLICIES:
+            raise ValueError(f"AutoAugment policy={policy!r}: use one of "
+                             f"{sorted(AUTO_AUGMENT_POLICIES)}")
+        self.policy = policy
+
+    def draw(self, rng: random.Random) -> tuple[int, list[Step | None]]:
+        table = AUTO_AUGMENT_POLICIES[self.policy]
+        index = rng.randrange(len(table))
+        steps: list[Step | None] = []
+        for name, prob, bin_ in table[index]:
+            # both draws made whatever the outcome, as torchvision draws probs and signs
+            applies, negative = rng.random() <= prob, rng.random() < 0.5
+            signed = self.space[name][1]
+            steps.append((name, 0 if bin_ is None else bin_, signed and negative)
+                         if applies else None)
+        return index, steps
+
+    def steps(self, param: Any) -> Sequence[Step | None]:
+        return param[1]

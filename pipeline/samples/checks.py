@@ -16,7 +16,7 @@ import numpy as np
 from PIL import Image
 
 from pipeline.errors import DataError
-from pipeline.samples import jpegscan, pointcloud_io
+from pipeline.samples import jpegscan, masks, pointcloud_io
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif", "ppm", "pgm")
 POINTCLOUD_EXTS = ("npy", "ply", "off", "xyz")
@@ -297,7 +297,9 @@ def repair_sample(sample: dict[str, object], limits: CheckLimits) -> dict[str, o
     repairs: list[str] = []
     for ext, data in sample.items():
         try:
-            if not ext.startswith("__") and ext.rsplit(".", 1)[-1].lower() in IMAGE_EXTS:
+            if ext == masks.MASK_EXT:  # a label map: never "repaired" into colours
+                masks.check_mask(data, _image_size(sample))  # type: ignore[arg-type]
+            elif not ext.startswith("__") and ext.rsplit(".", 1)[-1].lower() in IMAGE_EXTS:
                 image = prepare_image(data, limits)  # type: ignore[arg-type]
                 if image.repairs:
                     ext, data = _renamed(ext, image.ext, sample), image.data
@@ -333,3 +335,21 @@ def check_sample(sample: dict[str, object], limits: CheckLimits,
             check_member(ext, data, limits, num_classes)  # type: ignore[arg-type]
         except DataError as err:
             raise err.located(source=url, key=key) from None
+    if masks.MASK_EXT in sample:  # after the image's own check: its size is then known good
+        try:
+            masks.check_mask(sample[masks.MASK_EXT], _image_size(sample))  # type: ignore[arg-type]
+        except DataError as err:
+            raise err.located(source=url, key=key) from None
+
+
+def _image_size(sample: dict[str, object]) -> tuple[int, int]:
+    """(width, height) of the sample's image, as stored; DataError when it has none."""
+    for ext, data in sample.items():
+        if not ext.startswith("__") and ext.rsplit(".", 1)[-1].lower() in IMAGE_EXTS \
+                and ext != masks.MASK_EXT:
+            try:
+                with Image.open(io.BytesIO(data)) as img:  # type: ignore[arg-type]
+                    return img.size
+            except (OSError, ValueError, SyntaxError):
+                raise DataError("bad-image", "not an image in any format PIL knows") from None
+    raise DataError("bad-mask", f"a .{masks.MASK_EXT} mask without an image")
