@@ -100,7 +100,8 @@ def on_device(values: Any, device: torch.device, dtype: torch.dtype | None = Non
     """A tensor of Python values on `device`. To a GPU through pinned memory, without
     blocking: a copy from pageable memory would wait for the stream, a host sync in the
     training step."""
-    t = torch.tensor(values, dtype=dtype)
+    t = values.to(dtype) if isinstance(values, torch.Tensor) and dtype is not None else \
+        values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)

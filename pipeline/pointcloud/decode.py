@@ -52,6 +52,7 @@ class CloudStage(BackendStage):
 
     what = "bad-cloud"
     cfg: PointCloudConfig
+    epoch = 0  # the pass's epoch, set by the loader: the torch ops draw from it
 
     def _check(self, data: bytes) -> None:
         try:
@@ -76,6 +77,7 @@ class CloudStage(BackendStage):
                                      device=self.copier.device if gpu else "cpu")
             else:
                 points = self._drop_bad_values(enc, labels, *fetched)
+            points = self._augmented(points, enc.keys)
             voxels = self._voxels(points)
         label = torch.tensor(labels, dtype=torch.int64)
         (points, label, voxels, offset), ready = self.copier.move(points, label, voxels,
@@ -123,6 +125,17 @@ class CloudStage(BackendStage):
             return None
         return torch.isfinite(points.flatten(1)).all(1).tolist()  # type: ignore[no-any-return]
 
+    def _augmented(self, points: Any, keys: list[str]) -> Any:
+        """augment's ops after the graph's (config.split_augment), in torch, here: on the
+        CPU, or queued on the copier's stream where the graph decoded on a GPU."""
+        torch_ops = self.cfg.torch_ops()
+        if not torch_ops or not len(points):
+            return points
+        from pipeline import ops
+
+        return ops.points.apply(torch_ops, points, ops.sample_rngs(self.cfg.seed, self.epoch,
+                                                                   keys))
+
     def _make_copier(self) -> DeviceCopier:
         cuda = self.placement.target == "cuda"
         return DeviceCopier(("cuda", self.cuda_index) if cuda else "cpu", None, None,
@@ -142,7 +155,7 @@ class DecodeStage(CloudStage, GraphStage):
     def __init__(self, cfg: PointCloudConfig, placement: Placement) -> None:
         self.cfg = cfg
         self.spec = pointcloud_graph.GraphSpec(placement.decode, cfg.normalize,
-                                               cfg.train and cfg.jitter > 0)
+                                               cfg.train and cfg.augment_spec().jitter > 0)
         super().__init__(placement, cfg.on_error, cfg.prefetch)
 
     # -- the graph -------------------------------------------------------------------------

@@ -17,7 +17,8 @@ the same clouds; evaluation (train=False) keeps evenly spaced points and does no
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,11 @@ from pipeline.errors import DataError, OnError
 from pipeline.loading import mix, readers, tuning
 from pipeline.loading.batch import EncodedBatch
 from pipeline.loading.graphstage import GraphLoader
+from pipeline.loading.loader import Produced
 from pipeline.loading.options import Device
+from pipeline.loading.readplan import EpochPlan
 from pipeline.loading.shardlist import Source
-from pipeline.pointcloud.config import PointCloudConfig
+from pipeline.pointcloud.config import PointCloudConfig, split_augment
 from pipeline.pointcloud.decode import CloudStage, DecodeStage
 from pipeline.pointcloud.portable import PortableCloudStage
 from pipeline.pointcloud.sample import SampleParams, check_npy, sample_params
@@ -83,6 +86,24 @@ class PointCloudLoader(GraphLoader):
         if self.backend == "portable":
             return PortableCloudStage(self.cfg, self.placement)
         return DecodeStage(self.cfg, self.placement)
+
+    def describe(self) -> dict[str, Any]:
+        """Where each op of augment runs: the graph's (its leading RotateZ, Scale, Jitter:
+        the DALI graph, or the portable backend's numpy transform), then torch's."""
+        graph, rest = split_augment(self.cfg.augment) if self.cfg.augment is not None \
+            else ((), ())
+        in_graph = f"the DALI graph ({self.decode})" if self.backend == "dali" else \
+            "the portable backend's numpy transform"
+        where = "torch in the decode stage" + (f", on cuda:{self.cuda_index}"
+                                               if self.decode == "gpu" else ", on the CPU")
+        return {"backend": self.backend, "reader": self.reader, "decode": self.decode,
+                "augment": [{"op": repr(op), "runs": in_graph} for op in graph]
+                + [{"op": repr(op), "runs": where} for op in rest]}
+
+    def _produce(self, plan: EpochPlan, reader_state: dict[str, Any] | None,
+                 stop: threading.Event) -> Iterator[Produced]:
+        self._decoder.epoch = plan.epoch  # the torch ops draw from it (decode.py)
+        return super()._produce(plan, reader_state, stop)
 
     # -- the reader stage ------------------------------------------------------------------
 
