@@ -21,7 +21,7 @@ from conftest import ROOT, gpu_available, run_tool
 
 TOOL = ROOT / "tools" / "gpu_check.py"
 PARTS = ["delivery", "amp_step", "copies", "offload", "ddp", "checkpointing",
-         "text_pointcloud", "dali", "sync_debug", "compile", "ranks"]
+         "text_pointcloud", "dali", "sync_debug", "compile", "ranks", "ops"]
 NO_CUDA = ("torch here is a CPU-only build", "torch is a CUDA build but no GPU is visible")
 
 
@@ -81,6 +81,9 @@ def test_dry_run_records_every_part_and_the_header(tmp_path: Path) -> None:
     assert parts["compile"]["compiled"]["ddp_inside"]
     assert parts["compile"]["key"]["relative_distance"] < 0.05
     assert parts["sync_debug"]["runs"]["fp32"]["skipped_steps"] == 0
+    ops_ = parts["ops"]  # the ops part's CPU run against itself, and the loaders' batches
+    assert ops_["ops"]["images_apart_share"] == 0 and ops_["loader"]["keys_match"]
+    assert ops_["loader"]["views_equal"] and ops_["loader"]["batches"] > 0
     assert "| delivery | ok |" in proc.stdout  # the table of key figures
 
 

@@ -1,6 +1,6 @@
 """The parts of tools/gpu_check.py, most valuable first, with their default timeouts (PARTS:
-435 s in all, plus HEADER_TIMEOUT_S for the header; on one GPU without DALI, dali is skipped
-at once and ranks in seconds, so the worst case there is about 6 minutes):
+475 s in all, plus HEADER_TIMEOUT_S for the header; on one GPU without DALI, dali is skipped
+at once and ranks in seconds, so the worst case there is about 6.5 minutes):
 
   delivery         correctness: the text loader's batches delivered to CUDA equal the CPU
                    loader's bit for bit, and DeviceCopier's uint8 batches (pinned host memory ->
@@ -39,12 +39,16 @@ at once and ranks in seconds, so the worst case there is about 6 minutes):
                    grad_accum 2 all-reduces only on optimizer steps, both ranks end with the
                    same parameters, an uneven evaluation (3 batches and 1) is combined after
                    the gloo barrier into the metrics of one process; all-reduce bus GB/s.
+  ops              pipeline.ops on CUDA against the CPU (augment.py): a RandAugment recipe,
+                   mixup/cutmix, masks and point ops, host syncs counted ("failed" unless
+                   none), images/s; image_loader's augment, batch_augment and views on the
+                   device against its CPU batches.
 
 A part is `run(ctx) -> dict`: a JSON-able result with "key" (its key figures) and "status"
 where it is not "ok". Where they live: context.py (Ctx, Sizes FULL/DRY, shared helpers),
 header.py (the header), delivery.py (delivery, copies), amp.py (amp_step), training.py (offload,
 ddp, checkpointing), modalities.py (text_pointcloud, dali), steps.py (sync_debug, compile),
-ranks.py (ranks). Importing any of them imports
+ranks.py (ranks), augment.py (ops). Importing any of them imports
 neither torch nor DALI: each part imports what it needs when it runs.
 """
 
@@ -55,6 +59,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.bench.gpu.amp import part_amp_step
+from pipeline.bench.gpu.augment import part_ops
 from pipeline.bench.gpu.context import Ctx, new_ctx
 from pipeline.bench.gpu.delivery import part_copies, part_delivery
 from pipeline.bench.gpu.header import part_header
@@ -87,7 +92,8 @@ PARTS: dict[str, PartSpec] = {
     "sync_debug": PartSpec(part_sync_debug, 25),
     "compile": PartSpec(part_compile, 60),
     "ranks": PartSpec(part_ranks, 40),
-}  # 435 s in all, plus HEADER_TIMEOUT_S
+    "ops": PartSpec(part_ops, 40),
+}  # 475 s in all, plus HEADER_TIMEOUT_S
 
 
 def run_part(name: str, ctx: Ctx) -> dict[str, Any]:
