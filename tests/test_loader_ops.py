@@ -174,3 +174,54 @@ def test_a_gpu_loaders_ops_run_on_the_device_and_match_the_cpu(op_shards):
         # colour ops round the same float maths; a level apart at most on another device
         assert (a.image.cpu().int() - b.image.int()).abs().max() <= 1
         assert torch.allclose(a.target.cpu(), b.target)
+
+
+def _graph_recipe() -> list[ops.Op]:
+    """Ops with a DALI form first (Flip, Brightness, Affine, Rotate, GaussianBlur), then one
+    without (Solarize): the graph runs the five, torch the last."""
+    return [ops.Flip(0.5), ops.Brightness((0.6, 1.4)),
+            ops.Affine(degrees=20, translate=(0.1, 0.1), scale=(0.9, 1.1)), ops.Rotate(15),
+            ops.GaussianBlur(5, p=0.5), ops.Solarize(128, 0.5)]
+
+
+@pytest.mark.dali
+@pytest.mark.parametrize("reader", ["dali", "stream"])
+def test_ops_with_a_dali_form_run_in_the_graph_as_torch_runs_them(op_shards, reader):
+    """resize_on="dali": the graph resizes, so it runs the leading ops that have a DALI form,
+    from the draws ops.apply makes; torch runs the rest. Against the same graph's plain
+    batches through ops.apply: brightness rounds where torch truncates (a level), and the
+    nearest-neighbour warps break exact ties apart now and then."""
+    with _make(op_shards, reader, "dali", resize_on="dali", augment=_graph_recipe()) as loader:
+        got = {k: b.image[i] for b in loader for i, k in enumerate(b.keys)}
+        where = [e["runs"] for e in loader.describe()["augment"]]
+    with _make(op_shards, reader, "dali", resize_on="dali") as plain:
+        want = {k: ops.apply(_graph_recipe(), b.image[i:i + 1], ops.sample_rngs(3, 0, [k]))[0]
+                for b in plain for i, k in enumerate(b.keys)}
+    assert where == ["the DALI graph (cpu)"] * 5 + ["torch on the CPU, in the decode stage's "
+                                                    "thread"]
+    assert sorted(got) == sorted(want) and len(got) == 40
+    diff = torch.stack([(got[k].int() - want[k].int()).abs() for k in got])
+    assert (diff > 1).float().mean() < 1e-3 and diff.float().mean() < 0.6
+    assert (diff > 0).float().mean() > 0.05  # brightness's rounding: the graph did run it
+
+
+@pytest.mark.dali
+def test_graph_ops_resume_bit_identical(op_shards):
+    def make():  # type: ignore[no-untyped-def]
+        return _make(op_shards, "dali", "dali", resize_on="dali", augment=_graph_recipe(),
+                     batch_augment=[ops.CutMix(classes=10)])
+
+    head, rest, again = resumed_run(make)
+    assert [b.keys for b in again] == [b.keys for b in rest] and len(rest) == 3
+    for a, b in zip(again, rest, strict=True):
+        assert torch.equal(a.image, b.image) and torch.equal(a.target, b.target)
+
+
+@pytest.mark.dali
+def test_an_op_without_a_dali_form_keeps_the_rest_in_torch(op_shards):
+    """Solarize first: nothing runs in the graph (each op after one that ran in torch runs
+    in torch too, so the draws and the pixels keep their order)."""
+    recipe = [ops.Solarize(128, 0.5)] + _graph_recipe()[:2]
+    with _make(op_shards, "dali", "dali", resize_on="dali", augment=recipe) as loader:
+        where = [e["runs"] for e in loader.describe()["augment"]]
+    assert not any("DALI" in w for w in where) and len(where) == 3

@@ -35,27 +35,29 @@ class BatchOps:
     views: tuple[View, ...] | None = None  # each view's ops (then `ops` is empty)
     targets: tuple[str, ...] = ()  # the names of batch.targets, warped with the images
 
-    def __call__(self, batch: ImageBatch, epoch: int) -> ImageBatch:
+    def __call__(self, batch: ImageBatch, epoch: int, done: int = 0) -> ImageBatch:
         """The batch with its images (each view's) augmented and normalized, and, with a
-        mix, its soft targets: a new ImageBatch, the keys, labels and extras unchanged."""
+        mix, its soft targets: a new ImageBatch, the keys, labels and extras unchanged.
+        `done`: the leading ops the DALI graph already ran (drawn again, not run)."""
         from pipeline import ops
 
         if self.views is not None and batch.views is not None:
-            done = [self._one(image, view.ops, epoch, [view_key(k, v) for k in batch.keys])
-                    for v, (image, view) in enumerate(zip(batch.views, self.views,
-                                                          strict=True))]
-            return ImageBatch(image=done[0], label=batch.label, keys=batch.keys,
-                              extras=batch.extras, views=done)
+            views = [self._one(image, view.ops, epoch, [view_key(k, v) for k in batch.keys])
+                     for v, (image, view) in enumerate(zip(batch.views, self.views,
+                                                           strict=True))]
+            return ImageBatch(image=views[0], label=batch.label, keys=batch.keys,
+                              extras=batch.extras, views=views)
         if self.targets and batch.targets is not None:
             image, maps = self._with_targets(batch, epoch)
             return ImageBatch(image=image, label=batch.label, keys=batch.keys,
                               extras=batch.extras, targets=maps)
         if self.mix is None:
-            return ImageBatch(image=self._one(batch.image, self.ops, epoch, batch.keys),
+            return ImageBatch(image=self._one(batch.image, self.ops, epoch, batch.keys, done),
                               label=batch.label, keys=batch.keys, extras=batch.extras)
         images = self._nchw(batch.image)
         if len(images):  # an empty batch (every sample skipped) has nothing to draw for
-            images = ops.apply(self.ops, images, ops.sample_rngs(self.seed, epoch, batch.keys))
+            images = ops.apply(self.ops, images, ops.sample_rngs(self.seed, epoch, batch.keys),
+                               done=done)
         images, target, _ = self.mix(images, batch.label,
                                      ops.batch_rng(self.seed, epoch, batch.keys))
         return ImageBatch(image=self._finished(images), label=batch.label, keys=batch.keys,
@@ -80,13 +82,16 @@ class BatchOps:
             maps = [m.to(old.dtype) for m, old in zip(stacked.unbind(1), maps, strict=True)]
         return self._finished(images), dict(zip(self.targets, maps, strict=True))
 
-    def _one(self, image: Any, ops_: Sequence[Any], epoch: int, keys: list[str]) -> Any:
-        """One view's (or the batch's) images through `ops_`, each drawn from its key."""
+    def _one(self, image: Any, ops_: Sequence[Any], epoch: int, keys: list[str],
+             done: int = 0) -> Any:
+        """One view's (or the batch's) images through `ops_` (but the first `done`), each
+        drawn from its key."""
         from pipeline import ops
 
         images = self._nchw(image)
-        if len(images) and ops_:
-            images = ops.apply(ops_, images, ops.sample_rngs(self.seed, epoch, keys))
+        if len(images) and len(ops_) > done:
+            images = ops.apply(ops_, images, ops.sample_rngs(self.seed, epoch, keys),
+                               done=done)
         return self._finished(images)
 
     def _nchw(self, image: Any) -> Any:
@@ -100,14 +105,17 @@ class BatchOps:
             images = images.permute(0, 2, 3, 1)
         return images.contiguous()
 
-    def describe(self, device: str) -> list[dict[str, str]]:
-        """Where each op runs: one entry per op, in order (with views, per view)."""
+    def describe(self, device: str, in_graph: str | None = None, done: int = 0
+                 ) -> list[dict[str, str]]:
+        """Where each op runs: one entry per op, in order (with views, per view); the first
+        `done` in the graph `in_graph` names."""
         where = ("torch on the CPU, in the decode stage's thread" if device == "cpu"
                  else f"torch on {device}, after delivery, on the consumer's stream")
         if self.views is not None:
             return [{"op": repr(op), "runs": where, "view": str(v)}
                     for v, view in enumerate(self.views) for op in view.ops]
-        entries = [{"op": repr(op), "runs": where} for op in self.ops]
+        entries = [{"op": repr(op), "runs": in_graph if j < done and in_graph else where}
+                   for j, op in enumerate(self.ops)]
         if self.mix is not None:
             entries.append({"op": repr(self.mix), "runs": where})
         return entries

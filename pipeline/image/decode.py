@@ -46,6 +46,9 @@ class ImageStage(BackendStage):
         # epoch the loader set before the pass; a GPU loader runs them after delivery.
         self.batch_ops = batch_ops if placement.target == "cpu" else None
         self.epoch = 0
+        # The leading ops the DALI graph runs (DecodeStage, where the graph resizes); the
+        # rest run in torch after it (batchops.py, told how many are done).
+        self.graph_ops: tuple[Any, ...] = ()
         # Several views (views.py): every sample's V windows decoded, each view resized to
         # its size; None: one window a sample, resized to cfg.size.
         self.views = batch_ops.views if batch_ops is not None else None
@@ -116,7 +119,7 @@ class ImageStage(BackendStage):
             # In this thread: spreading the ops' chunks over `threads` threads as well
             # measured no faster on 2 cores (4.4 CPU-ms an image against 3.3: they contend
             # with DALI's threads for the same cores).
-            batch = self.batch_ops(batch, self.epoch)
+            batch = self.batch_ops(batch, self.epoch, done=len(self.graph_ops))
         return batch, enc.state, ready, enc.skips
 
     def _masks(self, windows: list[Any]) -> dict[str, Any]:
@@ -136,6 +139,17 @@ class ImageStage(BackendStage):
         return torch.zeros(shape, dtype=torch.float32 if self.host_normalizes else torch.uint8)
 
 
+def in_graph(ops_: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The leading ops with a DALI form: the graph runs an op only when every op before it
+    ran there too (the draws, and the pixels, keep their order)."""
+    lead = []
+    for op in ops_:
+        if not op.dali_inputs:
+            break
+        lead.append(op)
+    return tuple(lead)
+
+
 class DecodeStage(ImageStage, GraphStage):
     """The DALI backend's image stage: the graph decodes each window (and, on a GPU or with
     resize_on="dali", resizes and flips it)."""
@@ -148,6 +162,8 @@ class DecodeStage(ImageStage, GraphStage):
         # each to its size (a GPU loader with views decodes on the CPU: loader.py).
         self.graph_resizes = (placement.decode == "gpu" or cfg.resize_on == "dali") and \
             self.views is None
+        if self.graph_resizes and batch_ops is not None and not cfg.targets:
+            self.graph_ops = in_graph(batch_ops.ops)
         super().__init__(placement, cfg.on_error, cfg.prefetch)
 
     # -- the graph -------------------------------------------------------------------------
@@ -158,7 +174,7 @@ class DecodeStage(ImageStage, GraphStage):
             size=c.size, device=self.decode, layout=c.layout, interp=c.interp,
             antialias=c.antialias, fast_idct=c.fast_idct, resize=self.graph_resizes,
             hw_decoder_load=c.hw_decoder_load, exif_orientation=c.exif_orientation,
-            normalize=(c.mean, c.std) if self.host_normalizes else None)
+            normalize=(c.mean, c.std) if self.host_normalizes else None, ops=self.graph_ops)
 
     def _build(self, depth: int, batch_size: int | None = None) -> Any:
         samples = (batch_size or self.cfg.batch_size) * self.per_sample  # a window each
@@ -180,6 +196,20 @@ class DecodeStage(ImageStage, GraphStage):
         if self.graph_resizes and self.cfg.exif_orientation:  # else resize.py turns them
             graph.feed_input("orient", [np.array(image_graph.orient_matrix(
                 w.transpose, w.vflip, self.cfg.size), np.float32) for w in windows])
+        if self.graph_ops:
+            self._feed_ops(graph, enc.keys)
+
+    def _feed_ops(self, graph: Any, keys: list[str]) -> None:
+        """The graph's ops' per-sample inputs, drawn as ops.apply draws them (each sample's
+        generator, op after op), so torch's ops after them continue the same draws."""
+        from pipeline import ops
+
+        rngs = ops.sample_rngs(self.cfg.seed, self.epoch, keys)
+        for j, op in enumerate(self.graph_ops):
+            values = op.dali_values([op.draw(rng) for rng in rngs], self.cfg.size,
+                                    self.cfg.size)
+            for name, column in values.items():
+                graph.feed_input(f"op{j}_{name}", column)
 
     def _fetch(self, out: Any, item: Item) -> Any:
         """The graph's output as a batch tensor, copied before the graph runs again."""

@@ -42,6 +42,10 @@ class GraphSpec:
     # With `resize`: an "orient" input (per sample, the 2x3 matrix of `orient_matrix`) turns
     # the square output upright; the decoder's own adjust_orientation stays off (augment.py).
     exif_orientation: bool = True
+    # With `resize`: pipeline.ops ops with a DALI form (Op.dali_inputs), run on the resized,
+    # upright, flipped image before the layout; each op's per-sample inputs are fed as
+    # "op{j}_{name}" (decode.py draws them from the ops' generators).
+    ops: tuple[Any, ...] = ()
 
 
 def build(spec: GraphSpec, **options: Any) -> Any:
@@ -74,6 +78,13 @@ def _graph(spec: GraphSpec) -> Any:
         # `matrix` as an argument input: a CPU input, whichever device the warp runs on.
         images = fn.warp_affine(images, matrix=turn, size=[spec.size, spec.size],
                                 interp_type=types.INTERP_NN)
+    if spec.ops:  # the loader's flip first, as resize.py's comes before torch's ops
+        images, flip = fn.flip(images, horizontal=flip, vertical=0), 0
+    for j, op in enumerate(spec.ops):  # argument inputs: CPU nodes, whatever the device
+        inputs = {name: fn.external_source(name=f"op{j}_{name}", dtype=getattr(types, kind),
+                                           ndim=ndim)
+                  for name, (kind, ndim) in op.dali_inputs.items()}
+        images = op.dali(images, inputs)
     norm: dict[str, Any] = {"dtype": types.UINT8}
     if spec.normalize is not None:
         norm = {"dtype": types.FLOAT, "mean": list(spec.normalize[0]),

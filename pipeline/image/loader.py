@@ -101,20 +101,24 @@ class ImageLoader(GraphLoader):
             c.augment, c.batch_augment, seed=c.seed, channels_first=c.layout == "NCHW",
             normalize=(c.mean, c.std) if c.normalize else None, labels=c.labels,
             num_classes=self.num_classes, views=self.views, targets=c.targets)
-        if self.batch_ops is not None:
-            log.info("image loader ops: %s", self.describe()["augment"])
         if self.backend == "dali":
-            return DecodeStage(c, self.placement, self.batch_ops)
-        if c.resize_on == "dali":
+            stage: ImageStage = DecodeStage(c, self.placement, self.batch_ops)
+        elif c.resize_on == "dali":
             raise ValueError("resize_on='dali' resizes in the DALI graph, but this loader runs "
                              "the portable backend (no DALI): use resize_on='torch' or 'auto'")
-        return PortableImageStage(c, self.placement, self.batch_ops)
+        else:
+            stage = PortableImageStage(c, self.placement, self.batch_ops)
+        self._in_graph = len(stage.graph_ops)
+        if self.batch_ops is not None:
+            log.info("image loader ops: %s", self.describe()["augment"])
+        return stage
 
     def describe(self) -> dict[str, Any]:
         """Where each stage runs: the backend, reader and decode, and each op of augment and
         batch_augment in order (after the loader's crop, resize and flip)."""
         target = "cpu" if self.placement.target == "cpu" else f"cuda:{self.cuda_index}"
-        ops = self.batch_ops.describe(target) if self.batch_ops is not None else []
+        ops = self.batch_ops.describe(target, f"the DALI graph ({self.decode})",
+                                      self._in_graph) if self.batch_ops is not None else []
         shown = [{"size": v.size, "crop": repr(v.crop) if v.crop else "the loader's"}
                  for v in self.views] if self.views is not None else None
         return {"backend": self.backend, "reader": self.reader, "decode": self.decode,
@@ -130,7 +134,7 @@ class ImageLoader(GraphLoader):
     def _delivered(self, batch: Any, epoch: int) -> Any:
         if self.batch_ops is None or self.placement.target == "cpu":
             return batch  # none, or run by the decode stage already
-        return self.batch_ops(batch, epoch)
+        return self.batch_ops(batch, epoch, done=self._in_graph)
 
     # -- the reader stage ------------------------------------------------------------------
 

@@ -31,6 +31,20 @@ class Op:
         """The batch with each image changed by its parameter (uint8 in, uint8 out)."""
         raise NotImplementedError
 
+    # A DALI form: the per-sample inputs it reads, {name: (DALI type name, ndim)}; empty
+    # for an op that has none (it then runs in torch, after the graph).
+    dali_inputs: dict[str, tuple[str, int]] = {}
+
+    def dali_values(self, params: Sequence[Any], height: int, width: int
+                    ) -> dict[str, list[Any]]:
+        """Per input of `dali_inputs`, one numpy value per sample (the identity where the
+        parameter is None), for the graph's external sources."""
+        raise NotImplementedError
+
+    def dali(self, images: Any, inputs: dict[str, Any]) -> Any:
+        """The op in a DALI graph over HWC uint8 images, its inputs' nodes given."""
+        raise NotImplementedError
+
     def mask(self, masks: Tensor, params: Sequence[Any]) -> Tensor:
         """The images' label maps (N, K, H, W) as this op moves their pixels: unchanged for
         an op that moves none (colour ops); a geometric op warps them with the same
@@ -57,25 +71,27 @@ CPU_CHUNK = 4
 
 
 @overload
-def apply(ops: Sequence[Op], images: torch.Tensor, rngs: Sequence[random.Random]
-          ) -> torch.Tensor: ...
+def apply(ops: Sequence[Op], images: torch.Tensor, rngs: Sequence[random.Random],
+          masks: None = None, done: int = 0) -> torch.Tensor: ...
 @overload
 def apply(ops: Sequence[Op], images: torch.Tensor, rngs: Sequence[random.Random],
-          masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+          masks: torch.Tensor, done: int = 0) -> tuple[torch.Tensor, torch.Tensor]: ...
 def apply(ops: Sequence[Op], images: torch.Tensor, rngs: Sequence[random.Random],
-          masks: torch.Tensor | None = None) -> Any:
+          masks: torch.Tensor | None = None, done: int = 0) -> Any:
     """Each op in turn over the batch, its parameters drawn from each sample's generator in
     op order (so a sample's draws do not depend on its batch). On the CPU the batch goes
     through the ops CPU_CHUNK images at a time (each image's pixels are its own whatever it
     is batched with); a GPU takes the whole batch in each op. With `masks` (N, K, H, W)
-    label maps of the images: (images, masks), each op's geometry applied to both."""
+    label maps of the images: (images, masks), each op's geometry applied to both. `done`:
+    the leading ops already applied (in a DALI graph, from these draws): drawn, not run."""
     if len(rngs) != len(images):
         raise ValueError(f"{len(rngs)} generators for a batch of {len(images)} images")
     if masks is not None and (masks.dim() != 4 or len(masks) != len(images)
                               or masks.shape[-2:] != images.shape[-2:]):
         raise ValueError(f"masks {tuple(masks.shape)} for images {tuple(images.shape)}: "
                          "need (N, K, H, W) of the images' N, H, W")
-    params = [[op.draw(rng) for rng in rngs] for op in ops]
+    params = [[op.draw(rng) for rng in rngs] for op in ops][done:]
+    ops = ops[done:]
     step = CPU_CHUNK if images.device.type == "cpu" else max(len(images), 1)
     parts = [_through(ops, images[i:i + step], None if masks is None else masks[i:i + step],
                       [p[i:i + step] for p in params])

@@ -121,9 +121,22 @@ class _Enhance(Op):
 
 
 class Brightness(_Enhance):
-    """PIL's ImageEnhance.Brightness: 0 black, 1 the image."""
+    """PIL's ImageEnhance.Brightness: 0 black, 1 the image. DALI form: fn.brightness (it
+    rounds to the nearest level where torch truncates: a level apart at most)."""
 
     fn = staticmethod(brightness)
+    dali_inputs = {"factor": ("FLOAT", 0)}
+
+    def dali_values(self, params: Sequence[Any], height: int, width: int
+                    ) -> dict[str, list[Any]]:
+        import numpy as np
+
+        return {"factor": [np.float32(1.0 if p is None else p) for p in params]}
+
+    def dali(self, images: Any, inputs: dict[str, Any]) -> Any:
+        from nvidia.dali import fn
+
+        return fn.brightness(images, brightness=inputs["factor"])
 
 
 class Contrast(_Enhance):

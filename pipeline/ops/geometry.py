@@ -17,6 +17,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812 - torch's own spelling
 from torch import Tensor  # in the classes below, `torch` is also the method of each op
@@ -90,6 +91,31 @@ def _warp_chosen(images: Tensor, params: Sequence[Any], matrix: Any) -> Tensor:
     return out
 
 
+def dali_matrices(params: Sequence[Any], height: int, width: int, matrix: Any
+                  ) -> list[np.ndarray]:
+    """fn.warp_affine's destination -> source matrices (pixel-corner coordinates) of `warp`'s
+    centre-relative inverse ones: src = A dst + (t + c - A c), c the image's centre; the
+    identity where a parameter is None."""
+    out = []
+    for p in params:
+        if p is None:
+            out.append(np.array([[1, 0, 0], [0, 1, 0]], np.float32))
+            continue
+        a, b, t0, c, d, t1 = matrix(p, height, width)
+        cx, cy = width / 2, height / 2
+        out.append(np.array([[a, b, t0 + cx - (a * cx + b * cy)],
+                             [c, d, t1 + cy - (c * cx + d * cy)]], np.float32))
+    return out
+
+
+def dali_warp(images: Any, matrices: Any) -> Any:
+    """The DALI form of `warp`: nearest neighbour, 0 outside."""
+    from nvidia.dali import fn, types
+
+    return fn.warp_affine(images, matrix=matrices, fill_value=0.0,
+                          interp_type=types.DALIInterpType.INTERP_NN)
+
+
 class Flip(Op):
     """torchvision's RandomHorizontalFlip (vertical=True: RandomVerticalFlip)."""
 
@@ -103,13 +129,52 @@ class Flip(Op):
         check_uint8(images, self)
         return self.mask(images, params)
 
+    dali_inputs = {"flip": ("INT32", 0)}
+
+    def dali_values(self, params: Sequence[Any], height: int, width: int
+                    ) -> dict[str, list[Any]]:
+        return {"flip": [np.int32(p is not None) for p in params]}
+
+    def dali(self, images: Any, inputs: dict[str, Any]) -> Any:
+        from nvidia.dali import fn
+
+        if self.vertical:
+            return fn.flip(images, horizontal=0, vertical=inputs["flip"])
+        return fn.flip(images, horizontal=inputs["flip"], vertical=0)
+
     def mask(self, masks: Tensor, params: Sequence[Any]) -> Tensor:
         flipped = on_device([q is not None for q in params], masks.device)
         dim = 2 if self.vertical else 3
         return torch.where(flipped.view(-1, 1, 1, 1), masks.flip(dim), masks)
 
 
-class Affine(Op):
+class _Warp(Op):
+    """An op that moves pixels by an inverse affine matrix a sample (`matrix`): `warp` in
+    torch, for images and masks alike (nearest neighbour: labels stay labels), and
+    fn.warp_affine in a DALI graph."""
+
+    dali_inputs = {"matrix": ("FLOAT", 2)}
+
+    @staticmethod
+    def matrix(param: Any, h: int, w: int) -> list[float]:
+        raise NotImplementedError
+
+    def torch(self, images: Tensor, params: Sequence[Any]) -> Tensor:
+        check_uint8(images, self)
+        return self.mask(images, params)
+
+    def mask(self, masks: Tensor, params: Sequence[Any]) -> Tensor:
+        return _warp_chosen(masks, params, self.matrix)
+
+    def dali_values(self, params: Sequence[Any], height: int, width: int
+                    ) -> dict[str, list[Any]]:
+        return {"matrix": dali_matrices(params, height, width, self.matrix)}
+
+    def dali(self, images: Any, inputs: dict[str, Any]) -> Any:
+        return dali_warp(images, inputs["matrix"])
+
+
+class Affine(_Warp):
     """torchvision's RandomAffine: angle uniform in (-degrees, degrees) clockwise, a
     translation of up to translate = (x, y) of the sides, a scale in `scale`, a shear in
     `shear` degrees ((x_lo, x_hi) or (x_lo, x_hi, y_lo, y_hi)), about the centre."""
@@ -130,19 +195,14 @@ class Affine(Op):
         sy = rng.uniform(shear[2], shear[3]) if len(shear) == 4 else 0.0
         return angle, tx, ty, scale, sx, sy
 
-    def torch(self, images: Tensor, params: Sequence[Any]) -> Tensor:
-        check_uint8(images, self)
-        return self.mask(images, params)
-
-    def mask(self, masks: Tensor, params: Sequence[Any]) -> Tensor:
-        def matrix(p: Any, h: int, w: int) -> list[float]:
-            angle, tx, ty, scale, sx, sy = p
-            return inverse_affine(angle, (float(round(tx * w)), float(round(ty * h))), scale,
-                                  (sx, sy))
-        return _warp_chosen(masks, params, matrix)  # nearest neighbour: labels stay labels
+    @staticmethod
+    def matrix(p: Any, h: int, w: int) -> list[float]:
+        angle, tx, ty, scale, sx, sy = p
+        return inverse_affine(angle, (float(round(tx * w)), float(round(ty * h))), scale,
+                              (sx, sy))
 
 
-class Rotate(Op):
+class Rotate(_Warp):
     """torchvision's RandomRotation: an angle uniform in (-degrees, degrees),
     counter-clockwise, about the centre, zeros where nothing maps."""
 
@@ -152,13 +212,9 @@ class Rotate(Op):
     def draw(self, rng: random.Random) -> float:
         return rng.uniform(-self.degrees, self.degrees)
 
-    def torch(self, images: Tensor, params: Sequence[Any]) -> Tensor:
-        check_uint8(images, self)
-        return self.mask(images, params)
-
-    def mask(self, masks: Tensor, params: Sequence[Any]) -> Tensor:
-        return _warp_chosen(masks, params, lambda angle, h, w: inverse_affine(
-            -angle, (0.0, 0.0), 1.0, (0.0, 0.0)))
+    @staticmethod
+    def matrix(angle: float, h: int, w: int) -> list[float]:
+        return inverse_affine(-angle, (0.0, 0.0), 1.0, (0.0, 0.0))
 
 
 def sharpness(images: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
@@ -249,3 +305,16 @@ class GaussianBlur(Op):
         check_uint8(images, self)
         return per_sample(images, params,
                           lambda x, sigmas: gaussian_blur(x, self.kernel_size, sigmas))
+
+    dali_inputs = {"sigma": ("FLOAT", 0)}
+
+    def dali_values(self, params: Sequence[Any], height: int, width: int
+                    ) -> dict[str, list[Any]]:
+        # a sample left alone: a kernel of sigma 1e-3 weighs its centre 1 (to float32)
+        return {"sigma": [np.float32(1e-3 if p is None else p) for p in params]}
+
+    def dali(self, images: Any, inputs: dict[str, Any]) -> Any:
+        from nvidia.dali import fn
+
+        kx, ky = self.kernel_size
+        return fn.gaussian_blur(images, sigma=inputs["sigma"], window_size=[ky, kx])
