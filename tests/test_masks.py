@@ -212,12 +212,17 @@ def _agreement(batch) -> float:  # type: ignore[no-untyped-def]
     return (read == loaded)[~edge].float().mean().item()
 
 
-@pytest.mark.parametrize("reader, backend", BACKENDS)
+@pytest.mark.parametrize("reader, backend", [
+    *BACKENDS, pytest.param("dali", "dali+resize", marks=pytest.mark.dali)])
 def test_crop_and_flip_move_the_mask_with_the_image(masked, reader, backend):
-    if backend == "dali":
+    """dali+resize: the image resized, turned and flipped in the graph (resize_on="dali"),
+    its mask by resize.py."""
+    if backend.startswith("dali"):
         pytest.importorskip("nvidia.dali")
+    resize_on = "dali" if backend == "dali+resize" else "auto"
     with image_loader(masked, batch_size=4, size=SIZE, device="cpu", threads=1, seed=1,
-                      reader=reader, backend=backend, use_tuning=False,
+                      reader=reader, backend=backend.split("+")[0], use_tuning=False,
+                      resize_on=resize_on,
                       crop_scale=(0.3, 1.0), targets={"mask": "seg.png"}) as loader:
         batches = list(loader)
     assert sum(len(b) for b in batches) == 12
