@@ -4,6 +4,7 @@ sample from (seed, epoch, key), so its batches are the plain loader's batches wi
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -225,3 +226,45 @@ def test_an_op_without_a_dali_form_keeps_the_rest_in_torch(op_shards):
     with _make(op_shards, "dali", "dali", resize_on="dali", augment=recipe) as loader:
         where = [e["runs"] for e in loader.describe()["augment"]]
     assert not any("DALI" in w for w in where) and len(where) == 3
+
+
+def killed_loader(shards, reader: str, backend: str):  # type: ignore[no-untyped-def]
+    """The loader tests/loader_killed.py iterates and kills: RandAugment, an own op, mixup
+    and cutmix, two decode threads."""
+    return image_loader(shards, batch_size=8, size=32, device="cpu", seed=5, threads=2,
+                        reader=reader, backend=backend, use_tuning=False,
+                        augment=[ops.RandAugment(2, 9), Invert(0.3)],
+                        batch_augment=[ops.Mix(0.8, 1.0, classes=10)])
+
+
+def batch_digest(batch) -> list[str]:  # type: ignore[no-untyped-def]
+    """keys, pixels and soft targets of a batch, as digests."""
+    import hashlib
+
+    return [",".join(batch.keys), hashlib.sha256(batch.image.numpy().tobytes()).hexdigest(),
+            hashlib.sha256(batch.target.numpy().tobytes()).hexdigest()]
+
+
+@pytest.mark.parametrize("reader, backend", BACKENDS)
+def test_a_loader_killed_mid_epoch_resumes_with_the_same_augmented_batches(
+        op_shards, tmp_path, reader, backend):
+    """SIGKILL after the second batch (a child process, tests/loader_killed.py); a new
+    loader given the last state it wrote gives the batches the uninterrupted loader gave
+    after it: the same keys, pixels and targets, bit for bit."""
+    import subprocess
+    import sys
+
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+    with killed_loader(op_shards, reader, backend) as whole:
+        want = [batch_digest(b) for b in whole]
+    out = tmp_path / "killed.jsonl"
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "loader_killed.py"),
+                           str(op_shards), reader, backend, "2", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]  # SIGKILL, not an exit
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["digest"] for line in lines] == want[:2]
+    with killed_loader(op_shards, reader, backend) as resumed:
+        resumed.load_state_dict(lines[-1]["state"])
+        assert [batch_digest(b) for b in resumed] == want[2:] and len(want) == 5
