@@ -228,7 +228,7 @@ def test_crop_and_flip_move_the_mask_with_the_image(masked, reader, backend):
     assert sum(len(b) for b in batches) == 12
     for b in batches:
         m = b.targets["mask"]
-        assert m.shape == (len(b), SIZE, SIZE) and m.dtype in (torch.uint8, torch.int32)
+        assert m.shape == (len(b), SIZE, SIZE) and m.dtype == torch.int64  # cross_entropy's
         assert set(torch.unique(m).tolist()) <= {0, 1, 2, 1000, 2000}  # 16-bit ones x1000
         b.targets["mask"] = torch.where(m >= 1000, m // 1000, m).to(torch.uint8)
         assert _agreement(b) > 0.99
@@ -335,3 +335,24 @@ def test_ops_apply_warps_masks_outside_a_loader(masked):
     assert torch.equal(alone, out)  # masks change no image draw
     with pytest.raises(ValueError, match="need \\(N, K, H, W\\)"):
         ops.apply(recipe, images, ops.sample_rngs(0, 0, keys), masks=masks[:, 0])
+
+
+def test_one_bit_masks_are_labels_0_and_1_and_targets_name_a_member_once():
+    """A 1-bit PNG mask reads as 0/1 (PIL's convert("L") would give 255, the usual ignore
+    index), converted or not; two targets naming one member are refused."""
+    from pipeline.samples import masks
+
+    _, mask = _scene(0)
+    one_bit = io.BytesIO()
+    Image.fromarray(mask > 0).save(one_bit, format="PNG")
+    assert Image.open(io.BytesIO(one_bit.getvalue())).mode == "1"
+    read = masks.read_mask(one_bit.getvalue(), (72, 56))
+    assert set(np.unique(read).tolist()) == {0, 1} and (read == (mask > 0)).all()
+    bmp = io.BytesIO()
+    Image.fromarray(mask > 0).save(bmp, format="BMP")
+    stored = masks.prepare_mask(bmp.getvalue(), (72, 56))
+    assert set(np.unique(masks.read_mask(stored, (72, 56))).tolist()) == {0, 1}
+    from pipeline.image.config import ImageConfig
+
+    with pytest.raises(ValueError, match="named twice"):
+        ImageConfig(batch_size=2, targets={"mask": "seg.png", "again": "seg.png"})

@@ -187,7 +187,7 @@ class Invert(ops.Op):
         return True if rng.random() < self.p else None
 
     def torch(self, images: torch.Tensor, params) -> torch.Tensor:
-        chosen = torch.tensor([q is not None for q in params], device=images.device)
+        chosen = ops.on_device([q is not None for q in params], images.device, torch.bool)
         return torch.where(chosen.view(-1, 1, 1, 1), 255 - images, images)
 
 
@@ -422,3 +422,22 @@ def test_a_cpu_batch_gets_the_same_pixels_in_any_chunk(photos, monkeypatch):
         got[chunk] = ops.apply(recipe, images, ops.sample_rngs(0, 0, keys))
     assert all(torch.equal(got[64], g) for g in got.values())
     assert not torch.equal(got[64], images)
+
+
+def test_ops_take_an_empty_batch():
+    """Every op, and the point ops, on a batch of no images: the shape comes back."""
+    from pipeline.ops.crop import CenterCrop
+
+    empty = torch.zeros((0, 3, 24, 24), dtype=torch.uint8)
+    recipe = [ops.Flip(), ops.Affine(10), ops.Rotate(10), ops.ColorJitter(0.4, 0.4, 0.4, 0.1),
+              ops.RandAugment(), ops.TrivialAugmentWide(), ops.AutoAugment(), ops.Equalize(),
+              ops.GaussianBlur(3), ops.RandomErasing(), ops.Sharpness(0.5)]
+    assert ops.apply(recipe, empty, []).shape == (0, 3, 24, 24)
+    images, masks = ops.apply(recipe, empty, [], masks=torch.zeros((0, 1, 24, 24)))
+    assert images.shape == (0, 3, 24, 24) and masks.shape == (0, 1, 24, 24)
+    assert ops.apply([CenterCrop(8)], torch.zeros((1, 3, 24, 24), dtype=torch.uint8),
+                     ops.sample_rngs(0, 0, ["k"])).shape == (1, 3, 8, 8)
+    clouds = torch.zeros((0, 16, 3))
+    points = [ops.points.RotateZ(), ops.points.Scale(), ops.points.Jitter(),
+              ops.points.Dropout()]
+    assert ops.points.apply(points, clouds, []).shape == (0, 16, 3)

@@ -169,6 +169,8 @@ def test_what_cannot_be_views_is_refused(op_shards):
         _make(op_shards, views=0)
     with pytest.raises(ValueError, match="a list of op lists"):
         _make(op_shards, views=[RandomResizedCrop(16)])
+    with pytest.raises(ValueError, match="is not a pipeline.ops.Op"):
+        _make(op_shards, views=2, augment=[lambda x: x])  # checked at build, not in a batch
 
 
 @pytest.mark.gpu

@@ -87,6 +87,8 @@ def check_targets(targets: object, extras: tuple[str, ...]) -> tuple[tuple[str, 
             for k, v in targets.items()):
         raise ValueError(f"targets={targets!r}: a dict of name -> member extension, e.g. "
                          "{'mask': 'seg.png'}")
+    if len(set(targets.values())) != len(targets):
+        raise ValueError(f"targets={targets!r}: a member is named twice")
     for name, ext in targets.items():
         if ext in extras or ext.rsplit(".", 1)[-1].lower() == "cls" or \
                 ext.lower() in IMAGE_EXTS:

@@ -134,7 +134,8 @@ class ImageStage(BackendStage):
 
         c = self.cfg
         if self.views is not None:
-            return [torch.zeros((0, 3, v.size, v.size), dtype=torch.uint8) for v in self.views]
+            return [torch.zeros((0, 3, v.size, v.size) if c.layout == "NCHW" else
+                                (0, v.size, v.size, 3), dtype=torch.uint8) for v in self.views]
         shape = (0, 3, c.size, c.size) if c.layout == "NCHW" else (0, c.size, c.size, 3)
         return torch.zeros(shape, dtype=torch.float32 if self.host_normalizes else torch.uint8)
 

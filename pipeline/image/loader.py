@@ -64,6 +64,9 @@ def image_loader(source: str | Path | Sequence[str] | mix.Mixture, *, batch_size
             "batch_size": batch_size, "train": train, "seed": seed, "device": device,
             "on_error": on_error, "rank": rank, "world_size": world_size,
             "tuning_file": tuning_file, "use_tuning": use_tuning, **options})
+    if options.get("views") is not None and options.get("decode", "auto") == "auto":
+        options["decode"] = "cpu"  # views resize on the CPU (views.py); a tuning file's
+        # decode="gpu" would refuse them, and the views still land on the device
     resolved, options = tuning.source_and_options(
         "image", source, {"device": device, **options}, tuning_file, use_tuning)
     cfg = ImageConfig(batch_size=batch_size, train=train, seed=seed, on_error=on_error,

@@ -84,15 +84,15 @@ def mask_batch(crops: Sequence[np.ndarray], turns: Sequence[tuple[bool, bool, bo
                size: int) -> torch.Tensor:
     """Each mask window (H, W), as stored, resized to size x size by nearest neighbour (the
     pixel centres the image's resize maps: a label is never blended into another) and turned
-    and flipped as its image is (transpose, vflip, hflip): (N, size, size), the masks' dtype."""
-    dtype = torch.int32 if any(c.dtype != np.uint8 for c in crops) else torch.uint8
-    out = torch.empty((len(crops), size, size), dtype=dtype)
+    and flipped as its image is (transpose, vflip, hflip): int64 (N, size, size), what
+    F.cross_entropy takes, whatever the masks' bit depth (one dtype every batch)."""
+    out = torch.empty((len(crops), size, size), dtype=torch.int64)
     for i, (crop, (transpose, vflip, hflip)) in enumerate(zip(crops, turns, strict=True)):
         one = torch.from_numpy(crop)[None, None]
-        if dtype != torch.uint8:  # torch's nearest takes no int32: float holds 16-bit exactly
+        if one.dtype != torch.uint8:  # torch's nearest takes no int32: float holds 16 bits
             one = one.float()
         one = F.interpolate(one, size=(size, size), mode="nearest-exact")
-        out[i] = _orient(one[0], transpose, vflip, hflip)[0].to(dtype)
+        out[i] = _orient(one[0], transpose, vflip, hflip)[0]
     return out
 
 

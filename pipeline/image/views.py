@@ -48,6 +48,7 @@ def resolve(views: Any, size: int, augment: Sequence[Any], batch_augment: Sequen
     if isinstance(views, int) and not isinstance(views, bool):
         if views < 1:
             raise ValueError(f"views={views}: at least 1")
+        _view(list(augment), size, 0)  # the same checks as a list's ops
         return tuple(View(size, None, tuple(augment)) for _ in range(views))
     if not isinstance(views, (list, tuple)) or not views or \
             not all(isinstance(v, (list, tuple)) for v in views):

@@ -8,7 +8,7 @@ images (N, C, H, W), on the CPU or on the device. See pipeline/ops/README.md.
 """
 
 from pipeline.ops import points
-from pipeline.ops.base import Op, apply, sample_rngs
+from pipeline.ops.base import Op, apply, on_device, sample_rngs
 from pipeline.ops.color import (
     AutoContrast,
     Brightness,
@@ -32,5 +32,5 @@ __all__ = ["Affine", "AutoAugment", "AutoContrast", "Brightness", "CenterCrop", 
            "Contrast", "CutMix", "Equalize", "Flip", "GaussianBlur", "Grayscale", "Hue", "Mix",
            "MixUp", "Normalize", "Op", "Posterize", "RandAugment", "RandomErasing",
            "RandomResizedCrop", "Rotate", "Saturation", "Sharpness", "Solarize",
-           "TrivialAugmentWide", "WindowOp", "apply", "batch_rng", "points", "sample_rngs",
-           "soft_targets"]
+           "TrivialAugmentWide", "WindowOp", "apply", "batch_rng", "on_device", "points",
+           "sample_rngs", "soft_targets"]

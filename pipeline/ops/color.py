@@ -280,7 +280,12 @@ class Equalize(_Maybe):
         n, c, h, w = images.shape
         flat = images.reshape(n * c, h * w).long()
         rows = torch.arange(n * c, device=images.device).unsqueeze(1)
-        hist = torch.bincount((flat + 256 * rows).reshape(-1), minlength=256 * n * c)
+        index = (flat + 256 * rows).reshape(-1)
+        if images.device.type == "cpu":
+            hist = torch.bincount(index, minlength=256 * n * c)
+        else:  # CUDA's bincount reads the index's min and max back to the host: two syncs
+            hist = torch.zeros(256 * n * c, dtype=torch.long, device=images.device)
+            hist.scatter_add_(0, index, torch.ones_like(index))
         hist = hist.reshape(n * c, 256)
         last = hist.gather(1, flat.amax(dim=1, keepdim=True))  # the top value's count
         step = (h * w - last) // 255

@@ -143,7 +143,7 @@ class Flip(Op):
         return fn.flip(images, horizontal=inputs["flip"], vertical=0)
 
     def mask(self, masks: Tensor, params: Sequence[Any]) -> Tensor:
-        flipped = on_device([q is not None for q in params], masks.device)
+        flipped = on_device([q is not None for q in params], masks.device, torch.bool)
         dim = 2 if self.vertical else 3
         return torch.where(flipped.view(-1, 1, 1, 1), masks.flip(dim), masks)
 

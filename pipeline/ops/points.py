@@ -73,7 +73,7 @@ class RotateZ(PointOp):
     def torch(self, points: Tensor, params: Sequence[Any]) -> Tensor:
         cos_sin = [(math.cos(math.radians(a)), math.sin(math.radians(a))) for a in params]
         rows = [[[c, -s, 0.0], [s, c, 0.0], [0.0, 0.0, 1.0]] for c, s in cos_sin]
-        rotation = on_device(rows, points.device, torch.float32)
+        rotation = on_device(rows, points.device, torch.float32).view(-1, 3, 3)
         return _xyz(points, points[..., :3] @ rotation.transpose(1, 2))
 
 

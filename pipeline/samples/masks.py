@@ -39,7 +39,7 @@ def read_mask(data: bytes, size: tuple[int, int]) -> np.ndarray:
         _check_opened(img, size)
         if img.mode.startswith("I"):
             return np.asarray(img, dtype=np.int32)
-        return np.array(img.convert("L") if img.mode == "1" else img, dtype=np.uint8)
+        return np.array(img, dtype=np.uint8)  # mode 1: 0 and 1 (convert("L") gives 255)
 
 
 def prepare_mask(data: bytes, size: tuple[int, int]) -> bytes:
@@ -54,7 +54,9 @@ def prepare_mask(data: bytes, size: tuple[int, int]) -> bytes:
         if img.format == "PNG":
             return data
         out = io.BytesIO()
-        (img.convert("L") if img.mode == "1" else img).save(out, format="PNG")
+        if img.mode == "1":  # labels 0 and 1, as the loader reads a 1-bit PNG
+            img = Image.fromarray(np.asarray(img, dtype=np.uint8), "L")
+        img.save(out, format="PNG")
         return out.getvalue()
 
 

@@ -46,24 +46,26 @@ def _ops_runs(ctx: Ctx) -> dict[str, Any]:
     cloud_ops = [ops.points.RotateZ(180), ops.points.Scale(), ops.points.Jitter(),
                  ops.points.Dropout()]
 
-    def run(device: Any) -> tuple[Any, ...]:
-        img, msk = ops.apply(_recipe(), images.to(device), ops.sample_rngs(0, 0, keys),
-                             masks=masks.to(device))
-        mixed, target, _ = mix(img, labels.to(device), ops.batch_rng(0, 0, keys))
-        pts = ops.points.apply(cloud_ops, clouds.to(device), ops.sample_rngs(0, 0, keys))
+    def run(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        img, msk, lab, pts = inputs
+        img, msk = ops.apply(_recipe(), img, ops.sample_rngs(0, 0, keys), masks=msk)
+        mixed, target, _ = mix(img, lab, ops.batch_rng(0, 0, keys))
+        pts = ops.points.apply(cloud_ops, pts, ops.sample_rngs(0, 0, keys))
         return mixed, target, msk, pts
 
-    cpu = run(torch.device("cpu"))
-    run(ctx.device)  # warm-up: kernels, the caching allocator
+    host = (images, masks, labels, clouds)
+    on_gpu = tuple(t.to(ctx.device) for t in host)  # before the count: these copies sync
+    cpu = run(host)
+    run(on_gpu)  # warm-up: kernels, the caching allocator
     sync(ctx)
     found: list[str] = []
     start = time.perf_counter()
     with counted_syncs(ctx, found):
-        dev = run(ctx.device)
+        dev = run(on_gpu)
     sync(ctx)
     device_s = time.perf_counter() - start
     start = time.perf_counter()
-    run(torch.device("cpu"))
+    run(host)
     cpu_s = time.perf_counter() - start
     got = [t.cpu() for t in dev]
     return {"images": n, "side": side, "host_syncs": len(found) if ctx.cuda else None,
