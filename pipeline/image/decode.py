@@ -45,7 +45,6 @@ class ImageStage(BackendStage):
         # The user's ops (batchops.py): run here for a CPU loader, on the batches of the
         # epoch the loader set before the pass; a GPU loader runs them after delivery.
         self.batch_ops = batch_ops if placement.target == "cpu" else None
-        self.epoch = 0
         # The leading ops the DALI graph runs (DecodeStage, where the graph resizes); the
         # rest run in torch after it (batchops.py, told how many are done).
         self.graph_ops: tuple[Any, ...] = ()

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +32,7 @@ from pipeline.image.portable import PortableImageStage
 from pipeline.loading import mix, readers, tuning
 from pipeline.loading.batch import EncodedBatch
 from pipeline.loading.graphstage import GraphLoader
-from pipeline.loading.loader import Produced
 from pipeline.loading.options import Device
-from pipeline.loading.readplan import EpochPlan
 from pipeline.loading.rng import sample_rng
 from pipeline.loading.shardlist import Source
 from pipeline.samples import masks
@@ -128,11 +125,6 @@ class ImageLoader(GraphLoader):
                 "device": target, "augment": ops, "views": shown}
 
     # -- the user's ops ---------------------------------------------------------------------
-
-    def _produce(self, plan: EpochPlan, reader_state: dict[str, Any] | None,
-                 stop: threading.Event) -> Iterator[Produced]:
-        self._decoder.epoch = plan.epoch  # a CPU loader's ops draw from it (batchops.py)
-        return super()._produce(plan, reader_state, stop)
 
     def _delivered(self, batch: Any, epoch: int) -> Any:
         if self.batch_ops is None or self.placement.target == "cpu":

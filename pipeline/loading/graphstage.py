@@ -44,6 +44,7 @@ class BackendStage(ABC):
     (batch, reader state, ready event, skips); `close` releases what it holds."""
 
     what = "sample"  # as a decoder's refusal names it: "bad-image", "bad-cloud"
+    epoch = 0  # the pass being decoded, set by the loader: the user's ops draw from it
 
     def __init__(self, placement: Placement, on_error: OnError, prefetch: int) -> None:
         self.placement, self.on_error, self.prefetch = placement, on_error, prefetch
@@ -216,6 +217,7 @@ class GraphLoader(Loader):
 
     def _produce(self, plan: EpochPlan, reader_state: dict[str, Any] | None,
                  stop: threading.Event) -> Iterator[Produced]:
+        self._decoder.epoch = plan.epoch  # one pass at a time: its ops draw from this epoch
         return self._two_stages(lambda s: self._prepared(plan, reader_state, s),
                                 self._decoder, stop)
 

@@ -52,7 +52,6 @@ class CloudStage(BackendStage):
 
     what = "bad-cloud"
     cfg: PointCloudConfig
-    epoch = 0  # the pass's epoch, set by the loader: the torch ops draw from it
 
     def _check(self, data: bytes) -> None:
         try:

@@ -17,8 +17,7 @@ the same clouds; evaluation (train=False) keeps evenly spaced points and does no
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +25,7 @@ from pipeline.errors import DataError, OnError
 from pipeline.loading import mix, readers, tuning
 from pipeline.loading.batch import EncodedBatch
 from pipeline.loading.graphstage import GraphLoader
-from pipeline.loading.loader import Produced
 from pipeline.loading.options import Device
-from pipeline.loading.readplan import EpochPlan
 from pipeline.loading.shardlist import Source
 from pipeline.pointcloud.config import PointCloudConfig, split_augment
 from pipeline.pointcloud.decode import CloudStage, DecodeStage
@@ -99,11 +96,6 @@ class PointCloudLoader(GraphLoader):
         return {"backend": self.backend, "reader": self.reader, "decode": self.decode,
                 "augment": [{"op": repr(op), "runs": in_graph} for op in graph]
                 + [{"op": repr(op), "runs": where} for op in rest]}
-
-    def _produce(self, plan: EpochPlan, reader_state: dict[str, Any] | None,
-                 stop: threading.Event) -> Iterator[Produced]:
-        self._decoder.epoch = plan.epoch  # the torch ops draw from it (decode.py)
-        return super()._produce(plan, reader_state, stop)
 
     # -- the reader stage ------------------------------------------------------------------
 
