@@ -400,6 +400,12 @@ def test_the_cpu_fast_paths_give_the_general_forms_pixels():
     scale = torch.where(hi <= lo, torch.ones_like(hi), 255.0 / (hi - lo).clamp(min=1))
     want = u8((x.float() - torch.where(hi <= lo, torch.zeros_like(lo), lo)) * scale)
     assert torch.equal(color.AutoContrast(p=1.0).fn(x), want)
+    # a loader's batch is channels last (DALI's HWC): one table over each image's memory
+    last = x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    for fn in (lambda t: color.brightness(t, f), lambda t: color.contrast(t, f),
+               lambda t: color.solarize(t, th), color.AutoContrast(p=1.0).fn,
+               color.Equalize(p=1.0).fn):
+        assert torch.equal(fn(last), fn(x))
     mags = [float(m) for m in torch.randint(-60, 60, (16,), generator=gen)]
     for name, move in (("TranslateX", lambda m: (float(int(m)), 0.0)),
                        ("TranslateY", lambda m: (0.0, float(int(m))))):
@@ -422,6 +428,31 @@ def test_a_cpu_batch_gets_the_same_pixels_in_any_chunk(photos, monkeypatch):
         got[chunk] = ops.apply(recipe, images, ops.sample_rngs(0, 0, keys))
     assert all(torch.equal(got[64], g) for g in got.values())
     assert not torch.equal(got[64], images)
+
+
+def test_the_cpu_warp_is_the_device_warp(photos):
+    """The CPU's own warp against the one a GPU runs (both run here on the CPU): the
+    nearest-pixel gather against grid_sample, on photos (channels last, as a loader hands
+    them), label maps and grey images, rotations, shears, scales and moves off the image."""
+    from pipeline.ops import geometry
+
+    gen = torch.Generator().manual_seed(3)
+    images = photo_tensor(photos).permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    rng = random.Random(3)
+    mats = [geometry.inverse_affine(rng.uniform(-40, 40), (rng.uniform(-90, 90), 5.0),
+                                    rng.uniform(0.6, 1.5), (rng.uniform(-20, 20), 0.0))
+            for _ in images]
+    masks = torch.randint(0, 3000, (len(images), 2, *images.shape[-2:]), dtype=torch.int32,
+                          generator=gen)
+    grey = torch.randint(0, 256, (len(images), 1, 31, 47), dtype=torch.uint8, generator=gen)
+    for x in (images, masks, grey):
+        fast, general = geometry._gather_warp(x, mats), geometry._grid_warp(x, mats)
+        assert fast.dtype == x.dtype and fast.shape == x.shape
+        apart = (fast != general).any(dim=1)
+        assert apart.float().mean() < 1e-3  # float ties, a pixel in thousands at most
+        assert (general == 0).all(dim=1).float().mean() > 0.05  # moves off the image: zeros
+        assert torch.equal(fast[~apart.unsqueeze(1).expand_as(fast)],
+                           general[~apart.unsqueeze(1).expand_as(general)])
 
 
 def test_ops_take_an_empty_batch():

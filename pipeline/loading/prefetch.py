@@ -120,14 +120,16 @@ class Stage(Generic[T]):
 
 
 def ahead(fn: Callable[[Any], R], items: Iterable[tuple[A, Any]], depth: int, *, name: str,
-          workers: int = 1) -> Generator[tuple[A, R], None, None]:
+          workers: int = 1, initializer: Callable[[], None] | None = None
+          ) -> Generator[tuple[A, R], None, None]:
     """(a, fn(b)) for each (a, b) of `items`, in order, with fn running in `workers` helper
     threads up to `depth` items ahead: for an fn that releases the GIL (a tokenizer in Rust),
     which then overlaps with what the caller does with each result. `items` is iterated in
     the caller's thread. The threads end with the iteration (done, closed, or an exception,
     which fn's own re-raises here); fn calls not yet begun are dropped. An exception from
-    `items` comes after the results of the items before it, as it would without the helpers."""
-    pool = ThreadPoolExecutor(workers, thread_name_prefix=name)
+    `items` comes after the results of the items before it, as it would without the helpers.
+    `initializer` runs first in each helper thread (one_core_in_this_thread, say)."""
+    pool = ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=initializer)
     pending: deque[tuple[A, Future[R]]] = deque()
     failed: Exception | None = None
     try:

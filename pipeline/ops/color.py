@@ -19,7 +19,17 @@ from typing import Any
 import torch
 from torch import Tensor  # in the classes below, `torch` is also the method of each op
 
-from pipeline.ops.base import Op, check_uint8, chosen, levels, on_device, per_sample, through_lut
+from pipeline.ops.base import (
+    Op,
+    check_uint8,
+    chosen,
+    levels,
+    on_device,
+    per_sample,
+    put_rows,
+    rows,
+    through_lut,
+)
 
 Factor = float | tuple[float, float]
 
@@ -41,7 +51,7 @@ def grey(images: torch.Tensor) -> torch.Tensor:
     """(N, 1, H, W) grey levels: ITU-R 601-2 luma, as PIL's convert('L') and torchvision."""
     if images.shape[1] == 1:
         return images
-    r, g, b = images.float().unbind(1)
+    r, g, b = images.unbind(1)  # each channel to float as it is weighed: no float copy
     return (0.2989 * r + 0.587 * g + 0.114 * b).unsqueeze(1).to(torch.uint8)
 
 
@@ -209,9 +219,7 @@ def _where(images: torch.Tensor, params: Sequence[Any], fn: Any) -> torch.Tensor
         return images
     if len(idx) == len(images):
         return fn(images).contiguous()
-    out, where = images.clone(), on_device(idx, images.device)
-    out[where] = fn(images[where])
-    return out
+    return put_rows(images.clone(), idx, fn(rows(images, idx)))
 
 
 class _Maybe(Op):
@@ -278,21 +286,32 @@ class Equalize(_Maybe):
 
     def fn(self, images: torch.Tensor) -> torch.Tensor:
         n, c, h, w = images.shape
-        flat = images.reshape(n * c, h * w).long()
-        rows = torch.arange(n * c, device=images.device).unsqueeze(1)
-        index = (flat + 256 * rows).reshape(-1)
-        if images.device.type == "cpu":
-            hist = torch.bincount(index, minlength=256 * n * c)
-        else:  # CUDA's bincount reads the index's min and max back to the host: two syncs
-            hist = torch.zeros(256 * n * c, dtype=torch.long, device=images.device)
-            hist.scatter_add_(0, index, torch.ones_like(index))
-        hist = hist.reshape(n * c, 256)
-        last = hist.gather(1, flat.amax(dim=1, keepdim=True))  # the top value's count
+        hist = _histograms(images)
+        # the top value's count: the last bin that is not empty
+        top = ((hist > 0) * torch.arange(256, device=images.device)).amax(dim=1, keepdim=True)
+        last = hist.gather(1, top)
         step = (h * w - last) // 255
         cum = torch.cumsum(hist, dim=1) - hist  # pixels below each value
         lut = ((cum + step // 2) // step.clamp(min=1)).clamp(0, 255)
         lut = torch.where(step > 0, lut, torch.arange(256, device=images.device))
         return through_lut(images, lut.to(torch.uint8).view(n, c, 256))
+
+
+def _histograms(images: torch.Tensor) -> torch.Tensor:
+    """int64 (N * C, 256): each image's channel histograms. On the CPU one bincount of the
+    uint8 plane each (no int64 copy of the pixels: 10x faster than one bincount over an
+    offset index); on a GPU one scatter_add (CUDA's bincount reads the index's min and max
+    back to the host: two syncs)."""
+    n, c, h, w = images.shape
+    if images.device.type == "cpu":
+        planes = images.contiguous().view(n * c, h * w)
+        return torch.stack([torch.bincount(p, minlength=256) for p in planes])
+    flat = images.reshape(n * c, h * w).long()
+    rows = torch.arange(n * c, device=images.device).unsqueeze(1)
+    index = (flat + 256 * rows).reshape(-1)
+    hist = torch.zeros(256 * n * c, dtype=torch.long, device=images.device)
+    hist.scatter_add_(0, index, torch.ones_like(index))
+    return hist.reshape(n * c, 256)
 
 
 class Normalize(Op):

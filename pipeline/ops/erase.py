@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor  # in the class below, `torch` is also the method of the op
 
-from pipeline.ops.base import Op, check_uint8, on_device
+from pipeline.ops.base import Op, check_uint8, on_device, put_rows, rows
 
 Box = tuple[int, int, int, int]  # top, left, height, width
 Fill = int | tuple[int, ...] | str
@@ -133,6 +133,4 @@ class RandomErasing(Op):
         fill = _fill(self.value, [params[i] for i in idx], (c, h, w), device)
         if len(idx) == n:
             return torch.where(inside, fill, images)
-        out, where = images.clone(), on_device(idx, device)
-        out[where] = torch.where(inside, fill, images[where])
-        return out
+        return put_rows(images.clone(), idx, torch.where(inside, fill, rows(images, idx)))

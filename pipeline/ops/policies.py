@@ -22,7 +22,7 @@ import torch
 from torch import Tensor  # in the classes below, `torch` is also the method of each op
 
 from pipeline.ops import color, geometry
-from pipeline.ops.base import Op, check_uint8, on_device
+from pipeline.ops.base import Op, check_uint8, on_device, put_rows, rows
 
 # name -> (magnitude of bin i of n for an image of h x w, signed); None: no magnitude
 Space = dict[str, tuple[Callable[[float, int, int, int], float] | None, bool]]
@@ -67,6 +67,13 @@ def _affine(images: Tensor, matrices: list[list[float]]) -> Tensor:
 GEOMETRIC = frozenset({"ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate"})
 
 
+# The ops a CPU runs image by image within a group: their float temporaries for one image
+# of 224 (0.6 MB) stay in the cache, a group's go through memory. Measured over 9 images of
+# 224, one core, ms an image: Color 1.67 as a group, 0.62 one by one; Sharpness 2.18, 0.56;
+# the others within 10% either way.
+IN_CACHE = frozenset({"Color", "Sharpness"})
+
+
 def run_op(name: str, images: Tensor, mags: list[float]) -> Tensor:
     """torchvision's _apply_op for `name`, one magnitude per image, batched."""
     n, _, h, w = images.shape
@@ -94,7 +101,10 @@ def run_op(name: str, images: Tensor, mags: list[float]) -> Tensor:
     enhance = {"Brightness": color.brightness, "Color": color.saturation,
                "Contrast": color.contrast, "Sharpness": geometry.sharpness}
     if name in enhance:
-        return enhance[name](images, factors())
+        f, fn = factors(), enhance[name]
+        if images.device.type == "cpu" and name in IN_CACHE and len(images) > 1:
+            return torch.cat([fn(images[i:i + 1], f[i:i + 1]) for i in range(len(images))])
+        return fn(images, f)
     if name == "Posterize":
         masks = [0xFF ^ ((1 << (8 - int(m))) - 1) for m in mags]
         return images & on_device(masks, images.device, torch.uint8).view(-1, 1, 1, 1)
@@ -118,6 +128,7 @@ class _Policy(Op):
 
     space: Space = {}
     bins: int = 31
+    whole_batch = True
 
     def _step(self, rng: random.Random, bin_: float | None) -> Step:
         name = rng.choice(list(self.space))
@@ -147,18 +158,23 @@ class _Policy(Op):
         return self._run(masks, params, tuple(n for n in self.space if n in GEOMETRIC))
 
     def _run(self, images: Tensor, params: Sequence[Any], names: tuple[str, ...]) -> Tensor:
+        """A step at a time, each op once over the images that drew it: (steps x 14) batched
+        calls a batch at most, however large (whole_batch: the CPU's chunks would each
+        call most ops for one image, and each call's Python holds the GIL the loader's
+        other threads wait on)."""
         _, _, h, w = images.shape
         steps = [self.steps(p) for p in params]
         out = images.clone()
         for step in range(max((len(s) for s in steps), default=0)):
-            at = [s[step] if step < len(s) else None for s in steps]
-            for name in names:
-                drew = [(i, s) for i, s in enumerate(at) if s is not None and s[0] == name]
-                if not drew or name == "Identity":
-                    continue
-                mags = [self._signed_magnitude(s, h, w) for _, s in drew]
-                where = on_device([i for i, _ in drew], images.device)
-                out[where] = run_op(name, out[where], mags)
+            drew: dict[str, list[tuple[int, Step]]] = {}
+            for i, s in enumerate(steps):
+                at = s[step] if step < len(s) else None
+                if at is not None and at[0] in names and at[0] != "Identity":
+                    drew.setdefault(at[0], []).append((i, at))
+            for name, group in drew.items():
+                mags = [self._signed_magnitude(s, h, w) for _, s in group]
+                idx = [i for i, _ in group]
+                put_rows(out, idx, run_op(name, rows(out, idx), mags))
         return out
 
 
