@@ -63,6 +63,44 @@ def test_the_loaders_ops_are_ops_apply_over_its_plain_batches(op_shards, reader,
     assert all("CPU, in the decode stage" in e["runs"] for e in where)
 
 
+class _Where(ops.Op):
+    """Leaves the images as they are; records the thread each batch's op ran in."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def draw(self, rng):  # type: ignore[no-untyped-def]
+        return None
+
+    def torch(self, images, params):  # type: ignore[no-untyped-def]
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        return images
+
+
+@pytest.mark.parametrize("reader, backend", BACKENDS)
+def test_a_cpu_loaders_ops_run_beside_its_decode_stage_and_stop_with_it(op_shards, reader,
+                                                                        backend):
+    """The ops of a CPU loader run in the decode stage's helper threads (while its own
+    thread resizes the next batch); a pass left after a batch stops them (the conftest's
+    check fails a test that leaves a thread behind), and a whole pass gives that batch
+    first, as the ops alone give it."""
+    where = _Where()
+    with _make(op_shards, reader, backend, augment=[where, ops.RandAugment(2, 9)]) as loader:
+        first = next(iter(loader))  # a pass left after one batch
+    with _make(op_shards, reader, backend, augment=[where, ops.RandAugment(2, 9)]) as loader:
+        batches = list(loader)
+    with _make(op_shards, reader, backend) as plain:
+        want = next(iter(plain))
+    assert len(batches) == 5 and batches[0].keys == first.keys == want.keys
+    assert torch.equal(batches[0].image, first.image)
+    assert torch.equal(first.image, ops.apply([ops.RandAugment(2, 9)], want.image,
+                                              ops.sample_rngs(3, 0, want.keys)))
+    assert len(where.threads) >= 6
+    assert all(t.startswith("shardflow-image-ops") for t in where.threads)
+
+
 @pytest.mark.parametrize("reader, backend", BACKENDS)
 def test_randaugment_and_mixup_resume_bit_identical(op_shards, reader, backend):
     """State saved after two batches, loaded into a new loader: the same keys, pixels and
@@ -199,7 +237,7 @@ def test_ops_with_a_dali_form_run_in_the_graph_as_torch_runs_them(op_shards, rea
         want = {k: ops.apply(_graph_recipe(), b.image[i:i + 1], ops.sample_rngs(3, 0, [k]))[0]
                 for b in plain for i, k in enumerate(b.keys)}
     assert where == ["the DALI graph (cpu)"] * 5 + ["torch on the CPU, in the decode stage's "
-                                                    "thread"]
+                                                    "helper threads"]
     assert sorted(got) == sorted(want) and len(got) == 40
     diff = torch.stack([(got[k].int() - want[k].int()).abs() for k in got])
     assert (diff > 1).float().mean() < 1e-3 and diff.float().mean() < 0.6

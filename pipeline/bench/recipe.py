@@ -3,7 +3,8 @@ bytes: random-resized-crop 224 and flip, RandAugment(2 ops, magnitude 9 of torch
 bins), then mixup/cutmix (timm's batch mode) on each batch, uint8 out.
 
     shardflow:          our loader with augment=[RandAugment] and batch_augment=[Mix]: both
-                        batched in torch (pipeline.ops), in its decode stage's thread
+                        batched in torch (pipeline.ops), in its decode stage's helper
+                        threads
     torchvision-style:  ImageFolder + DataLoader workers; RandAugment per image on PIL
                         (torchvision's own where it imports, else its PIL definitions here);
                         the same mix on each collated batch, as timm's Mixup runs it
@@ -28,7 +29,7 @@ def _mix() -> Any:
 
 class OursRecipe:
     """The loader with the recipe as its own options: RandAugment and the mix run in its
-    decode stage's thread (image/batchops.py), overlapping the consumer."""
+    decode stage's helper threads (image/batchops.py), overlapping the consumer."""
 
     def __init__(self, c: bi.Corpus) -> None:
         from pipeline import ops

@@ -7,7 +7,8 @@ generator (ops.batch_rng), giving `batch.target`, soft targets (N, classes). The
 the ones `ops.apply` makes on the loader's plain batches, so a batch comes out the same on
 either backend and reader, on any rank count, after a resume.
 
-Where they run: for a CPU loader, in the decode stage's thread, so they overlap the
+Where they run: for a CPU loader, in two helper threads beside the decode stage's
+(decode.OPS_WORKERS: a batch each, while that thread resizes the next), so they overlap the
 consumer's step; for a GPU loader, on the device once the batch is delivered, on the
 consumer's stream (loader.py's `_delivered`). Normalization, if asked for, comes after them:
 the ops take uint8.
@@ -109,7 +110,7 @@ class BatchOps:
                  ) -> list[dict[str, str]]:
         """Where each op runs: one entry per op, in order (with views, per view); the first
         `done` in the graph `in_graph` names."""
-        where = ("torch on the CPU, in the decode stage's thread" if device == "cpu"
+        where = ("torch on the CPU, in the decode stage's helper threads" if device == "cpu"
                  else f"torch on {device}, after delivery, on the consumer's stream")
         if self.views is not None:
             return [{"op": repr(op), "runs": where, "view": str(v)}

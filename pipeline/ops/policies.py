@@ -22,7 +22,7 @@ import torch
 from torch import Tensor  # in the classes below, `torch` is also the method of each op
 
 from pipeline.ops import color, geometry
-from pipeline.ops.base import Op, check_uint8, on_device, put_rows, rows
+from pipeline.ops.base import Op, check_uint8, on_device
 
 # name -> (magnitude of bin i of n for an image of h x w, signed); None: no magnitude
 Space = dict[str, tuple[Callable[[float, int, int, int], float] | None, bool]]
@@ -164,7 +164,11 @@ class _Policy(Op):
         other threads wait on)."""
         _, _, h, w = images.shape
         steps = [self.steps(p) for p in params]
-        out = images.clone()
+        if not len(images):
+            return images.clone()
+        # each image as a view of the tensor its last op gave: a group's images are copied
+        # together once (rows), its results taken back as views, the batch joined at the end
+        now = list(images.split(1))
         for step in range(max((len(s) for s in steps), default=0)):
             drew: dict[str, list[tuple[int, Step]]] = {}
             for i, s in enumerate(steps):
@@ -174,8 +178,10 @@ class _Policy(Op):
             for name, group in drew.items():
                 mags = [self._signed_magnitude(s, h, w) for _, s in group]
                 idx = [i for i, _ in group]
-                put_rows(out, idx, run_op(name, rows(out, idx), mags))
-        return out
+                group_in = now[idx[0]] if len(idx) == 1 else torch.cat([now[i] for i in idx])
+                for i, result in zip(idx, run_op(name, group_in, mags).split(1), strict=True):
+                    now[i] = result
+        return torch.cat(now)
 
 
 class RandAugment(_Policy):
