@@ -101,6 +101,20 @@ def test_a_cpu_loaders_ops_run_beside_its_decode_stage_and_stop_with_it(op_shard
     assert all(t.startswith("shardflow-image-ops") for t in where.threads)
 
 
+def test_a_cpu_loader_with_ops_prefetches_deeper_unless_told(op_shards):
+    """loader.AUGMENT_PREFETCH for a CPU loader with ops and no prefetch given; the default
+    without ops, and whatever the user gives."""
+    from pipeline.image.loader import AUGMENT_PREFETCH
+
+    ra = [ops.RandAugment(2, 9)]
+    with _make(op_shards, "stream", "portable", augment=ra) as deeper, \
+            _make(op_shards, "stream", "portable") as plain, \
+            _make(op_shards, "stream", "portable", augment=ra, prefetch=1) as told:
+        assert (deeper.cfg.prefetch, plain.cfg.prefetch, told.cfg.prefetch) == \
+            (AUGMENT_PREFETCH, 2, 1)
+        assert len(list(deeper)) == len(list(told)) == 5
+
+
 @pytest.mark.parametrize("reader, backend", BACKENDS)
 def test_randaugment_and_mixup_resume_bit_identical(op_shards, reader, backend):
     """State saved after two batches, loaded into a new loader: the same keys, pixels and

@@ -66,10 +66,26 @@ def image_loader(source: str | Path | Sequence[str] | mix.Mixture, *, batch_size
         # decode="gpu" would refuse them, and the views still land on the device
     resolved, options = tuning.source_and_options(
         "image", source, {"device": device, **options}, tuning_file, use_tuning)
+    if "prefetch" not in options and (options.get("augment") or options.get("batch_augment")) \
+            and _lands_on_cpu(device):
+        options["prefetch"] = AUGMENT_PREFETCH
     cfg = ImageConfig(batch_size=batch_size, train=train, seed=seed, on_error=on_error,
                       **options)
     rank, world_size = readers.distributed(rank, world_size)
     return ImageLoader(resolved, cfg, rank, world_size)
+
+
+# A CPU loader's prefetch when it runs the user's ops (decode.py's helper threads) and no
+# one chose it: its stages then differ more from batch to batch, and a deeper queue between
+# them kept the cores busier. Measured on 2 cores, RandAugment + mixup, 6 paired rounds:
+# 1.33-1.37x the torchvision-style recipe at 4, 1.16x at the default 2.
+AUGMENT_PREFETCH = 4
+
+
+def _lands_on_cpu(device: str) -> bool:
+    import torch
+
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
 
 
 class ImageLoader(GraphLoader):

@@ -83,8 +83,11 @@ def _source_index(matrices: Sequence[Sequence[float]], h: int, w: int) -> torch.
     # x and y of each pixel's source: a column part plus a row part, one pass each
     sx = (t[:, 0, 0] * xs) + (t[:, 0, 1] * ys + t[:, 0, 2] + (w / 2 - 0.5))
     sy = (t[:, 1, 0] * xs) + (t[:, 1, 1] * ys + t[:, 1, 2] + (h / 2 - 0.5))
-    ix = sx.round_().clamp_(-1, w).to(torch.int64).add_(1)
-    iy = sy.round_().clamp_(-1, h).to(torch.int64).add_(1)
+    sx.round_().clamp_(-1, w)
+    sy.round_().clamp_(-1, h)
+    if (h + 2) * (w + 2) < 2 ** 24:  # whole numbers float32 holds exactly: no int64 passes
+        return sy.mul_(w + 2).add_(sx).add_(w + 3).to(torch.int64).view(len(t), h * w)
+    ix, iy = sx.to(torch.int64).add_(1), sy.to(torch.int64).add_(1)
     return iy.mul_(w + 2).add_(ix).view(len(t), h * w)
 
 
