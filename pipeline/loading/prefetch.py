@@ -136,7 +136,8 @@ def ahead(fn: Callable[[Any], R], items: Iterable[tuple[A, Any]], depth: int, *,
         try:
             for a, b in items:
                 pending.append((a, pool.submit(fn, b)))
-                if len(pending) > depth:
+                # the oldest as soon as it is done, or once `depth` are waiting behind it
+                while pending and (len(pending) > depth or pending[0][1].done()):
                     first, result = pending.popleft()
                     yield first, result.result()
         except Exception as exc:  # after what came before it
