@@ -224,6 +224,24 @@ def test_ahead_delivers_what_came_before_an_error_of_its_items():
     assert not [t for t in threading.enumerate() if t.name.startswith("test-ahead")]
 
 
+def test_ahead_raises_fns_error_in_order_before_any_later_result():
+    """fn failing on item k: the results before k, then its error; nothing after k is
+    handed over first (a batch past the failed one would carry a reader state beyond it)."""
+    def fails_at_3(x):
+        if x == 3:
+            raise ValueError("three")
+        threading.Event().wait(0.01 if x < 3 else 0.0)  # the later ones finish first
+        return x
+
+    got = []
+    with pytest.raises(ValueError, match="three"):
+        for pair in ahead(fails_at_3, ((i, i) for i in range(10)), 4, name="test-ahead",
+                          workers=3):
+            got.append(pair)
+    assert got == [(0, 0), (1, 1), (2, 2)]
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-ahead")]
+
+
 def test_a_packed_position_keeps_the_reads_layout_not_its_tokens():
     from pipeline.text import elastic
 

@@ -464,6 +464,7 @@ def test_ops_take_an_empty_batch():
               ops.RandAugment(), ops.TrivialAugmentWide(), ops.AutoAugment(), ops.Equalize(),
               ops.GaussianBlur(3), ops.RandomErasing(), ops.Sharpness(0.5)]
     assert ops.apply(recipe, empty, []).shape == (0, 3, 24, 24)
+    assert ops.Equalize(p=1.0).fn(empty).shape == (0, 3, 24, 24)
     images, masks = ops.apply(recipe, empty, [], masks=torch.zeros((0, 1, 24, 24)))
     assert images.shape == (0, 3, 24, 24) and masks.shape == (0, 1, 24, 24)
     assert ops.apply([CenterCrop(8)], torch.zeros((1, 3, 24, 24), dtype=torch.uint8),

@@ -132,16 +132,22 @@ def ahead(fn: Callable[[Any], R], items: Iterable[tuple[A, Any]], depth: int, *,
     pool = ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=initializer)
     pending: deque[tuple[A, Future[R]]] = deque()
     failed: Exception | None = None
+    source = iter(items)
     try:
-        try:
-            for a, b in items:
-                pending.append((a, pool.submit(fn, b)))
-                # the oldest as soon as it is done, or once `depth` are waiting behind it
-                while pending and (len(pending) > depth or pending[0][1].done()):
-                    first, result = pending.popleft()
-                    yield first, result.result()
-        except Exception as exc:  # after what came before it
-            failed = exc
+        while True:
+            try:  # only the items' own error waits for what came before it
+                a, b = next(source)
+            except StopIteration:
+                break
+            except Exception as exc:
+                failed = exc
+                break
+            pending.append((a, pool.submit(fn, b)))
+            # the oldest as soon as it is done, or once `depth` are waiting behind it; fn's
+            # error is raised here, in order, before any later result
+            while pending and (len(pending) > depth or pending[0][1].done()):
+                first, result = pending.popleft()
+                yield first, result.result()
         while pending:
             first, result = pending.popleft()
             yield first, result.result()

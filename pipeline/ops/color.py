@@ -304,6 +304,8 @@ def _histograms(images: torch.Tensor) -> torch.Tensor:
     back to the host: two syncs)."""
     n, c, h, w = images.shape
     if images.device.type == "cpu":
+        if n * c == 0:
+            return torch.zeros((0, 256), dtype=torch.long)
         planes = images.contiguous().view(n * c, h * w)
         return torch.stack([torch.bincount(p, minlength=256) for p in planes])
     flat = images.reshape(n * c, h * w).long()
