@@ -129,6 +129,22 @@ def test_ops_refuse_what_is_not_a_uint8_batch():
 
 # -- MixUp and CutMix ----------------------------------------------------------------------
 
+def test_the_cpu_cast_to_uint8_truncates_as_torchs_cast():
+    """base.to_uint8 goes through int32 on the CPU (torch's direct cast is slower there):
+    the same levels as the direct cast for every value the ops hand it (0..255, halves,
+    the ends), and the colour ops built on it give the same pixels as torch's maths."""
+    values = torch.cat([torch.linspace(0, 255, 100_003), torch.tensor([0.0, 0.5, 254.999,
+                                                                       255.0, -0.0])])
+    assert torch.equal(ops.base.to_uint8(values), values.to(torch.uint8))
+    images = torch.randint(0, 256, (3, 3, 17, 19), dtype=torch.uint8)
+    f = torch.tensor([0.3, 1.0, 1.9]).view(-1, 1, 1, 1)
+    r, g, b = images.unbind(1)
+    grey = (0.2989 * r + 0.587 * g + 0.114 * b).unsqueeze(1).to(torch.uint8)
+    assert torch.equal(ops.color.grey(images), grey)
+    want = (f * images.float() + (1.0 - f) * grey.float()).clamp(0, 255).to(torch.uint8)
+    assert torch.equal(ops.color.saturation(images, f), want)
+
+
 def test_mixup_is_the_stated_blend_of_two_images_and_of_their_targets(photos):
     images, labels = photo_tensor(photos), torch.tensor([0, 1, 2, 3, 4, 5])
     mix = ops.MixUp(0.8, classes=10, label_smoothing=0.1)

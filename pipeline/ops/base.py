@@ -213,6 +213,16 @@ def through_lut(images: torch.Tensor, luts: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def to_uint8(x: torch.Tensor) -> torch.Tensor:
+    """Float values already in 0..255 (clamped, or a blend of levels) to uint8, truncated as
+    torch's cast truncates. On the CPU through int32: torch's direct float-to-uint8 cast is
+    not vectorized there (93 us for an image of 224 against 37 through int32, the same
+    values); on a GPU the direct cast."""
+    if x.device.type == "cpu":
+        x = x.to(torch.int32)
+    return x.to(torch.uint8)
+
+
 def levels(images: torch.Tensor) -> torch.Tensor:
     """The 256 values as float32 (1, 1, 256) on the images' device, for building tables."""
     return torch.arange(256, dtype=torch.float32, device=images.device).view(1, 1, 256)

@@ -29,6 +29,7 @@ from pipeline.ops.base import (
     put_rows,
     rows,
     through_lut,
+    to_uint8,
 )
 
 Factor = float | tuple[float, float]
@@ -39,12 +40,15 @@ def _uniform(rng: random.Random, factor: Factor) -> float:
 
 
 def _to_uint8(x: torch.Tensor) -> torch.Tensor:
-    return x.clamp(0, 255).to(torch.uint8)  # truncates, as torchvision's tensor ops do
+    return to_uint8(x.clamp(0, 255))  # truncates, as torchvision's tensor ops do
 
 
 def blend(a: torch.Tensor, b: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
-    """ratio * a + (1 - ratio) * b, clamped to uint8: how PIL's Image.blend enhances."""
-    return _to_uint8(ratio * a.float() + (1.0 - ratio) * b.float())
+    """ratio * a + (1 - ratio) * b, clamped to uint8: how PIL's Image.blend enhances (the
+    same float operations as torchvision's _blend; the sum and clamp in place)."""
+    out = a.float() * ratio
+    out += b.float() * (1.0 - ratio)
+    return to_uint8(out.clamp_(0, 255))
 
 
 def grey(images: torch.Tensor) -> torch.Tensor:
@@ -52,7 +56,7 @@ def grey(images: torch.Tensor) -> torch.Tensor:
     if images.shape[1] == 1:
         return images
     r, g, b = images.unbind(1)  # each channel to float as it is weighed: no float copy
-    return (0.2989 * r + 0.587 * g + 0.114 * b).unsqueeze(1).to(torch.uint8)
+    return to_uint8((0.2989 * r + 0.587 * g + 0.114 * b).unsqueeze(1))
 
 
 def brightness(images: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
@@ -82,7 +86,7 @@ def hue(images: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return images
     hsv = rgb_to_hsv(images.float() / 255.0)
     hsv = torch.cat([(hsv[:, :1] + h) % 1.0, hsv[:, 1:]], dim=1)
-    return (hsv_to_rgb(hsv) * (256.0 - 1e-3)).to(torch.uint8)
+    return to_uint8(hsv_to_rgb(hsv) * (256.0 - 1e-3))
 
 
 def rgb_to_hsv(rgb: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor  # in the ops, `torch` is also a method
 
-from pipeline.ops.base import Op, check_uint8
+from pipeline.ops.base import Op, check_uint8, to_uint8
 
 Window = tuple[int, int, int, int]  # x, y, width, height
 
@@ -40,7 +40,7 @@ class WindowOp(Op):
         out = [F.interpolate(crop.float(), size=(self.size, self.size), mode="bilinear",
                              antialias=True, align_corners=False)
                for crop in self._crops(images, params)]
-        return torch.cat(out).round_().clamp_(0, 255).to(torch.uint8)
+        return to_uint8(torch.cat(out).round_().clamp_(0, 255))
 
     def mask(self, masks: Tensor, params: Sequence[Any]) -> Tensor:
         """The same windows, resized by nearest neighbour (the pixel centres the image's

@@ -22,7 +22,16 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - torch's own spelling
 from torch import Tensor  # in the classes below, `torch` is also the method of each op
 
-from pipeline.ops.base import Op, check_uint8, chosen, on_device, per_sample, put_rows, rows
+from pipeline.ops.base import (
+    Op,
+    check_uint8,
+    chosen,
+    on_device,
+    per_sample,
+    put_rows,
+    rows,
+    to_uint8,
+)
 from pipeline.ops.color import blend
 
 
@@ -328,7 +337,7 @@ def gaussian_blur(images: torch.Tensor, kernel_size: tuple[int, int], sigmas: to
     x = F.conv2d(F.conv2d(x, rows, groups=n * c), cols, groups=n * c)
     # torchvision rounds and casts; a weighted mean of uint8 stays in 0..255 but for float
     # error, which the clamp keeps from wrapping
-    return x.round_().clamp_(0, 255).to(torch.uint8).view(n, c, h, w)
+    return to_uint8(x.round_().clamp_(0, 255)).view(n, c, h, w)
 
 
 class GaussianBlur(Op):

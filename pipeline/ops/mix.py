@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.ops.base import to_uint8
+
 
 def batch_rng(seed: int, epoch: int, keys: Sequence[str]) -> random.Random:
     """The generator of one batch, from its keys (a digest: batches are long)."""
@@ -106,8 +108,10 @@ def _blend(images: torch.Tensor, lam: float) -> torch.Tensor:
     def mixed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         out = a.to(torch.float32, copy=True).mul_(lam)  # never in place on the input
         out.add_(b.to(torch.float32, copy=True).mul_(1.0 - lam))
-        return out.round_().to(images.dtype) if not images.is_floating_point() \
-            else out.to(images.dtype)
+        if images.is_floating_point():
+            return out.to(images.dtype)
+        out.round_()
+        return to_uint8(out) if images.dtype == torch.uint8 else out.to(images.dtype)
 
     if images.device.type != "cpu":
         return mixed(images, images.flip(0))
