@@ -24,7 +24,7 @@ from pipeline.image.loader import ImageConfig, ImageLoader
 from pipeline.loading.shardlist import resolve_source
 from pipeline.ops import spec
 from trainers import checkpoint
-from trainers.image_task import ImageClassification, TrainAugment
+from trainers.image_task import ImageClassification
 from trainers.loop import TrainConfig, Trainer
 from trainers.precision import Precision, resolve_precision
 from trainers.run import fit
@@ -45,11 +45,11 @@ def _trainer(shards: Path, run_dir: Path, steps: int, augment: bool = False, **c
              ) -> Trainer:
     torch.manual_seed(0)
     source = resolve_source(shards)
+    recipe: dict[str, Any] = {"augment": spec.parse("rand-m9-n2-mstd0.5"), "batch_augment":
+                              [ops.Mix(0.8, 1.0, classes=10)]} if augment else {}
     loader = ImageLoader(source, ImageConfig(batch_size=16, size=24, device="cpu", threads=1,
-                                             shuffle_buffer=32), 0, 1)
-    recipe = TrainAugment(spec.parse("rand-m9-n2-mstd0.5"), ops.Mix(0.8, 1.0, classes=10),
-                          0.1, 0, lambda: loader.epoch) if augment else None
-    task = ImageClassification(10, device=CPU, augment=recipe)
+                                             shuffle_buffer=32, **recipe), 0, 1)
+    task = ImageClassification(10, device=CPU)
     config = TrainConfig(run_dir=run_dir, steps=steps, warmup=2, precision="bf16", **cfg)
     return Trainer(task, loader, config, CPU, {"data": source.fingerprint()})
 
@@ -894,6 +894,8 @@ def test_train_py_with_randaugment_and_mixup_learns_above_chance(shards, tmp_pat
     assert augment["ops"] == ["RandAugment(num_ops=2, magnitude=27.0, bins=31, "
                               "magnitude_std=0.0)"]
     assert "mixup_alpha=0.8, cutmix_alpha=1.0, classes=10" in augment["mix"]
+    # the training loader runs them, beside the step (not the task, in the step's thread)
+    assert augment["runs"] == ["torch on the CPU, in the decode stage's helper threads"]
     assert summary["accuracy"] > 0.3, summary  # 10 classes: chance is 0.1
     proc = run_tool("train", "--task", "image", "--data", shards, "--out", tmp_path / "bad",
                     "--steps", 2, "--augment", "rand-q3")

@@ -1,14 +1,12 @@
 """Image classification: uint8 batches normalized on the device, cross-entropy, accuracy.
 
-With `augment` (train.py's --augment, --mixup, --cutmix, --label-smoothing), each training
-batch goes through pipeline.ops on the device it arrived on, before normalization: the ops'
-draws come from (seed, the loader's epoch, each key), so a resumed run trains on the same
-pixels; mixed batches train on their soft targets."""
+A batch from a loader built with batch_augment (train.py's --mixup, --cutmix) carries soft
+targets (`batch.target`, rows summing to 1): the loss is then the cross-entropy against
+them. Otherwise the labels' cross-entropy, smoothed by `label_smoothing`. The ops of
+--augment run in the training loader itself (trainers/wiring.py), not here."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,36 +20,16 @@ MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 
 
-@dataclass
-class TrainAugment:
-    """Ops on each training batch, then mixup/cutmix or label smoothing alone."""
-
-    ops: Sequence[Any]  # pipeline.ops.Op
-    mix: Any  # pipeline.ops.Mix, or None
-    label_smoothing: float
-    seed: int
-    epoch_of: Callable[[], int]  # the training loader's epoch, read as each batch trains
-
-    def __call__(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(augmented uint8 images, soft targets, or None where there is no mixing)."""
-        from pipeline import ops
-
-        epoch = self.epoch_of()
-        images = ops.apply(self.ops, batch.image, ops.sample_rngs(self.seed, epoch, batch.keys))
-        if self.mix is None:
-            return images, None
-        images, targets, _ = self.mix(images, batch.label,
-                                      ops.batch_rng(self.seed, epoch, batch.keys))
-        return images, targets
-
-
 class ImageClassification(Classification):
     """A classifier over `ImageBatch(image, label, keys)`; images arrive uint8 NCHW."""
 
     def __init__(self, num_classes: int, model: str = "small-resnet",
                  device: torch.device | str = "cpu", activation_checkpointing: bool = False,
-                 augment: TrainAugment | None = None) -> None:
-        self.num_classes, self.model_name, self.augment = num_classes, model, augment
+                 label_smoothing: float = 0.0, recipe: dict[str, Any] | None = None) -> None:
+        """`recipe`: what the training loader's ops are and where they run, for describe()
+        (summary.json's setup); the loader runs them."""
+        self.num_classes, self.model_name = num_classes, model
+        self.label_smoothing, self.recipe = label_smoothing, recipe
         self.device = torch.device(device)
         self.model = build_model(model, num_classes, activation_checkpointing).to(self.device)
         self.mean = torch.tensor(MEAN, device=self.device).view(1, 3, 1, 1)
@@ -70,21 +48,17 @@ class ImageClassification(Classification):
         return image
 
     def forward(self, batch: Any) -> StepOutput:
-        if self.augment is None:
-            return super().forward(batch)
-        self._inputs(batch)  # the label check
-        images, targets = self.augment(batch)
-        logits = self.model(self._normalize(images)).float()
-        if targets is None:
-            return StepOutput(F.cross_entropy(logits, batch.label,
-                                              label_smoothing=self.augment.label_smoothing))
-        return StepOutput(torch.sum(-targets * F.log_softmax(logits, dim=1), dim=1).mean())
+        logits = self.model(self._inputs(batch)).float()
+        target = getattr(batch, "target", None)
+        if target is not None:  # mixed: soft targets, smoothed by the mix
+            return StepOutput(torch.sum(-target * F.log_softmax(logits, dim=1),
+                                        dim=1).mean())
+        return StepOutput(F.cross_entropy(logits, batch.label,
+                                          label_smoothing=self.label_smoothing))
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"task": "image", "model": self.model_name,
                                "num_classes": self.num_classes}
-        if self.augment is not None:
-            out["augment"] = {"ops": [repr(op) for op in self.augment.ops],
-                              "mix": repr(self.augment.mix) if self.augment.mix else None,
-                              "label_smoothing": self.augment.label_smoothing}
+        if self.recipe is not None:
+            out["augment"] = self.recipe
         return out

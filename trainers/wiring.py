@@ -299,29 +299,38 @@ def _image(opts: TaskOptions, split: EvalSplit, ranks: _Ranks, train_options: di
 
     classes = _classes(opts, split.train)
     own: dict[str, Any] = {"size": opts.size, "num_classes": classes}
-    loader = ImageLoader(split.train, ImageConfig(train=True, **train_options, **own),
+    augment, batch_augment = _augment(opts, classes)
+    loader = ImageLoader(split.train, ImageConfig(train=True, augment=tuple(augment),
+                                                  batch_augment=tuple(batch_augment),
+                                                  **train_options, **own),
                          ranks.rank, ranks.world)
     evaluation = None if held_options is None else \
         ImageLoader(split.held, ImageConfig(train=False, **held_options, **own), 0, 1)
+    recipe = None
+    if augment or batch_augment or opts.label_smoothing:  # what summary.json's setup shows
+        recipe = {"ops": [repr(op) for op in augment],
+                  "mix": repr(batch_augment[0]) if batch_augment else None,
+                  "label_smoothing": opts.label_smoothing,
+                  "runs": sorted({entry["runs"] for entry in loader.describe()["augment"]})}
     task = ImageClassification(classes, opts.model or "small-resnet", device_of(loader),
-                               opts.activation_checkpointing, _augment(opts, classes, loader))
+                               opts.activation_checkpointing, opts.label_smoothing, recipe)
     return loader, evaluation, task
 
 
-def _augment(opts: TaskOptions, classes: int, loader: Any) -> Any:
-    """--augment, --mixup, --cutmix, --label-smoothing as a TrainAugment, or None."""
+def _augment(opts: TaskOptions, classes: int) -> tuple[list[Any], list[Any]]:
+    """--augment and --mixup/--cutmix as the training loader's augment and batch_augment:
+    its ops run where the loader runs them (a CPU loader's in its decode stage's helper
+    threads, beside the training step; a GPU loader's on the device after delivery), drawn
+    from (seed, epoch, key) as every loader's ops are. A mix carries --label-smoothing into
+    its soft targets (batch.target); without one the loss smooths the labels itself."""
     from pipeline import ops
     from pipeline.ops import spec
-    from trainers.image_task import TrainAugment
 
-    if not (opts.augment or opts.mixup or opts.cutmix or opts.label_smoothing):
-        return None
-    mix = None
-    if opts.mixup or opts.cutmix:
-        mix = ops.Mix(opts.mixup, opts.cutmix, classes=classes,
-                      label_smoothing=opts.label_smoothing)
     recipe = spec.parse(opts.augment) if opts.augment else []
-    return TrainAugment(recipe, mix, opts.label_smoothing, opts.seed, lambda: loader.epoch)
+    if not (opts.mixup or opts.cutmix):
+        return recipe, []
+    return recipe, [ops.Mix(opts.mixup, opts.cutmix, classes=classes,
+                            label_smoothing=opts.label_smoothing)]
 
 
 def _text(opts: TaskOptions, split: EvalSplit, ranks: _Ranks, train_options: dict[str, Any],
