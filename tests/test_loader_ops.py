@@ -259,6 +259,23 @@ def test_ops_with_a_dali_form_run_in_the_graph_as_torch_runs_them(op_shards, rea
 
 
 @pytest.mark.dali
+def test_saturation_runs_in_the_graph_within_two_levels_of_torch(op_shards):
+    """Saturation's DALI form (fn.color_twist: the grey unrounded, the blend rounded) gives
+    the pixels of its torch form two levels apart at most, from the same draws."""
+    recipe = [ops.Saturation((0.2, 1.8))]
+    with _make(op_shards, "dali", "dali", resize_on="dali", augment=recipe) as loader:
+        got = {k: b.image[i] for b in loader for i, k in enumerate(b.keys)}
+        where = [e["runs"] for e in loader.describe()["augment"]]
+    with _make(op_shards, "dali", "dali", resize_on="dali") as plain:
+        want = {k: ops.apply(recipe, b.image[i:i + 1], ops.sample_rngs(3, 0, [k]))[0]
+                for b in plain for i, k in enumerate(b.keys)}
+    assert where == ["the DALI graph (cpu)"] and sorted(got) == sorted(want)
+    diff = torch.stack([(got[k].int() - want[k].int()).abs() for k in got])
+    assert diff.max() <= 2 and diff.float().mean() < 0.6
+    assert (diff > 0).float().mean() > 0.05  # the graph's rounding: it did run there
+
+
+@pytest.mark.dali
 def test_graph_ops_resume_bit_identical(op_shards):
     def make():  # type: ignore[no-untyped-def]
         return _make(op_shards, "dali", "dali", resize_on="dali", augment=_graph_recipe(),

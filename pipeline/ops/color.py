@@ -134,11 +134,9 @@ class _Enhance(Op):
         return per_sample(images, params, type(self).fn)
 
 
-class Brightness(_Enhance):
-    """PIL's ImageEnhance.Brightness: 0 black, 1 the image. DALI form: fn.brightness (it
-    rounds to the nearest level where torch truncates: a level apart at most)."""
+class _FactorInGraph(_Enhance):
+    """An enhance op whose DALI form takes the factor per sample (1: the identity)."""
 
-    fn = staticmethod(brightness)
     dali_inputs = {"factor": ("FLOAT", 0)}
 
     def dali_values(self, params: Sequence[Any], height: int, width: int
@@ -147,6 +145,13 @@ class Brightness(_Enhance):
 
         return {"factor": [np.float32(1.0 if p is None else p) for p in params]}
 
+
+class Brightness(_FactorInGraph):
+    """PIL's ImageEnhance.Brightness: 0 black, 1 the image. DALI form: fn.brightness (it
+    rounds to the nearest level where torch truncates: a level apart at most)."""
+
+    fn = staticmethod(brightness)
+
     def dali(self, images: Any, inputs: dict[str, Any]) -> Any:
         from nvidia.dali import fn
 
@@ -154,19 +159,29 @@ class Brightness(_Enhance):
 
 
 class Contrast(_Enhance):
-    """PIL's ImageEnhance.Contrast: 0 the image's mean grey, 1 the image."""
+    """PIL's ImageEnhance.Contrast: 0 the image's mean grey, 1 the image. No DALI form:
+    fn.brightness_contrast's centre is a per-sample argument, which a GPU graph cannot
+    compute from its own images (their mean is on the device)."""
 
     fn = staticmethod(contrast)
 
 
-class Saturation(_Enhance):
-    """PIL's ImageEnhance.Color: 0 grey, 1 the image."""
+class Saturation(_FactorInGraph):
+    """PIL's ImageEnhance.Color: 0 grey, 1 the image. DALI form: fn.color_twist's saturation,
+    the same blend with the grey, but with the grey unrounded and the result rounded to the
+    nearest level: two levels apart at most (at low factors, where the grey weighs most)."""
 
     fn = staticmethod(saturation)
 
+    def dali(self, images: Any, inputs: dict[str, Any]) -> Any:
+        from nvidia.dali import fn
+
+        return fn.color_twist(images, saturation=inputs["factor"])
+
 
 class Hue(_Enhance):
-    """torchvision's adjust_hue: the hue turned by the factor, in turns (-0.5..0.5)."""
+    """torchvision's adjust_hue: the hue turned by the factor, in turns (-0.5..0.5). No DALI
+    form: fn.hsv turns the hue in YIQ space, not HSV (measured up to 159 levels apart)."""
 
     fn = staticmethod(hue)
 
