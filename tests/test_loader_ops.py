@@ -229,6 +229,21 @@ def test_a_gpu_loaders_ops_run_on_the_device_and_match_the_cpu(op_shards):
         assert torch.allclose(a.target.cpu(), b.target)
 
 
+@pytest.mark.parametrize("threads", [1, 6])
+def test_a_cpu_loader_with_ops_reuses_its_batch_buffers(op_shards, threads):
+    """The op helpers hold batch buffers too (up to one more than they run at once): the
+    pool counts them, so a second pass writes into the first's buffers, at 6 helpers too."""
+    with _make(op_shards, "stream", "portable", threads=threads,
+               augment=[ops.RandAugment(2, 9)]) as loader:
+        first = [b.keys for b in loader]
+        pool = loader._decoder.pool
+        before = pool.reused
+        again = [b.keys for b in loader]
+        assert pool.reused > before and len(pool.buffers) <= pool.slots
+        assert pool.slots == 4 + 3 + max(2, threads) + 1  # AUGMENT_PREFETCH 4, the helpers
+    assert len(first) == len(again) == 5
+
+
 def _graph_recipe() -> list[ops.Op]:
     """Ops with a DALI form first (Flip, Brightness, Affine, Rotate, GaussianBlur), then one
     without (Solarize): the graph runs the five, torch the last."""

@@ -67,8 +67,10 @@ class ImageStage(BackendStage):
             batch_ops is None
         self.limits = CheckLimits(max_pixels=cfg.max_pixels)
         # Batch buffers written again once the consumer let go of them (hostpool.py): the
-        # prefetch queue's batches, the one being made, the one in use, and one more.
-        self.pool = HostPool(cfg.prefetch + 3)
+        # prefetch queue's batches, the one being made, the one in use, and one more; with
+        # CPU ops, those their helpers hold too (up to one more than they run at once)
+        self.helpers = min(max(OPS_WORKERS, cfg.threads), 8) if self.batch_ops else 0
+        self.pool = HostPool(cfg.prefetch + 3 + (self.helpers + 1 if self.helpers else 0))
 
     def _resized(self, images: list[Any], windows: list[Any]) -> Any:
         """Decoded windows (HWC uint8, as stored) as the batch tensor: resized, turned
@@ -141,7 +143,7 @@ class ImageStage(BackendStage):
             batch, *rest = p
             return (ops_(batch, epoch, done=done), *rest)  # type: ignore[return-value]
 
-        workers = min(max(OPS_WORKERS, self.cfg.threads), 8)
+        workers = self.helpers
         for _, out in ahead(augment, ((None, p) for p in produced), depth=workers,
                             name="shardflow-image-ops", workers=workers,
                             initializer=one_core_in_this_thread):
