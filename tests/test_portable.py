@@ -39,6 +39,7 @@ from pipeline.loading import readers
 from pipeline.loading.rng import sample_rng
 from pipeline.pointcloud.portable import transform
 from pipeline.pointcloud.sample import SampleParams
+from pipeline.samples import headers
 from pipeline.shards.writer import ShardWriter
 
 OPTS = {"device": "cpu", "threads": 2, "shuffle_buffer": 16, "use_tuning": False}
@@ -240,7 +241,7 @@ def test_draft_decode_agrees_with_the_whole_window_decode(photos):
     rng, drafted = np.random.default_rng(0), 0
     for path in sorted((photos.parent / "src").rglob("*.jpg"))[:8]:
         data = path.read_bytes()
-        width, height = augment.header_size(data)
+        width, height = headers.header_size(data)
         for _ in range(4):
             w = augment.random_resized_crop(sample_rng(int(rng.integers(99)), 0, path.name),
                                             width, height, (0.08, 1.0), (3 / 4, 4 / 3))

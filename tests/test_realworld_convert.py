@@ -20,8 +20,8 @@ from PIL import Image
 from pipeline import image_loader, pointcloud_loader, text_loader
 from pipeline.convert import ConvertConfig, convert
 from pipeline.errors import DataError
-from pipeline.image import augment
 from pipeline.image import graph as image_graph
+from pipeline.samples import headers
 from pipeline.samples.checks import (
     CheckLimits,
     check_image,
@@ -150,7 +150,7 @@ def dali_decodes(data: bytes) -> bool:
 
 def header_reads(data: bytes) -> bool:
     try:
-        augment.header_size(data)
+        headers.header_size(data)
     except DataError:
         return False
     return True

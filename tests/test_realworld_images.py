@@ -21,6 +21,7 @@ from pipeline.errors import DataError
 from pipeline.image import augment, resize
 from pipeline.image.graph import orient_matrix
 from pipeline.loading.rng import sample_rng
+from pipeline.samples import headers
 
 SIZE = 32
 OPTS = {"size": SIZE, "threads": 1, "shuffle_buffer": 16, "use_tuning": False}
@@ -73,7 +74,7 @@ def _tagged(img: Image.Image, orientation: int) -> Image.Image:
 def test_jpeg_and_png_orientation_is_read_as_pil_reads_it(orientation):
     for fmt in ("JPEG", "PNG"):
         data = _encoded(orientation, fmt)
-        header = augment.read_header(data)
+        header = headers.read_header(data)
         assert (header.width, header.height, header.orientation) == (W, H, orientation)
         assert Image.open(io.BytesIO(data)).getexif()[0x0112] == orientation
         assert header.upright_size() == _pil(data, upright=True).shape[1::-1]
@@ -90,17 +91,17 @@ def _tiff(order: str, entries: list[tuple[int, int, bytes]]) -> bytes:
 
 @pytest.mark.filterwarnings("ignore:Corrupt EXIF data")  # PIL, on the reference's side
 def test_odd_and_broken_exif_blocks():
-    assert augment.tiff_orientation(_tiff(">", [(0x0112, 3, b"\0\x06\0\0")])) == 6  # Motorola
-    assert augment.tiff_orientation(_tiff("<", [(0x010F, 2, b"abc\0"),
+    assert headers.tiff_orientation(_tiff(">", [(0x0112, 3, b"\0\x06\0\0")])) == 6  # Motorola
+    assert headers.tiff_orientation(_tiff("<", [(0x010F, 2, b"abc\0"),
                                                 (0x0112, 3, b"\x08\0\0\0")])) == 8
-    assert augment.tiff_orientation(_tiff("<", [(0x0112, 4, b"\x03\0\0\0")])) == 3  # LONG
+    assert headers.tiff_orientation(_tiff("<", [(0x0112, 4, b"\x03\0\0\0")])) == 3  # LONG
     for broken in (_tiff("<", [(0x0112, 3, b"\x09\0\0\0")]),  # out of range
                    _tiff("<", [(0x0112, 3, b"\0\0\0\0")]),
                    _tiff("<", [(0x0112, 2, b"6\0\0\0")]),  # ASCII
                    _tiff("<", [(0x0112, 3, b"\x06\0\0\0")])[:15],  # cut inside the entry
                    b"II*\0" + struct.pack("<I", 10**6),  # IFD beyond the end
                    b"XX*\0\x08\0\0\0", b""):
-        assert augment.tiff_orientation(broken) == 1, broken
+        assert headers.tiff_orientation(broken) == 1, broken
     # In a real JPEG: the tag renamed, or the IFD pointing past the block: as stored, as PIL.
     data = _encoded(6)
     at = data.index(b"Exif\0\0") + 6  # the TIFF block (PIL writes it big-endian)
@@ -108,9 +109,9 @@ def test_odd_and_broken_exif_blocks():
     tag = struct.pack(order + "HH", 0x0112, 3)
     no_tag = data.replace(tag, struct.pack(order + "HH", 0x0001, 3), 1)
     far_ifd = data[:at + 4] + struct.pack(order + "I", 10**6) + data[at + 8:]
-    assert tag in data and augment.read_header(data).orientation == 6
+    assert tag in data and headers.read_header(data).orientation == 6
     for broken in (no_tag, far_ifd):
-        assert augment.read_header(broken) == augment.ImageHeader(W, H, 1)
+        assert headers.read_header(broken) == headers.ImageHeader(W, H, 1)
         assert _pil(broken, upright=True).shape[:2] == (H, W)
 
 

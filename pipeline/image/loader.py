@@ -35,8 +35,8 @@ from pipeline.loading.graphstage import GraphLoader
 from pipeline.loading.options import Device
 from pipeline.loading.rng import sample_rng
 from pipeline.loading.shardlist import Source
-from pipeline.samples import masks
-from pipeline.samples.checks import IMAGE_EXTS, check_label
+from pipeline.samples import headers, masks
+from pipeline.samples.checks import IMAGE_EXTS, IMAGE_MEMBERS, check_label
 from pipeline.shards.daliindex import parse_index
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class ImageLoader(GraphLoader):
     """Batches of images on the target device. Build with `image_loader(...)`."""
 
     kind = "image"
-    members = IMAGE_EXTS
+    members = IMAGE_MEMBERS
 
     def __init__(self, source: Source, cfg: ImageConfig, rank: int, world_size: int
                  ) -> None:
@@ -154,7 +154,8 @@ class ImageLoader(GraphLoader):
             raise DataError("missing-field", "no .cls member (for shards without labels, "
                             "such as captions, pass labels=False)")
         if not len(enc.data[i]):
-            raise DataError("missing-field", "no .jpg/.png member")
+            raise DataError("missing-field", f"no image member (.{', .'.join(IMAGE_EXTS)}, "
+                            "in either case)")
         label = check_label(enc.labels[i] or b"", self.num_classes) if self.cfg.labels \
             else None
         for ext in self.cfg.extras:  # parsed here, so a bad one is raised or skipped by key
@@ -163,7 +164,7 @@ class ImageLoader(GraphLoader):
         window = self._window(data, enc.keys[i], epoch)
         if not self.cfg.targets:
             return label, window
-        return label, self._with_masks(window, enc, i, augment.header_size(data))
+        return label, self._with_masks(window, enc, i, headers.header_size(data))
 
     def _with_masks(self, window: augment.CropParams, enc: EncodedBatch, i: int,
                     size: tuple[int, int]) -> augment.MaskedCrop:
@@ -187,9 +188,9 @@ class ImageLoader(GraphLoader):
         """The sample's crop, drawn in the upright frame (the EXIF orientation applied unless
         exif_orientation=False), as the stored-frame window to decode and its turns; with
         views, a tuple of one per view (image/views.py)."""
-        header = augment.check_header(data, self.cfg.max_pixels)
+        header = headers.check_header(data, self.cfg.max_pixels)
         orientation = header.orientation if self.cfg.exif_orientation else 1
-        width, height = augment.ImageHeader(header.width, header.height,
+        width, height = headers.ImageHeader(header.width, header.height,
                                             orientation).upright_size()
         if self.views is None:
             window = self._crop(key, epoch, width, height)

@@ -3,7 +3,7 @@ thread pool, then resized, turned upright, flipped and laid out by resize.py, ex
 DALI backend's CPU path does after its region-of-interest decode.
 
     encoded bytes, the window in the stored frame (loader.py: augment.py's crop, to_stored)
-      -> PIL (JPEG or PNG only), decode, crop the window, RGB: the very pixels DALI's
+      -> PIL (JPEG, PNG, WebP, BMP, TIFF), decode, crop the window, RGB: the very pixels DALI's
          window decode gives (both are libjpeg-turbo; measured bit-exact batches)
          or, where the window is at least twice `size` on both sides: `draft` asks libjpeg
          for a 1/2, 1/4 or 1/8 scale decode (in the DCT domain: most of the work of a large
@@ -33,10 +33,12 @@ from pipeline.image.config import ImageConfig
 from pipeline.image.decode import ImageStage, Item
 from pipeline.loading.portablestage import PortableStage
 from pipeline.loading.readers import Placement
+from pipeline.samples import headers
+from pipeline.samples.headers import ORIENTATIONS
 
-# What the reader stage lets through (augment.read_header): JPEG or PNG. (An MPO opens as
-# JPEG: PIL's JPEG plugin hands it to its MPO reader, which gives the first image.)
-FORMATS = ("JPEG", "PNG")
+# What the reader stage lets through (headers.read_header): JPEG, PNG, WebP, BMP, TIFF. (An
+# MPO opens as JPEG: PIL's JPEG plugin hands it to its MPO reader, which gives the first image.)
+FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "TIFF")
 SCALES = (8, 4, 2)  # the scales libjpeg decodes at in the DCT domain, largest first
 
 
@@ -75,6 +77,8 @@ def decode_window(data: Any, window: CropParams, size: int, draft: bool = True
     `size` on both sides, already resized to size x size from a JPEG decoded at 1/2, 1/4 or
     1/8 scale (resize.py's resize of it is then the identity)."""
     with Image.open(io.BytesIO(data), formats=FORMATS) as img:
+        if img.format == "TIFF":
+            img = _as_stored(img, headers.read_header(bytes(data)).orientation)
         scale = draft_scale(window, size) if draft else 1
         if scale > 1 and img.draft("RGB", (img.width // scale, img.height // scale)) is not None:
             # The window's edges fall inside scaled pixels: PIL's resize takes a fractional
@@ -86,6 +90,18 @@ def decode_window(data: Any, window: CropParams, size: int, draft: bool = True
             return _rgb(_as_rgb(img).resize((size, size), Image.Resampling.BILINEAR, box=box))
         right, bottom = window.x + window.width, window.y + window.height
         return _rgb(img.crop((window.x, window.y, right, bottom)))
+
+
+def _as_stored(img: Image.Image, orientation: int) -> Image.Image:
+    """A TIFF's pixels as stored: PIL's TIFF plugin turns them upright as it loads them (the
+    other formats it leaves as stored), so its turn is undone, exactly, in reverse order."""
+    transpose, hflip, vflip = ORIENTATIONS[orientation]
+    for on, how in ((vflip, Image.Transpose.FLIP_TOP_BOTTOM),
+                    (hflip, Image.Transpose.FLIP_LEFT_RIGHT),
+                    (transpose, Image.Transpose.TRANSPOSE)):
+        if on:
+            img = img.transpose(how)
+    return img
 
 
 def draft_scale(window: CropParams, size: int) -> int:

@@ -16,18 +16,28 @@ import numpy as np
 from PIL import Image
 
 from pipeline.errors import DataError
-from pipeline.samples import jpegscan, masks, pointcloud_io
+from pipeline.samples import headers, jpegscan, masks, pointcloud_io
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif", "ppm", "pgm")
+# The image members the loaders and verify_shards take, in order of preference: each
+# extension in lower or upper case (cameras and some tools write .JPG).
+IMAGE_MEMBERS = (*IMAGE_EXTS, *(ext.upper() for ext in IMAGE_EXTS))
 POINTCLOUD_EXTS = ("npy", "ply", "off", "xyz")
 TEXT_EXTS = ("txt",)
 PICKLE_EXTS = ("pyd", "pkl", "pickle", "pth", "pt", "ckpt", "joblib")
 # The member beside `npy` of a cloud stored relative to an offset (cloud_members): float64 (3,)
 OFFSET_EXT = "offset.npy"
-# What the image loader decodes (its header parser takes JPEG and PNG only), by PIL's format
-# name, with the extension make_shards stores it under; anything else is re-encoded to PNG.
-# MPO is a JPEG followed by more images: the loaders decode its first one, as PIL does.
-KEEP_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png"}
+# What the image loader decodes (headers.py reads their sizes; DALI's CPU decoder and PIL give
+# the same pixels of each), by PIL's format name, with the extension make_shards stores it
+# under: kept byte for byte. Anything else is re-encoded to PNG. MPO is a JPEG followed by
+# more images: the loaders decode its first one, as PIL does.
+KEEP_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp", "BMP": "bmp",
+                "TIFF": "tiff"}
+# The TIFF modes both decoders give the same pixels of (measured: DALI's libtiff refuses
+# 1-bit, and rounds palette and 16-bit images a level apart from PIL; CMYK goes through a
+# fallback). Other TIFFs, and multi-page ones, are stored as PNG.
+TIFF_MODES = ("RGB", "RGBA", "L")
+_ORIENTATION = 0x0112  # the EXIF tag
 # How far into a file PIL cannot identify a JPEG start-of-image marker is looked for (bytes
 # put in front by a broken download or tool: a BOM, an HTTP header); what precedes it is cut.
 PREFIX_LIMIT = 4096
@@ -88,14 +98,36 @@ def loader_problem(data: bytes, fmt: str) -> str | None:
     A strict structural check, as DALI's JPEG parser and augment.header_size read a header
     (decoding in DALI per image would cost a pipeline run per file)."""
     if fmt not in KEEP_FORMATS:
-        return f"a {fmt} image; the loaders decode JPEG and PNG only"
+        return f"a {fmt} image; the loaders decode JPEG, PNG, WebP, BMP and TIFF"
     if fmt == "PNG":
         return None  # PIL found IHDR first, where the header parser reads the size
+    if fmt in ("WEBP", "BMP", "TIFF"):
+        return _still_problem(data, fmt)
     try:
         found = jpegscan.scan(data)
     except jpegscan.JpegStructureError as exc:
         return f"JPEG header: {exc}"
     return f"JPEG header: {found.problems[0]}" if found.problems else None
+
+
+def _still_problem(data: bytes, fmt: str) -> str | None:
+    """Why the loaders would not read a WebP, BMP or TIFF that PIL decoded: more than one
+    frame, a TIFF mode the decoders disagree on, or a header whose size is not PIL's."""
+    with Image.open(io.BytesIO(data)) as img:
+        frames, mode, size = getattr(img, "n_frames", 1), img.mode, img.size
+    if frames > 1:
+        return f"a {fmt} of {frames} frames; the loaders decode still images"
+    if fmt == "TIFF" and mode not in TIFF_MODES:
+        return f"a TIFF in mode {mode}; the loaders read {', '.join(TIFF_MODES)} TIFFs"
+    try:
+        header = headers.read_header(data)
+    except DataError as err:
+        return f"{fmt} header: {err.detail}"
+    # PIL's TIFF plugin gives a TIFF's size upright (it turns the pixels as it loads them)
+    said = header.upright_size() if fmt == "TIFF" else (header.width, header.height)
+    if said != size:
+        return f"{fmt} header says {said[0]}x{said[1]}, PIL decodes {size[0]}x{size[1]}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -181,13 +213,20 @@ def reencode_jpeg(data: bytes) -> bytes:
 
 
 def reencode_png(data: bytes) -> bytes:
-    """Lossless PNG of an image in a format DALI does not take everywhere (GIF, BMP, TIFF...)."""
+    """Lossless PNG of an image the loaders do not read as it is (GIF, an animated WebP's
+    first frame, a CMYK TIFF...), its EXIF orientation kept (an eXIf chunk of that tag
+    alone), so that it still turns upright as PIL's exif_transpose turns the original."""
     with Image.open(io.BytesIO(data)) as img:
+        img.load()  # first: PIL's TIFF plugin turns its pixels upright and drops the tag
+        orientation = img.getexif().get(_ORIENTATION)
         if img.mode not in ("RGB", "RGBA", "L", "LA", "I;16"):
             img = img.convert("RGBA" if "A" in img.getbands() or "transparency" in img.info
                               else "RGB")
+        exif = Image.Exif()
+        if orientation in range(2, 9):
+            exif[_ORIENTATION] = orientation
         out = io.BytesIO()
-        img.save(out, format="PNG")
+        img.save(out, format="PNG", **({"exif": exif} if len(exif) else {}))
         return out.getvalue()
 
 

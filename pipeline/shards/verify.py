@@ -17,14 +17,14 @@ import fsspec
 
 from pipeline import executor
 from pipeline.errors import DataError, SkipLog
-from pipeline.samples.checks import IMAGE_EXTS, TEXT_EXTS, CheckLimits, check_sample
+from pipeline.samples.checks import IMAGE_MEMBERS, TEXT_EXTS, CheckLimits, check_sample
 from pipeline.shards import daliindex
 from pipeline.shards.listing import list_shards, regular_file
 from pipeline.shards.manifest import MANIFEST, Manifest, ShardInfo, load_manifest
 from pipeline.shards.tarread import TarLimits, dotted_key, iter_samples
 from pipeline.urls import beside, redact
 
-REQUIRED = {"image": (IMAGE_EXTS,), "text": (TEXT_EXTS,), "pointcloud": (("npy",),)}
+REQUIRED = {"image": (IMAGE_MEMBERS,), "text": (TEXT_EXTS,), "pointcloud": (("npy",),)}
 
 
 class _HashingReader:
@@ -135,7 +135,8 @@ def _check_required(sample: dict[str, object], opts: VerifyOptions) -> None:
             dotted = dotted_key(sample, tuple(group))
             if dotted is not None:
                 raise dotted
-            raise DataError("missing-field", f"no .{' or .'.join(group)} member",
+            named = dict.fromkeys(ext.lower() for ext in group)  # .JPG is .jpg's case
+            raise DataError("missing-field", f"no .{' or .'.join(named)} member",
                             source=str(sample["__url__"]), key=str(sample["__key__"]))
 
 

@@ -1,0 +1,261 @@
+"""Image formats as stored: WebP, BMP and TIFF beside JPEG and PNG (shared/BAD_INPUTS.md, "odd
+but valid"). Their headers give the size and EXIF orientation PIL gives; shards written by
+webdataset's own writer with `.webp`, `.bmp`, `.tiff`, `.JPG` and `.jpeg` members are read in
+full by both backends, with the pixels of the same images stored as PNG; make_shards keeps
+their bytes, and stores as PNG only what the loaders would not read as it is.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import webdataset as wds
+from conftest import load_manifest, read_wds, run_tool
+from PIL import Image, ImageOps
+
+from pipeline import image_loader
+from pipeline.errors import DataError
+from pipeline.image.portable import _as_stored
+from pipeline.samples import checks, headers
+
+ORIENTATION = 0x0112
+
+
+def photo(seed: int, width: int = 72, height: int = 56, mode: str = "RGB") -> Image.Image:
+    """A smooth gradient with noise: photo-like enough for lossy codecs, in `mode`."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    planes = [(x * 3 + seed * 40) % 256, (y * 4) % 256, ((x + y) * 2) % 256]
+    arr = np.clip(np.stack(planes, -1) + rng.normal(0, 12, (height, width, 3)), 0, 255)
+    return Image.fromarray(arr.astype(np.uint8)).convert(mode)
+
+
+def encode(img: Image.Image, fmt: str, orientation: int = 1, **options: Any) -> bytes:
+    """`img` saved as `fmt`, with an EXIF orientation (TIFF: the tag in its own IFD)."""
+    if orientation != 1 and fmt == "TIFF":
+        options["tiffinfo"] = {ORIENTATION: orientation}
+    elif orientation != 1:
+        exif = Image.Exif()
+        exif[ORIENTATION] = orientation
+        options["exif"] = exif
+    out = io.BytesIO()
+    img.save(out, format=fmt, **options)
+    return out.getvalue()
+
+
+def top_down_bmp(img: Image.Image) -> bytes:
+    """A 24-bit BMP stored top-down (a negative height), which PIL reads but never writes."""
+    rgb = np.asarray(img.convert("RGB"))
+    h, w, _ = rgb.shape
+    stride = (w * 3 + 3) // 4 * 4
+    rows = b"".join(rgb[r, :, ::-1].tobytes().ljust(stride, b"\0") for r in range(h))
+    info = struct.pack("<IiiHHIIiiII", 40, w, -h, 1, 24, 0, len(rows), 2835, 2835, 0, 0)
+    return b"BM" + struct.pack("<IHHI", 14 + 40 + len(rows), 0, 0, 54) + info + rows
+
+
+# name -> (member extension, bytes): each a still image the loaders read as it is
+def foreign_members() -> dict[str, tuple[str, bytes]]:
+    return {
+        "lossy": ("webp", encode(photo(1), "WEBP", quality=85)),
+        "lossless": ("webp", encode(photo(2), "WEBP", lossless=True)),
+        "alpha": ("webp", encode(photo(3, mode="RGBA"), "WEBP", quality=90)),
+        "webp-turned": ("webp", encode(photo(4, 60, 44), "WEBP", 6, quality=90)),
+        "bitmap": ("bmp", encode(photo(5), "BMP")),
+        "palette": ("bmp", encode(photo(6, mode="P"), "BMP")),
+        "top-down": ("bmp", top_down_bmp(photo(7))),
+        "tiff": ("tiff", encode(photo(8), "TIFF")),
+        "tiff-lzw": ("tif", encode(photo(9, mode="L"), "TIFF", compression="tiff_lzw")),
+        "tiff-turned": ("tiff", encode(photo(10, 60, 44), "TIFF", 8)),
+        "camera": ("JPG", encode(photo(11), "JPEG", quality=90)),
+        "long-ext": ("jpeg", encode(photo(12), "JPEG", 3, quality=90)),
+    }
+
+
+def pil_orientation(data: bytes) -> int:
+    with Image.open(io.BytesIO(data)) as img:
+        return int(img.getexif().get(ORIENTATION, 1))
+
+
+# -- headers -----------------------------------------------------------------------------------
+
+def test_each_formats_header_gives_pils_size_and_orientation():
+    """The upright size is exif_transpose's, the orientation PIL's tag (TIFF: its own IFD's,
+    which PIL's TIFF plugin applies as it loads)."""
+    for name, (_, data) in foreign_members().items():
+        with Image.open(io.BytesIO(data)) as img:
+            tag = int(img.getexif().get(ORIENTATION, 1))
+            upright = ImageOps.exif_transpose(img).size
+        header = headers.read_header(data)
+        assert header.upright_size() == upright, name
+        assert header.orientation == tag, name
+    assert headers.read_header(foreign_members()["webp-turned"][1]).orientation == 6
+    assert headers.read_header(foreign_members()["tiff-turned"][1]).orientation == 8
+    core = encode(photo(0, 9, 7), "BMP")  # the OS/2 core header: 16-bit sides
+    core = core[:14] + struct.pack("<IHHHH", 12, 9, 7, 1, 24) + core[54:]
+    assert headers.header_size(core) == (9, 7)
+
+
+def test_broken_and_animated_headers_are_named():
+    members = foreign_members()
+    for name in ("lossy", "lossless", "bitmap", "tiff"):
+        with pytest.raises(DataError, match="header|not a JPEG") as err:
+            headers.read_header(members[name][1][:14])
+        assert err.value.reason == "bad-image"
+    frames = [photo(i) for i in range(3)]
+    animated = io.BytesIO()
+    frames[0].save(animated, format="WEBP", save_all=True, append_images=frames[1:])
+    with pytest.raises(DataError, match="animated WebP"):
+        headers.read_header(animated.getvalue())
+    with pytest.raises(DataError, match="JPEG, PNG, WebP, BMP or TIFF"):
+        headers.read_header(b"GIF89a" + bytes(20))
+
+
+# -- foreign shards, both backends ------------------------------------------------------------
+
+def write_shard(path: Path, members: dict[str, tuple[str, bytes]]) -> Path:
+    """webdataset's own TarWriter, one sample per image, labels in .cls."""
+    with wds.TarWriter(str(path)) as sink:
+        for i, (key, (ext, data)) in enumerate(members.items()):
+            sink.write({"__key__": key, ext: data, "cls": str(i % 3).encode()})
+    return path
+
+
+def png_twin(data: bytes) -> bytes:
+    """The image as a PNG of its stored pixels with its orientation tag: the loaders then
+    crop, resize and turn both alike. (PIL's TIFF plugin loads a TIFF upright: its turn is
+    undone. checks.reencode_png stores the upright pixels instead, where a resize of the
+    turned window rounds a level apart from a turn of the resized one.)"""
+    orientation = headers.read_header(data).orientation
+    with Image.open(io.BytesIO(data)) as img:
+        img.load()
+        if img.format == "TIFF":
+            img = _as_stored(img, orientation)
+        out = io.BytesIO()
+        exif = Image.Exif()
+        if orientation != 1:
+            exif[ORIENTATION] = orientation
+        img.save(out, format="PNG", **({"exif": exif} if orientation != 1 else {}))
+        return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def twin_shards(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The foreign formats, and the same images as PNG under the same keys."""
+    root = tmp_path_factory.mktemp("formats")
+    members = foreign_members()
+    as_png = {key: ("png", png_twin(data)) for key, (_, data) in members.items()}
+    return write_shard(root / "foreign.tar", members), write_shard(root / "png.tar", as_png)
+
+
+def batches_by_key(source: Path, backend: str, train: bool) -> dict[str, torch.Tensor]:
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+    with image_loader(str(source), batch_size=4, size=32, device="cpu", seed=5, threads=1,
+                      train=train, reader="stream", backend=backend, use_tuning=False,
+                      on_error="raise", shuffle_buffer=1) as loader:
+        got = {k: b.image[i] for b in loader for i, k in enumerate(b.keys)}
+        assert loader.skipped == []
+    return got
+
+
+@pytest.mark.parametrize("backend", [pytest.param("dali", marks=pytest.mark.dali), "portable"])
+@pytest.mark.parametrize("train", [True, False])
+def test_foreign_formats_read_in_full_with_the_pixels_of_their_png_twins(twin_shards, backend,
+                                                                         train):
+    """Every sample is read (WebP lossy, lossless and with alpha; BMP 24-bit, palette and
+    top-down; TIFF raw and LZW; .JPG and .jpeg), each random-resized window or centre crop
+    decoded from the format itself gives the batch its PNG twin gives, bit for bit, and
+    the WebP and TIFF EXIF orientations turn them as PIL turns them."""
+    foreign, png = twin_shards
+    got, want = batches_by_key(foreign, backend, train), batches_by_key(png, backend, train)
+    assert sorted(got) == sorted(foreign_members()) == sorted(want)
+    for key in got:
+        assert torch.equal(got[key], want[key]), key
+
+
+@pytest.mark.dali
+def test_both_backends_agree_on_the_foreign_formats(twin_shards):
+    foreign, _ = twin_shards
+    dali, portable = (batches_by_key(foreign, b, False) for b in ("dali", "portable"))
+    for key in dali:  # the same decoders' pixels, the same resize
+        assert torch.equal(dali[key], portable[key]), key
+
+
+# -- conversion -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """make_shards imagefolder over the foreign formats, an animated WebP (turned by its
+    EXIF) and a turned CMYK TIFF: the shards folder."""
+    tmp_path = tmp_path_factory.mktemp("converted")
+    src = tmp_path / "src"
+    for i, (name, (ext, data)) in enumerate(foreign_members().items()):
+        folder = src / f"class{i % 2}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{name}.{ext}").write_bytes(data)
+    frames = [photo(i) for i in range(2)]
+    animated = io.BytesIO()
+    turned = Image.Exif()
+    turned[ORIENTATION] = 6
+    frames[0].save(animated, format="WEBP", save_all=True, append_images=frames[1:],
+                   exif=turned)
+    (src / "class0" / "animated.webp").write_bytes(animated.getvalue())
+    (src / "class1" / "cmyk.tiff").write_bytes(encode(photo(20, mode="CMYK"), "TIFF", 6))
+    out = tmp_path / "out"
+    run_tool("make_shards", "imagefolder", src, out, check=True)
+    return out
+
+
+def test_make_shards_keeps_webp_bmp_and_tiff_bytes_and_converts_only_what_loaders_refuse(
+        converted):
+    out, kept = converted, {name: data for name, (_, data) in foreign_members().items()}
+    samples = {s["__key__"].split("_", 1)[1]: s for s in read_wds(out)}  # class0_lossy
+    assert len(samples) == len(kept) + 2
+    stored = {".JPG": "jpg", ".tif": "tiff"}
+    for name, data in kept.items():
+        ext = foreign_members()[name][0]
+        member = stored.get("." + ext, ext.lower() if ext != "jpeg" else "jpg")
+        assert samples[name][member] == data, name  # byte for byte
+    assert "png" in samples["animated"] and "png" in samples["cmyk"]
+    # the orientation survives the move to PNG: the WebP's frame as stored, with its tag; the
+    # TIFF upright (PIL's TIFF plugin turns it as it loads), without one
+    assert pil_orientation(samples["animated"]["png"]) == 6
+    with Image.open(io.BytesIO(samples["cmyk"]["png"])) as cmyk:
+        assert cmyk.size == (56, 72) and pil_orientation(samples["cmyk"]["png"]) == 1
+    manifest = load_manifest(out)
+    assert manifest["reencoded"] == {"webp-to-png": 1, "tiff-to-png": 1}
+    run_tool("verify_shards", out, check=True)
+
+
+@pytest.mark.parametrize("reader, backend", [
+    pytest.param("dali", "dali", marks=pytest.mark.dali), ("stream", "portable")])
+def test_converted_formats_load_in_full(converted, reader, backend):
+    """The converted shards (indexed: DALI's reader takes the .webp, .bmp and .tiff members
+    as it takes .jpg) give every sample, in training and in evaluation."""
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+    for train in (True, False):
+        with image_loader(str(converted), batch_size=4, size=32, device="cpu", seed=1,
+                          threads=1, train=train, reader=reader, backend=backend,
+                          use_tuning=False, on_error="raise") as loader:
+            keys = [k for b in loader for k in b.keys]
+        assert len(keys) == len(set(keys)) == len(foreign_members()) + 2
+
+
+def test_the_rule_says_why_a_tiff_or_webp_becomes_png():
+    frames = [photo(i) for i in range(2)]
+    animated = io.BytesIO()
+    frames[0].save(animated, format="WEBP", save_all=True, append_images=frames[1:])
+    assert "2 frames" in checks.loader_problem(animated.getvalue(), "WEBP")
+    cmyk = encode(photo(1, mode="CMYK"), "TIFF")
+    assert "mode CMYK" in checks.loader_problem(cmyk, "TIFF")
+    for name, (_, data) in foreign_members().items():
+        with Image.open(io.BytesIO(data)) as img:
+            fmt = str(img.format)
+        assert checks.loader_problem(data, fmt) is None, name
