@@ -90,6 +90,31 @@ def test_gnu_tar_gzip_shard_converts_and_verifies(tmp_path):
     assert sorted(docs.values()) == sorted(DOCS.values())
 
 
+def test_an_unsorted_gnu_tar_reshards_to_every_sample(tmp_path):
+    """`tar -cf` of a folder stores files in directory order, so a key's .jpg and .cls lie
+    apart (here: every image, then every label). The loaders refuse such keys, naming the
+    fix; make_shards shards puts each key back together, and the result reads in full."""
+    src = tmp_path / "folder"
+    src.mkdir()
+    for i in range(4):
+        (src / f"img{i}.jpg").write_bytes(jpeg_bytes(i))
+        (src / f"img{i}.cls").write_bytes(str(i % 2).encode())
+    order = [f"img{i}.jpg" for i in range(4)] + [f"img{i}.cls" for i in range(4)]
+    shard = gnu_tar(tmp_path / "shards" / "unsorted.tar", src, *order)
+    with pytest.raises(DataError, match=r"apart.*make_shards.py shards puts .* back together"):
+        with image_loader(str(shard), batch_size=2, size=16, device="cpu", reader="stream",
+                          backend="portable", use_tuning=False) as loader:
+            list(loader)
+    run_tool("make_shards", "shards", tmp_path / "shards", tmp_path / "out", "--workers", 1,
+             "--quiet", check=True)
+    manifest = load_manifest(tmp_path / "out")
+    assert manifest["total_samples"] == 4 and manifest["skipped"] == []
+    with image_loader(str(tmp_path / "out"), batch_size=2, size=16, device="cpu",
+                      reader="stream", backend="portable", use_tuning=False) as loader:
+        labels = {k: int(b.label[i]) for b in loader for i, k in enumerate(b.keys)}
+    assert labels == {f"img{i}": i % 2 for i in range(4)}
+
+
 def test_links_devices_fifos_still_refused_and_folders_are_not_skips(tmp_path):
     shard = tmp_path / "mixed.tar"
     folder = special("train/", tarfile.DIRTYPE)

@@ -47,7 +47,7 @@ from pipeline.samples.checks import (
 )
 from pipeline.shards.listing import list_shards, preflight
 from pipeline.shards.manifest import LabelStats, Manifest, ShardInfo
-from pipeline.shards.tarread import TarLimits, iter_samples
+from pipeline.shards.tarread import TarLimits, iter_regrouped
 from pipeline.shards.writer import ShardWriter
 from pipeline.storage import Store
 from pipeline.urls import redact
@@ -107,8 +107,9 @@ def _read_shards(urls: list[str], cfg: ConvertConfig, skips: SkipLog
     for url in urls:
         try:
             with fsspec.open(url, "rb", **cfg.storage_options) as f:
-                yield from iter_samples(f, redact(url), limits=limits, on_error=cfg.on_error,
-                                        skips=skips)
+                # its keys' members put back together: a shard from `tar -cf` of a folder
+                yield from iter_regrouped(f, redact(url), limits=limits,
+                                          on_error=cfg.on_error, skips=skips)
         except DataError as err:
             yield err  # the shard is damaged from here on; the error says where
 

@@ -306,6 +306,49 @@ def iter_samples(stream: BinaryIO, url: str, *, limits: TarLimits | None = None,
     yield from grouper.finish()
 
 
+def iter_regrouped(stream: BinaryIO, url: str, *, limits: TarLimits | None = None,
+                   on_error: OnError = "raise", skips: SkipLog | None = None
+                   ) -> Iterator[Sample]:
+    """iter_samples for a shard whose keys' members may lie apart: a plain `tar -cf` of a
+    folder stores files in directory order, so `a.jpg` and `a.cls` can be far apart. Every
+    member is held until the shard ends, then each key's sample is passed on, in the order
+    keys first appeared: memory bounded by the shard (make_shards reads it whole anyway). A
+    member met twice is a second copy of its key: the first copy is kept, the rest of that
+    key's members are passed over, and the copy is reported (split-key, as iter_samples
+    reports it). A bad member drops its key. A shard that breaks passes on what it held but
+    the key the break cut into, then raises, as iter_samples does."""
+    limits, skips = limits or TarLimits(), skips if skips is not None else SkipLog()
+    samples: dict[str, Sample] = {}
+    bad: set[str] = set()  # dropped, or copied: their later members are passed over
+    members = iter_members(stream, url, limits)
+    while True:
+        try:
+            name, data = next(members)
+        except StopIteration:
+            break
+        except (OSError, DataError) as exc:
+            err = exc if isinstance(exc, DataError) else DataError("truncated", str(exc),
+                                                                   source=url)
+            samples.pop(err.key, None)
+            yield from samples.values()
+            raise err from None
+        key, ext = split_name(name)
+        if key in bad:
+            continue
+        sample = samples.setdefault(key, {"__key__": key, "__url__": url})
+        if isinstance(data, DataError):
+            bad.add(key)
+            del samples[key]
+            handle(data, on_error, skips)
+        elif ext in sample:
+            bad.add(key)
+            handle(DataError("split-key", f"member {key}.{ext} appears again (a duplicate; "
+                             "the first copy is kept)", source=url, key=key), on_error, skips)
+        else:
+            sample[ext] = data
+    yield from samples.values()
+
+
 def dotted_key(sample: Sample, wanted: tuple[str, ...]) -> DataError | None:
     """Why a sample has none of the `wanted` members (`jpg`, `png`...) when it has members
     whose extension ends with one after a dotted prefix (`0001.jpg`): its writer put dots in
@@ -369,6 +412,8 @@ class _Grouper:
             detail += " (its members are apart; all of it is dropped)"
         else:
             detail += f" more than {HOLD_BACK} samples later; its first part was passed on"
+        detail += ("; make_shards.py shards puts each key's members back together (a plain "
+                   "`tar -cf` of a folder stores them in directory order)")
         self._reject(key, DataError("split-key", detail, source=self.url, key=key))
         return True
 
