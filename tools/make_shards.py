@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 from cliutil import (
     add_storage_options,
@@ -67,6 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
                        "(s3://bucket/train)")
         _common_options(p)
         _kind_options(p, kind)
+    index = sub.add_parser("index", help="write DALI indexes and manifest.json beside "
+                           "existing local shards, without rewriting them (made by webdataset, "
+                           "tar or another tool)")
+    index.add_argument("src", help="the folder of .tar shards")
+    index.add_argument("--on-error", choices=("raise", "skip"), default="raise",
+                       help="raise: stop at the first shard the readers would not read as it "
+                       "is; skip: list it in the manifest's skipped and go on")
+    index.add_argument("--max-member-size", type=parse_size, default=256 * 2**20,
+                       metavar="BYTES", help="refuse members larger than this (default 256MB)")
+    index.add_argument("--quiet", action="store_true", help="no progress bar or warnings")
     merge = sub.add_parser("merge", help="combine the manifests of --part runs")
     merge.add_argument("out", help="the folder (or URL prefix) holding every part's shards")
     add_storage_options(merge, "folder's URL")
@@ -264,6 +275,21 @@ def print_summary(m: Manifest, out: str, seconds: float) -> None:
               "(listed under 'ignored' in manifest.json)")
 
 
+def _index(args: argparse.Namespace) -> int:
+    from pipeline.shards.indexing import index_folder
+    from pipeline.shards.tarread import TarLimits
+
+    with tqdm(unit="shard", disable=args.quiet, dynamic_ncols=True) as bar:
+        m = index_folder(Path(args.src), limits=TarLimits(args.max_member_size),
+                         on_error=args.on_error, progress=lambda _name: bar.update())
+    print(f"indexed {len(m.shards)} shards, {m.total_samples} samples ({m.modality}) -> "
+          f"{Path(args.src) / 'manifest.json'}")
+    if m.skipped:
+        print(f"left {len(m.skipped)} shards without an index (listed under 'skipped' in "
+              "manifest.json; make_shards shards rewrites them)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.kind == "merge":
@@ -271,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"merged: {len(m.shards)} shards, {m.total_samples} samples -> manifest.json")
         return 0
     setup_logging(args.quiet)
+    if args.kind == "index":
+        return _index(args)
     cfg = config_from_args(args)
     start = time.perf_counter()
     with tqdm(unit="sample", disable=args.quiet, dynamic_ncols=True) as bar:

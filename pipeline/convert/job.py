@@ -38,11 +38,9 @@ from pipeline.convert.tabular import TabularPlan, plan_tabular
 from pipeline.convert.tabular_rows import RowBlock, block_tasks, build_block
 from pipeline.errors import DataError, SkipLog, handle
 from pipeline.samples.checks import (
-    IMAGE_EXTS,
     OFFSET_EXT,
-    POINTCLOUD_EXTS,
-    TEXT_EXTS,
     CheckLimits,
+    modality_of,
     repair_sample,
 )
 from pipeline.shards.listing import list_shards, preflight
@@ -353,12 +351,7 @@ def _modality_of(out: Store, shards: list[ShardInfo]) -> str:
     if not shards:
         return "unknown"
     index = out.read_bytes(shards[0].name[:-4] + ".idx").decode()
-    exts = {e[0] for s in parse_index(index) for e in s}
-    for modality, names in (("image", set(IMAGE_EXTS)), ("text", set(TEXT_EXTS)),
-                            ("pointcloud", set(POINTCLOUD_EXTS)), ("tabular", {"npz"})):
-        if exts & names:
-            return modality
-    return "unknown"
+    return modality_of({e[0] for s in parse_index(index) for e in s})
 
 
 def _describe(item: Task) -> str:

@@ -44,6 +44,18 @@ PREFIX_LIMIT = 4096
 JPEG_QUALITY = 95  # re-encoding a JPEG the loaders would refuse and no cut repairs
 
 
+def modality_of(exts: set[str]) -> str:
+    """A shard set's modality from its members' extensions (either case): the first of
+    image, text, pointcloud, tabular it has members of; "unknown" without (dotted members
+    such as `left.jpg` name no modality: the loaders read none of them)."""
+    lower = {ext.lower() for ext in exts}
+    for modality, names in (("image", set(IMAGE_EXTS)), ("text", set(TEXT_EXTS)),
+                            ("pointcloud", set(POINTCLOUD_EXTS)), ("tabular", {"npz"})):
+        if lower & names:
+            return modality
+    return "unknown"
+
+
 @dataclass(frozen=True)
 class CheckLimits:
     """Bounds applied before allocating: pixels per image, bytes per text, points per cloud."""

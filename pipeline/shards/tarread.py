@@ -22,7 +22,7 @@ import zlib
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 from pipeline.errors import DataError, OnError, SkipLog, handle
 
@@ -179,6 +179,22 @@ def iter_members(stream: BinaryIO, url: str, limits: TarLimits
                  ) -> Iterator[tuple[str, bytes | DataError]]:
     """(name, bytes) per member in archive order, or (name, DataError) for a refused one.
     Damage to the shard itself (truncation, a bad header, an oversize member) raises."""
+    for m in iter_located(stream, url, limits):
+        yield m.name, m.data
+
+
+class Located(NamedTuple):
+    """A member and where its stored bytes lie: what a DALI index lists."""
+
+    name: str  # `key.txt` for a stored `key.txt.gz`, whose data is gunzipped
+    stored: str  # the name in the tar
+    offset: int  # of the stored bytes (of the tar inside a gzipped shard)
+    size: int
+    data: bytes | DataError
+
+
+def iter_located(stream: BinaryIO, url: str, limits: TarLimits) -> Iterator[Located]:
+    """iter_members with where each member's stored bytes lie in the tar."""
     blocks = _Blocks(_maybe_gunzip(stream), url)
     for m in _headers(blocks):
         if m.type == tarfile.DIRTYPE:
@@ -189,13 +205,16 @@ def iter_members(stream: BinaryIO, url: str, limits: TarLimits
             raise DataError("member-too-large", f"member {m.name!r} declares {m.size} bytes, "
                             f"more than max_member_bytes={limits.max_member_bytes}",
                             source=url, key=split_name(m.name)[0])
+        at = blocks.offset
         refusal = _refusal(m, url, limits)
         if refusal is not None:
             blocks.skip(_padded(m.size), f"member {m.name!r}")
-            yield m.name, refusal
+            yield Located(m.name, m.name, at, m.size, refusal)
             continue
         data = blocks.read(_padded(m.size), f"member {m.name!r}")[: m.size]
-        yield _gunzipped(m.name, data, url, limits) if _compressed(m.name) else (m.name, data)
+        name, content = _gunzipped(m.name, data, url, limits) if _compressed(m.name) \
+            else (m.name, data)
+        yield Located(name, m.name, at, m.size, content)
     _drain(blocks)
 
 

@@ -27,7 +27,7 @@ from pipeline.urls import beside, redact
 REQUIRED = {"image": (IMAGE_MEMBERS,), "text": (TEXT_EXTS,), "pointcloud": (("npy",),)}
 
 
-class _HashingReader:
+class HashingReader:
     """A read-only wrapper that hashes and counts every byte read through it."""
 
     def __init__(self, raw: Any) -> None:
@@ -89,7 +89,7 @@ def verify_shard(url: str, expected: ShardInfo | None, opts: VerifyOptions) -> S
     try:
         regular_file(url, samples=None)  # a FIFO named .tar would block the open forever
         with fsspec.open(url, "rb", **opts.storage_options) as raw:
-            reader = _HashingReader(raw)
+            reader = HashingReader(raw)
             try:
                 for sample in iter_samples(reader, report.url, limits=opts.tar_limits,  # type: ignore[arg-type]
                                            on_error="skip", skips=skips):
