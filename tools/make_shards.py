@@ -44,6 +44,7 @@ from pipeline.convert.tabular import PRESETS, TabularOptions, options_from_schem
 from pipeline.errors import DataError
 from pipeline.executor import WorkerError
 from pipeline.samples.checks import CheckLimits
+from pipeline.samples.downsize import Downsize
 from pipeline.shards.manifest import Manifest, load_manifest, merge_parts
 from pipeline.urls import redact
 
@@ -121,6 +122,13 @@ def _kind_options(p: argparse.ArgumentParser, kind: str) -> None:
     if kind in IMAGE_KINDS:
         p.add_argument("--max-pixels", type=positive_int, default=CheckLimits.max_pixels,
                        help="refuse images declaring more pixels, before decoding them")
+        p.add_argument("--max-side", type=positive_int, default=None, metavar="N",
+                       help="store images whose longer side is above N turned upright and "
+                       "resized to N, as JPEG (PNG where they have transparency)")
+        p.add_argument("--jpeg-quality", type=positive_int, default=90, metavar="Q",
+                       help="with --max-side: the JPEG quality of what is re-encoded (90)")
+        p.add_argument("--reencode-all", action="store_true",
+                       help="with --max-side: re-encode the images within N too")
     if kind in POINT_KINDS:
         p.add_argument("--max-points", type=positive_int, default=CheckLimits.max_points,
                        help="refuse point clouds with more points")
@@ -230,7 +238,8 @@ def config_from_args(args: argparse.Namespace) -> ConvertConfig:
         part=args.part, on_error=args.on_error,
         limits=CheckLimits(getattr(args, "max_pixels", CheckLimits.max_pixels),
                            getattr(args, "max_text_bytes", CheckLimits.max_text_bytes),
-                           getattr(args, "max_points", CheckLimits.max_points)),
+                           getattr(args, "max_points", CheckLimits.max_points),
+                           _downsize(args)),
         text=TextOptions(getattr(args, "split_lines", False), getattr(args, "text_field", "text")),
         path_column=getattr(args, "path_column", "path"),
         label_column=getattr(args, "label_column", "label"),
@@ -288,6 +297,18 @@ def _index(args: argparse.Namespace) -> int:
         print(f"left {len(m.skipped)} shards without an index (listed under 'skipped' in "
               "manifest.json; make_shards shards rewrites them)")
     return 0
+
+
+def _downsize(args: argparse.Namespace) -> Downsize | None:
+    if getattr(args, "max_side", None) is None:
+        if getattr(args, "reencode_all", False):
+            raise SystemExit("error: --reencode-all re-encodes at --max-side's settings: "
+                             "give --max-side N")
+        return None
+    if getattr(args, "mask_column", None):
+        raise SystemExit("error: --max-side with --mask-column: the masks would have to be "
+                         "resized with their images; not built yet")
+    return Downsize(args.max_side, args.jpeg_quality, args.reencode_all)
 
 
 def main(argv: list[str] | None = None) -> int:

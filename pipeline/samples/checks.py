@@ -17,6 +17,7 @@ from PIL import Image
 
 from pipeline.errors import DataError
 from pipeline.samples import headers, jpegscan, masks, pointcloud_io
+from pipeline.samples.downsize import Downsize, downsized
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif", "ppm", "pgm")
 # The image members the loaders and verify_shards take, in order of preference: each
@@ -58,11 +59,14 @@ def modality_of(exts: set[str]) -> str:
 
 @dataclass(frozen=True)
 class CheckLimits:
-    """Bounds applied before allocating: pixels per image, bytes per text, points per cloud."""
+    """Bounds applied before allocating: pixels per image, bytes per text, points per cloud.
+    `downsize`: at conversion only (prepare_image), images made smaller (downsize.py); the
+    checks of verify and the loaders never change an image."""
 
     max_pixels: int = 64_000_000
     max_text_bytes: int = 16 * 1024 * 1024
     max_points: int = 2_000_000
+    downsize: Downsize | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_pixels", "max_text_bytes", "max_points"):
@@ -156,14 +160,20 @@ def prepare_image(data: bytes, limits: CheckLimits) -> PreparedImage:
     """Apply the rule at conversion: what PIL reads but the loaders would not is repaired,
     losslessly where a cut does it (bytes before the start-of-image marker, bytes between
     header segments, short APP segments PIL cannot parse), else re-encoded (JPEG quality 95;
-    PNG for other formats, alpha and 16-bit). What PIL cannot read stays a DataError."""
+    PNG for other formats, alpha and 16-bit). What PIL cannot read stays a DataError. With
+    `limits.downsize`, then made smaller (downsize.py), counted as one more repair."""
     try:
         fmt = _decode(data, limits)
     except DataError as err:
         if err.reason != "bad-image":
             raise
-        return _repair_unreadable(data, limits, err)
-    return _fit_for_loader(data, fmt, limits, ())
+        prepared = _repair_unreadable(data, limits, err)
+    else:
+        prepared = _fit_for_loader(data, fmt, limits, ())
+    small = downsized(prepared.data, limits.downsize) if limits.downsize else None
+    if small is None:
+        return prepared
+    return PreparedImage(small[0], small[1], (*prepared.repairs, small[2]))
 
 
 def _repair_unreadable(data: bytes, limits: CheckLimits, err: DataError) -> PreparedImage:

@@ -1,0 +1,62 @@
+"""Images made smaller at conversion: make_shards' `--max-side N --jpeg-quality Q`.
+
+FFCV's most used option (`max_resolution` + `jpeg_quality`): ImageNet stored at 256 px is a
+fraction of its bytes, and every epoch then decodes that much less. An image whose longer side
+is above N is turned upright by its EXIF orientation (the tag is then dropped, so nothing turns
+it twice), resized so that its longer side is N (PIL's antialiased Lanczos, from a JPEG drafted
+at the largest DCT scale that still gives at least N), and stored as JPEG at quality Q: grey
+stays grey, an image with transparency or 16 bits becomes PNG instead. An image within N keeps
+its bytes, unless `reencode_all` (then it is re-encoded as above, at its size).
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+from PIL import Image, ImageOps
+
+RESIZED = "resized"  # the repair counted in the manifest's `reencoded`
+REENCODED = "reencoded-at-quality"
+
+
+@dataclass(frozen=True)
+class Downsize:
+    """What `--max-side`, `--jpeg-quality` and `--reencode-all` ask for."""
+
+    max_side: int
+    jpeg_quality: int = 90
+    reencode_all: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_side < 1:
+            raise ValueError(f"max_side={self.max_side}: must be at least 1")
+        if not 1 <= self.jpeg_quality <= 100:
+            raise ValueError(f"jpeg_quality={self.jpeg_quality}: must be in 1..100")
+
+
+def downsized(data: bytes, how: Downsize) -> tuple[bytes, str, str] | None:
+    """(bytes, extension, the repair's name) of the image made smaller or re-encoded, or None
+    where it keeps its bytes (within max_side, and reencode_all off)."""
+    with Image.open(io.BytesIO(data)) as img:
+        if max(img.size) <= how.max_side and not how.reencode_all:
+            return None
+        if img.format == "JPEG":  # decode at 1/2..1/8 scale where that still gives max_side
+            img.draft(img.mode, (how.max_side, how.max_side))
+        upright = ImageOps.exif_transpose(img)
+    if "exif" in upright.info:  # its orientation is applied: the tag must not turn it again
+        del upright.info["exif"]
+    resized = max(upright.size) > how.max_side
+    if resized:
+        scale = how.max_side / max(upright.size)
+        size = (max(1, round(upright.width * scale)), max(1, round(upright.height * scale)))
+        upright = upright.resize(size, Image.Resampling.LANCZOS)
+    out = io.BytesIO()
+    if upright.mode in ("RGBA", "LA", "I;16", "I") or "transparency" in upright.info:
+        upright.save(out, format="PNG")
+        ext = "png"
+    else:
+        upright.convert("L" if upright.mode in ("L", "1") else "RGB").save(
+            out, format="JPEG", quality=how.jpeg_quality)
+        ext = "jpg"
+    return out.getvalue(), ext, RESIZED if resized else REENCODED

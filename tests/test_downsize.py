@@ -1,0 +1,92 @@
+"""make_shards --max-side N --jpeg-quality Q: images above N stored turned upright and resized,
+as JPEG (PNG with transparency), the rest byte for byte; the manifest records the settings and
+the count; the loaders read the result unchanged.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import read_wds, run_tool
+from PIL import Image, ImageOps
+
+from pipeline import image_loader
+
+ORIENTATION = 0x0112
+
+
+def photo(seed: int, width: int, height: int, mode: str = "RGB") -> Image.Image:
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    planes = [(x + seed * 40) % 256, (y // 2) % 256, ((x + y) // 3) % 256]
+    arr = np.clip(np.stack(planes, -1) + rng.normal(0, 6, (height, width, 3)), 0, 255)
+    return Image.fromarray(arr.astype(np.uint8)).convert(mode)
+
+
+def saved(img: Image.Image, fmt: str, orientation: int = 1) -> bytes:
+    out, options = io.BytesIO(), {}
+    if orientation != 1:
+        exif = Image.Exif()
+        exif[ORIENTATION] = orientation
+        options["exif"] = exif
+    img.save(out, format=fmt, **({"quality": 92} if fmt == "JPEG" else {}), **options)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
+    root = tmp_path_factory.mktemp("downsize") / "src"
+    files = {"a/turned.jpg": saved(photo(1, 400, 300), "JPEG", 6),
+             "a/small.jpg": saved(photo(2, 100, 80), "JPEG"),
+             "b/alpha.png": saved(photo(3, 300, 300, "RGBA"), "PNG"),
+             "b/grey.jpg": saved(photo(4, 260, 200, "L"), "JPEG")}
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return root, files
+
+
+def convert(src: Path, out: Path, *flags: object) -> dict[str, dict]:
+    run_tool("make_shards", "imagefolder", src, out, "--quiet", *flags, check=True)
+    return {s["__key__"].split("_", 1)[1]: s for s in read_wds(out)}
+
+
+def test_images_above_max_side_are_resized_upright_and_the_rest_kept(folder, tmp_path):
+    src, files = folder
+    out = tmp_path / "out"
+    got = convert(src, out, "--max-side", 128, "--jpeg-quality", 85)
+    with Image.open(io.BytesIO(got["turned"]["jpg"])) as img:
+        assert img.size == (96, 128) and ORIENTATION not in img.getexif()  # upright, no tag
+        small = np.asarray(img.convert("RGB")).astype(int)
+    with Image.open(io.BytesIO(files["a/turned.jpg"])) as img:
+        want = np.asarray(ImageOps.exif_transpose(img).resize((96, 128), Image.LANCZOS))
+    assert np.abs(small - want).mean() < 3  # the same picture, JPEG at 85 apart
+    assert got["small"]["jpg"] == files["a/small.jpg"]  # within N: byte for byte
+    with Image.open(io.BytesIO(got["alpha"]["png"])) as img:
+        assert img.size == (128, 128) and img.mode == "RGBA"
+    with Image.open(io.BytesIO(got["grey"]["jpg"])) as img:
+        assert img.size == (128, 98) and img.mode == "L"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["reencoded"] == {"resized": 3}
+    assert manifest["args"]["limits"]["downsize"] == {"max_side": 128, "jpeg_quality": 85,
+                                                      "reencode_all": False}
+    run_tool("verify_shards", out, check=True)
+    with image_loader(str(out), batch_size=2, size=32, device="cpu", reader="stream",
+                      backend="portable", use_tuning=False, threads=1) as loader:
+        assert sorted(k.split("_", 1)[1] for b in loader for k in b.keys) == sorted(got)
+
+
+def test_reencode_all_and_refusals(folder, tmp_path):
+    src, files = folder
+    got = convert(src, tmp_path / "all", "--max-side", 128, "--reencode-all")
+    assert got["small"]["jpg"] != files["a/small.jpg"]
+    with Image.open(io.BytesIO(got["small"]["jpg"])) as img:
+        assert img.size == (100, 80)
+    manifest = json.loads((tmp_path / "all" / "manifest.json").read_text())
+    assert manifest["reencoded"] == {"resized": 3, "reencoded-at-quality": 1}
+    proc = run_tool("make_shards", "imagefolder", src, tmp_path / "x", "--reencode-all")
+    assert proc.returncode != 0 and "give --max-side N" in proc.stderr
