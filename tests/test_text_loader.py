@@ -414,8 +414,16 @@ def test_text_benchmark_compares_equal_work(tmp_path):
              "--plot", tmp_path / "bench.png", check=True)
     result = json.loads(out.read_text())
     for name, figures in result["tokenizers"].items():
-        assert len(set(figures["tokens"].values())) == 1, (name, figures["tokens"])
+        tokens = dict(figures["tokens"])
+        # LitData's TokensLoader reads whole blocks of seq_len: a chunk's last, short one
+        # never comes out (its optimize() writes a chunk per worker)
+        litdata = tokens.pop("LitData TokensLoader", None)
+        assert len(set(tokens.values())) == 1, (name, figures["tokens"])
+        total = tokens["shardflow"]
+        if litdata is not None:
+            assert 0 <= total - litdata < 4 * result["seq_len"], (name, figures["tokens"])
         assert all(v > 0 for v in figures["tokens_per_s"].values())
-        assert set(figures["ratios"]) == {"shardflow/plain loop", "shardflow/tokenizer alone"}
+        assert {"shardflow/plain loop", "shardflow/tokenizer alone",
+                "pre-tokenized/shardflow"} <= set(figures["ratios"])
     assert (tmp_path / "bench.png").stat().st_size > 1000
     assert not (tmp_path / "work").exists(), "the benchmark's work folder was left behind"

@@ -213,7 +213,8 @@ def other_modality(args: argparse.Namespace) -> int:
             shards = args.work / "shards"
             convert(ConvertConfig(kind="text", src=str(docs), out=shards, max_count=200,
                                   workers=args.threads))
-        result, table = bench_text.run(shards, args.work, args.batch_size, args.repeats)
+        result, table = bench_text.run(shards, args.work, args.batch_size, args.repeats,
+                                       threads=args.threads)
     elif args.modality == "tabular":
         from pipeline.bench import tabular as bench_tabular
 

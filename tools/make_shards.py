@@ -149,6 +149,11 @@ def _kind_options(p: argparse.ArgumentParser, kind: str) -> None:
         p.add_argument("--mask-column", default=None, metavar="COLUMN",
                        help="CSV column / JSON field of each image's segmentation mask (a "
                        "lossless label map of the image's size), stored as KEY.seg.png")
+    if kind in ("text", "shards"):
+        p.add_argument("--tokenizer", default=None, metavar="bytes|PATH",
+                       help="store each document's token ids (KEY.tokens.u16, or .u32 for "
+                       "vocabularies over 65536) instead of its text: 'bytes' or a "
+                       "tokenizer.json; text_loader then reads ids, with that tokenizer only")
     if kind == "text":
         p.add_argument("--split-lines", action="store_true", help="one document per line")
         p.add_argument("--text-field", default="text", help="JSONL field holding the text")
@@ -240,7 +245,8 @@ def config_from_args(args: argparse.Namespace) -> ConvertConfig:
                            getattr(args, "max_text_bytes", CheckLimits.max_text_bytes),
                            getattr(args, "max_points", CheckLimits.max_points),
                            _downsize(args)),
-        text=TextOptions(getattr(args, "split_lines", False), getattr(args, "text_field", "text")),
+        text=TextOptions(getattr(args, "split_lines", False), getattr(args, "text_field", "text"),
+                         getattr(args, "tokenizer", None)),
         path_column=getattr(args, "path_column", "path"),
         label_column=getattr(args, "label_column", "label"),
         mask_column=getattr(args, "mask_column", None),

@@ -8,7 +8,13 @@ tokenizers is installed):
   packed with numpy and masked the same way, in one thread: what a user writes by hand;
 - tokenizer alone: `encode_batch` over the documents already in memory, as many a call as the
   loader reads at once (the ceiling for any loader that tokenizes; ours/this is the overhead
-  of everything else).
+  of everything else);
+- shardflow pre-tokenized: the same loader on the shards converted with `make_shards shards
+  --tokenizer` (text/pretokenized.py): the same batches, no tokenizer run;
+- LitData TokensLoader (bench extra): the same token ids (each document's, then the
+  separator) written by `litdata.optimize` and read in blocks of seq_len by its
+  StreamingDataset + StreamingDataLoader in `threads` workers, shuffled. It neither masks nor
+  makes labels: ours does both (MLM), so the ratio against it is the conservative one.
 Also reported: tokens per CPU-second of each (the issue's "per CPU thread"), and for ours the
 time to first batch, the overlap figure and resident memory per epoch (bench.loader_figures).
 """
@@ -16,6 +22,8 @@ time to first batch, the overlap figure and resident memory per epoch (bench.loa
 from __future__ import annotations
 
 import functools
+import multiprocessing
+import shutil
 import statistics
 import tarfile
 from pathlib import Path
@@ -24,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.bench.core import alternate, cpu_seconds, loader_figures
+from pipeline.bench.image import _environ, importable
 from pipeline.text import masking, packing
 from pipeline.text.config import TextConfig
 from pipeline.text.tokenizer import Tokenizer, load_tokenizer, train_bpe
@@ -100,21 +109,97 @@ class TokenizerAlone:
         return count
 
 
+class LitDataTokens:
+    """LitData's TokensLoader over the same ids: blocks of SEQ_LEN tokens, batch_size a
+    batch, from `threads` worker processes (its StreamingDataLoader)."""
+
+    def __init__(self, ids: Path, work: Path, tok: Tokenizer, batch_size: int, threads: int
+                 ) -> None:
+        from litdata import StreamingDataLoader, StreamingDataset
+        from litdata.streaming.item_loader import TokensLoader
+
+        self.dir = work / f"litdata-{ids.name}"
+        write_litdata_tokens(ids, self.dir, tok.sep_id, threads)
+        self.dataset = StreamingDataset(input_dir=str(self.dir), shuffle=True,
+                                        item_loader=TokensLoader(block_size=SEQ_LEN))
+        self.loader = StreamingDataLoader(self.dataset, batch_size=batch_size,
+                                          num_workers=threads, persistent_workers=True)
+
+    def epoch(self) -> int:
+        return sum(int(block.numel()) for block in self.loader)
+
+
+def _with_separator(item: tuple[bytes, str, int]) -> Any:
+    """optimize()'s function (in its worker processes): a document's stored ids -> the int32
+    tensor of them and the separator, as our loader packs it."""
+    import torch
+
+    data, dtype, sep = item
+    ids = np.append(np.frombuffer(data, dtype).astype(np.int32), np.int32(sep))
+    return torch.from_numpy(ids)
+
+
+def write_litdata_tokens(ids: Path, out: Path, sep_id: int, workers: int) -> None:
+    """The documents of the pre-tokenized shards `ids`, in shard order, as a LitData token
+    dataset in `out` (replaced); its scratch folders in `out`.cache, removed after."""
+    import litdata
+    from litdata.streaming.item_loader import TokensLoader
+
+    from pipeline.shards.manifest import load_manifest
+
+    form = load_manifest(str(ids / "manifest.json")).tokens
+    assert form is not None
+    dtype = "<u2" if form.dtype == "uint16" else "<u4"
+    items = [(data, dtype, sep_id) for data in _members(ids, form.member)]
+    shutil.rmtree(out, ignore_errors=True)
+    scratch = out.with_name(out.name + ".cache")
+    start_method = multiprocessing.get_start_method(allow_none=True)  # see bench/image.py
+    try:
+        with _environ(DATA_OPTIMIZER_CACHE_FOLDER=str(scratch / "chunks"),
+                      DATA_OPTIMIZER_DATA_CACHE_FOLDER=str(scratch / "data")):
+            litdata.optimize(fn=_with_separator, inputs=items, output_dir=str(out),
+                             num_workers=workers, chunk_bytes="64MB", reorder_files=False,
+                             keep_data_ordered=True, verbose=False, item_loader=TokensLoader())
+    finally:
+        multiprocessing.set_start_method(start_method, force=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _members(shards: Path, ext: str) -> list[bytes]:
+    found = []
+    for path in sorted(shards.glob("*.tar")):
+        with tarfile.open(path) as tar:
+            found += [tar.extractfile(m).read()  # type: ignore[union-attr]
+                      for m in tar if m.name.endswith("." + ext)]
+    return found
+
+
+def pre_tokenized(shards: Path, work: Path, name: str, spec: str) -> Path:
+    """The text shards converted to ids of `spec` (make_shards shards --tokenizer)."""
+    from pipeline.convert import ConvertConfig, convert
+    from pipeline.convert.sources import TextOptions
+
+    out = work / f"ids-{name}"
+    convert(ConvertConfig(kind="shards", src=str(shards), out=str(out), max_count=200,
+                          overwrite=True, text=TextOptions(tokenizer=spec)))
+    return out
+
+
 def _loader(shards: Path, tok: Tokenizer, batch_size: int) -> Any:
     return Ours(shards, tok, batch_size).loader
 
 
-def tokenizers(work: Path, shards: Path) -> dict[str, Tokenizer]:
+def tokenizers(work: Path, shards: Path) -> dict[str, str]:
     """The built-in bytes, and a 2000-token BPE trained on the corpus when HF tokenizers is
-    installed."""
-    found: dict[str, Tokenizer] = {"bytes": load_tokenizer("bytes")}
+    installed: name -> what load_tokenizer and make_shards --tokenizer take."""
+    found = {"bytes": "bytes"}
     try:
         import tokenizers  # noqa: F401
     except ImportError:
         return found
     path = work / "bpe.json"
     train_bpe(_documents(shards), path, 2000)
-    found["bpe-2000"] = load_tokenizer(path)
+    found["bpe-2000"] = str(path)
     return found
 
 
@@ -127,15 +212,21 @@ def _documents(shards: Path) -> list[str]:
     return docs
 
 
-def run(shards: Path, work: Path, batch_size: int, repeats: int, epochs: int = 4
-        ) -> tuple[dict[str, Any], str]:
+def run(shards: Path, work: Path, batch_size: int, repeats: int, epochs: int = 4,
+        threads: int = 2) -> tuple[dict[str, Any], str]:
     """Figures for every tokenizer; returns (JSON-able result, markdown table)."""
     result: dict[str, Any] = {"seq_len": SEQ_LEN, "batch_size": batch_size, "repeats": repeats,
                               "tokenizers": {}}
-    for name, tok in tokenizers(work, shards).items():
+    litdata = importable("LitData")
+    for name, spec in tokenizers(work, shards).items():
+        tok = load_tokenizer(spec)
+        ids = pre_tokenized(shards, work, name, spec)
         runs: dict[str, Any] = {"shardflow": Ours(shards, tok, batch_size),
                 "plain loop": PlainLoop(shards, tok, batch_size),
-                "tokenizer alone": TokenizerAlone(shards, tok, batch_size)}
+                "tokenizer alone": TokenizerAlone(shards, tok, batch_size),
+                "shardflow pre-tokenized": Ours(ids, tok, batch_size)}
+        if litdata:
+            runs["LitData TokensLoader"] = LitDataTokens(ids, work, tok, batch_size, threads)
         counts = {k: v.epoch() for k, v in runs.items()}  # also the warm-up
         timings = alternate({k: v.epoch for k, v in runs.items()}, repeats=repeats, warmup=0,
                             cpu_clock=cpu_seconds)
@@ -147,9 +238,15 @@ def run(shards: Path, work: Path, batch_size: int, repeats: int, epochs: int = 4
             "ratios": {"shardflow/plain loop": round(timings.ratio("shardflow", "plain loop"),
                                                      3),
                        "shardflow/tokenizer alone": round(
-                           timings.ratio("shardflow", "tokenizer alone"), 3)},
+                           timings.ratio("shardflow", "tokenizer alone"), 3),
+                       "pre-tokenized/shardflow": round(
+                           timings.ratio("shardflow pre-tokenized", "shardflow"), 3),
+                       **({"pre-tokenized/LitData TokensLoader": round(timings.ratio(
+                           "shardflow pre-tokenized", "LitData TokensLoader"), 3)}
+                          if "LitData TokensLoader" in runs else {})},
         }
         runs["shardflow"].loader.close()
+        runs["shardflow pre-tokenized"].loader.close()
         result["tokenizers"][name].update(
             loader_figures(functools.partial(_loader, shards, tok, batch_size), epochs))
     return result, table(result)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -78,9 +78,22 @@ class ConvertConfig:
         if count < 1 or not 0 <= index < count:
             raise ValueError(f"part={index}/{count}: expected i/n with 0 <= i < n (0-based)")
         self._check_engine()
+        self._check_tokenizer()
         if self.kind == "tabular":  # a preset fills in what the flags leave unset
             object.__setattr__(self, "tabular", self.tabular.resolved())
             self.tabular.validate()
+
+    def _check_tokenizer(self) -> None:
+        spec = self.text.tokenizer
+        if spec is None:
+            return
+        if self.kind not in ("text", "shards"):
+            raise ValueError(f"tokenizer={spec!r}: documents are tokenized at conversion by the "
+                             "text and shards kinds only")
+        from pipeline.text.tokenizer import load_tokenizer
+
+        sha = load_tokenizer(spec).describe().get("sha256")  # a bad file fails here, early
+        object.__setattr__(self, "text", replace(self.text, tokenizer_sha256=sha))
 
     def _check_engine(self) -> None:
         if self.engine not in ("local", "ray"):
@@ -113,4 +126,7 @@ class ConvertConfig:
             args.pop("parquet")
         if self.kind != "tabular":
             args.pop("tabular")
+        if self.text.tokenizer is None:  # as recorded before documents could be tokenized
+            for name in ("tokenizer", "tokenizer_sha256"):
+                args["text"].pop(name)
         return json.loads(json.dumps(args))

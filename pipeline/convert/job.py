@@ -10,6 +10,7 @@ after a kill are in outdir.py; the manifest, written last, marks a finished job.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import random
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -44,10 +45,19 @@ from pipeline.samples.checks import (
     repair_sample,
 )
 from pipeline.shards.listing import list_shards, preflight
-from pipeline.shards.manifest import LabelStats, Manifest, ShardInfo
+from pipeline.shards.manifest import (
+    MANIFEST,
+    LabelStats,
+    Manifest,
+    ShardInfo,
+    TokenForm,
+    parse_manifest,
+)
 from pipeline.shards.tarread import TarLimits, iter_regrouped
 from pipeline.shards.writer import ShardWriter
 from pipeline.storage import Store
+from pipeline.text import pretokenized
+from pipeline.text.tokenizer import Tokenizer, load_tokenizer
 from pipeline.urls import redact
 
 log = logging.getLogger(__name__)
@@ -157,6 +167,22 @@ Task = InputItem | RowChunk | RowBlock | dict[str, object] | DataError
 
 
 def run_task(task: Task, work: _Work) -> list[dict[str, object] | DataError]:
+    built = _built(task, work)
+    if work.text.tokenizer is None:
+        return built
+    tokenizer = _tokenizer(work.text.tokenizer)  # documents stored as ids (--tokenizer)
+    source = task.path if isinstance(task, InputItem) else ""
+    return pretokenized.encode_samples(built, tokenizer, pretokenized.form_of(tokenizer),
+                                       source)
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(spec: str) -> Tokenizer:
+    """One load per worker process, not one per task."""
+    return load_tokenizer(spec)
+
+
+def _built(task: Task, work: _Work) -> list[dict[str, object] | DataError]:
     if isinstance(task, DataError):
         return [task]
     if isinstance(task, RowChunk):
@@ -274,7 +300,7 @@ class _Job:
         manifest = Manifest(shards, modality, plan.classes, list(self.skips.entries),
                             plan.ignored, self.cfg.job_args(), reencoded=self.tally.reencoded,
                             offset_clouds=self.tally.offset_clouds,
-                            labels=self.tally.label_stats())
+                            labels=self.tally.label_stats(), tokens=self._tokens())
         if isinstance(plan, TabularPlan):  # rows, blocks and the schema the loader reads
             manifest.tabular = {"schema": plan.schema.to_json(), "rows": self.tally.rows,
                                 "blocks": manifest.total_samples,
@@ -282,6 +308,19 @@ class _Job:
         self.store.write_bytes(self.cfg.manifest_name, manifest.encode())  # last: finished
         self.store.delete(JOURNAL)
         return manifest
+
+
+    def _tokens(self) -> TokenForm | None:
+        """How documents are stored as ids: this job's tokenizer's form, or, re-sharding
+        shards of ids without one, the source manifest's."""
+        if self.cfg.text.tokenizer is not None:
+            return pretokenized.form_of(_tokenizer(self.cfg.text.tokenizer))
+        if self.cfg.kind != "shards":
+            return None
+        src = Store(self.cfg.src, self.cfg.storage_options)
+        if not src.exists(MANIFEST):
+            return None
+        return parse_manifest(src.read_bytes(MANIFEST), src.where(MANIFEST)).tokens
 
 
 class _Tally:

@@ -53,6 +53,11 @@ class InputItem:
 class TextOptions:
     split_lines: bool = False
     text_field: str = "text"
+    # make_shards --tokenizer: documents stored as token ids (text/pretokenized.py); "bytes"
+    # or a tokenizer.json. Its sha256 is filled in by ConvertConfig: the file, not its path,
+    # decides the output, so a resumed job with another file at that path is refused.
+    tokenizer: str | None = None
+    tokenizer_sha256: str | None = None
 
 
 @dataclass

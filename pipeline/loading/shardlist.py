@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import fsspec
 
 from pipeline.shards.listing import count_from_index, list_shards, preflight
-from pipeline.shards.manifest import MANIFEST, load_manifest
+from pipeline.shards.manifest import MANIFEST, TokenForm, load_manifest
 from pipeline.storage import check_storage_options
 from pipeline.urls import check_scheme, expand_braces, redact
 
@@ -47,6 +47,7 @@ class Source:
     shards: tuple[ShardSpec, ...]
     classes: dict[str, int] | None = None
     modality: str | None = None
+    tokens: TokenForm | None = None  # text stored as token ids (pipeline/text/pretokenized.py)
 
     @property
     def total(self) -> int | None:
@@ -105,7 +106,7 @@ def _from_manifest(text: str, options: Mapping[str, Any]) -> Source | None:
     shards = tuple(ShardSpec(f"{base}/{s.name}", s.samples, s.sha256, options)
                    for s in m.shards)
     preflight([s.url for s in shards], text, options)
-    return Source(shards, m.classes, m.modality)
+    return Source(shards, m.classes, m.modality, m.tokens)
 
 
 def epoch_order(shards: Iterable[T], seed: int, epoch: int, shuffle: bool) -> list[T]:

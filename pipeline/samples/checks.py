@@ -25,6 +25,8 @@ IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif", "ppm", 
 IMAGE_MEMBERS = (*IMAGE_EXTS, *(ext.upper() for ext in IMAGE_EXTS))
 POINTCLOUD_EXTS = ("npy", "ply", "off", "xyz")
 TEXT_EXTS = ("txt",)
+# A document stored as token ids (pipeline/text/pretokenized.py): uint16 or uint32 ids.
+TOKEN_EXTS = ("tokens.u16", "tokens.u32")
 PICKLE_EXTS = ("pyd", "pkl", "pickle", "pth", "pt", "ckpt", "joblib")
 # The member beside `npy` of a cloud stored relative to an offset (cloud_members): float64 (3,)
 OFFSET_EXT = "offset.npy"
@@ -50,7 +52,7 @@ def modality_of(exts: set[str]) -> str:
     image, text, pointcloud, tabular it has members of; "unknown" without (dotted members
     such as `left.jpg` name no modality: the loaders read none of them)."""
     lower = {ext.lower() for ext in exts}
-    for modality, names in (("image", set(IMAGE_EXTS)), ("text", set(TEXT_EXTS)),
+    for modality, names in (("image", set(IMAGE_EXTS)), ("text", {*TEXT_EXTS, *TOKEN_EXTS}),
                             ("pointcloud", set(POINTCLOUD_EXTS)), ("tabular", {"npz"})):
         if lower & names:
             return modality

@@ -89,6 +89,32 @@ class LabelStats:
         return cls(tuple((int(a), int(b)) for a, b in doc["ranges"]))
 
 
+@dataclass(frozen=True)
+class TokenForm:
+    """How a pre-tokenized text set stores its documents (pipeline/text/pretokenized.py): the
+    tokenizer that made the ids (as its `describe()` names it), and the member holding each
+    document's ids, little-endian `dtype` ("uint16" when the vocabulary fits, else "uint32")."""
+
+    tokenizer: str  # "bytes" or "hf"
+    vocab_size: int
+    sha256: str | None  # of the tokenizer.json; None for the built-in bytes
+    member: str  # "tokens.u16" or "tokens.u32"
+    dtype: str
+
+    def to_json(self) -> dict[str, object]:
+        return {"tokenizer": self.tokenizer, "vocab_size": self.vocab_size,
+                "sha256": self.sha256, "member": self.member, "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, doc: object) -> TokenForm | None:
+        """None for text stored as documents (and every other modality)."""
+        if not isinstance(doc, dict):
+            return None
+        return cls(str(doc["tokenizer"]), int(doc["vocab_size"]),
+                   None if doc.get("sha256") is None else str(doc["sha256"]),
+                   str(doc["member"]), str(doc["dtype"]))
+
+
 @dataclass
 class Manifest:
     """The JSON document; `shards` in name order, `skipped` each with source and reason.
@@ -108,13 +134,16 @@ class Manifest:
     labels: LabelStats | None = None
     # The tabular kind's: {"schema": {...}, "rows": N, "blocks": N, "rows_per_block": N}
     tabular: dict[str, Any] | None = None
+    tokens: TokenForm | None = None  # text stored as token ids (make_shards --tokenizer)
 
     @property
     def total_samples(self) -> int:
         return sum(s.samples for s in self.shards)
 
     def to_json(self) -> dict[str, object]:
-        extra = {"tabular": self.tabular} if self.tabular is not None else {}
+        extra: dict[str, object] = {"tabular": self.tabular} if self.tabular is not None else {}
+        if self.tokens is not None:
+            extra["tokens"] = self.tokens.to_json()
         return {
             "format_version": FORMAT_VERSION, "tool": TOOL, "tool_version": self.tool_version,
             "modality": self.modality, "total_samples": self.total_samples,
@@ -137,7 +166,8 @@ class Manifest:
                        {str(k): int(v) for k, v in dict(doc.get("reencoded") or {}).items()},  # type: ignore[call-overload]
                        int(doc.get("offset_clouds") or 0),  # type: ignore[call-overload]
                        LabelStats.from_json(doc.get("labels")),
-                       dict(doc["tabular"]) if doc.get("tabular") else None)  # type: ignore[call-overload]
+                       dict(doc["tabular"]) if doc.get("tabular") else None,  # type: ignore[call-overload]
+                       TokenForm.from_json(doc.get("tokens")))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: not a shardflow manifest ({exc!r})") from None
 
@@ -216,6 +246,7 @@ def _merge(manifests: list[Manifest], out: Store) -> Manifest:
         offset_clouds=sum(m.offset_clouds for m in manifests),
         labels=_merged_labels(manifests),
         tabular=_merged_tabular(manifests),
+        tokens=first.tokens,  # the same tokenizer in every part: its sha256 is in the args
     )
 
 

@@ -20,8 +20,9 @@ from pipeline.errors import DataError, SkipLog
 from pipeline.samples.checks import IMAGE_MEMBERS, TEXT_EXTS, CheckLimits, check_sample
 from pipeline.shards import daliindex
 from pipeline.shards.listing import list_shards, regular_file
-from pipeline.shards.manifest import MANIFEST, Manifest, ShardInfo, load_manifest
+from pipeline.shards.manifest import MANIFEST, Manifest, ShardInfo, TokenForm, load_manifest
 from pipeline.shards.tarread import TarLimits, dotted_key, iter_samples
+from pipeline.text import pretokenized
 from pipeline.urls import beside, redact
 
 REQUIRED = {"image": (IMAGE_MEMBERS,), "text": (TEXT_EXTS,), "pointcloud": (("npy",),)}
@@ -67,6 +68,7 @@ class VerifyOptions:
     tar_limits: TarLimits = field(default_factory=TarLimits)
     modality: str | None = None
     num_classes: int | None = None
+    tokens: TokenForm | None = None  # the manifest's: documents stored as token ids
     # fsspec's options for the shard URLs (endpoint, credentials): never shown
     storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
@@ -122,12 +124,20 @@ def _check(sample: dict[str, object], opts: VerifyOptions, skips: SkipLog,
     try:
         check_sample(sample, opts.limits, opts.num_classes)
         _check_required(sample, opts)
+        if opts.tokens is not None:  # whole ids, each below the tokenizer's vocabulary
+            try:
+                pretokenized.ids_of(sample[opts.tokens.member], opts.tokens)  # type: ignore[arg-type]
+            except DataError as err:
+                raise err.located(source=str(sample["__url__"]),
+                                  key=str(sample["__key__"])) from None
     except DataError as err:
         skips.add(err)
 
 
 def _check_required(sample: dict[str, object], opts: VerifyOptions) -> None:
     groups = list(REQUIRED.get(opts.modality or "", ()))
+    if opts.tokens is not None:
+        groups = [(opts.tokens.member,)]
     if opts.num_classes is not None:
         groups.append(("cls",))
     for group in groups:
@@ -205,7 +215,7 @@ def verify(source: str, *, workers: int = 1, limits: CheckLimits | None = None,
     opts = VerifyOptions(limits or CheckLimits(), TarLimits(),
                          manifest.modality if manifest else None,
                          len(manifest.classes) if manifest and manifest.classes else None,
-                         dict(storage_options or {}))
+                         manifest.tokens if manifest else None, dict(storage_options or {}))
     items = list(zip(urls, expected, strict=True))
     reports = []
     for report in executor.ordered_map(_verify_one, items, opts, workers, chunk=1,

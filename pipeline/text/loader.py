@@ -43,7 +43,7 @@ from pipeline.loading.readplan import EpochPlan
 from pipeline.loading.shardlist import Source
 from pipeline.samples.checks import TEXT_EXTS, text_of
 from pipeline.text import elastic as text_elastic
-from pipeline.text import masking, packing, tokenize
+from pipeline.text import masking, packing, pretokenized, tokenize
 from pipeline.text.config import Objective, TextConfig
 from pipeline.text.tokenizer import Tokenizer, load_tokenizer
 from pipeline.urls import redact
@@ -100,6 +100,11 @@ class TextLoader(Loader):
         self.device, self.decode = self.placement.device, self.placement.decode
         self.cuda_index = self.placement.cuda_index
         self._init_from_config(source, cfg, rank, world_size)
+        # Shards of token ids (make_shards text --tokenizer) are read as ids, without running
+        # the tokenizer, which must be the one that made them (text/pretokenized.py).
+        self.tokens = source.tokens
+        if self.tokens is not None:
+            pretokenized.check(self.tokens, tokenizer, source.describe())
         cuda = self.placement.target == "cuda"
         self.copier = DeviceCopier(("cuda", self.cuda_index) if cuda else "cpu", None, None,
                                    True, slots=cfg.prefetch + 2)
@@ -183,8 +188,12 @@ class TextLoader(Loader):
             if plan.rest else {}
         # A tokenizer that encodes outside the GIL (HF's, in Rust threads) works on the next
         # reads in a helper thread while this one packs and masks (tokenize.py).
-        encode = functools.partial(tokenize.packed, self.tokenizer, cut=cut, ids=ids)
-        depth = tokenize.AHEAD if tokenize.releases_gil(self.tokenizer) else 0
+        if self.tokens is not None:  # stored ids: numpy's work, in this thread
+            encode = functools.partial(tokenize.stored, self.tokenizer.sep_id, cut=cut, ids=ids)
+            depth = 0
+        else:
+            encode = functools.partial(tokenize.packed, self.tokenizer, cut=cut, ids=ids)
+            depth = tokenize.AHEAD if tokenize.releases_gil(self.tokenizer) else 0
         tokenized = tokenize.mapped(encode, self._documents_of(plan, before, stop), depth)
         try:
             for (before, keys, skips, urls, read, after), (tokens, starts) in tokenized:
@@ -196,7 +205,8 @@ class TextLoader(Loader):
                       stop: threading.Event) -> Iterator[tuple[tuple[Any, ...], Any]]:
         """((state before the read, keys, skips, urls, samples read, state after), (texts,
         urls, keys)) per read: the documents of each read, checked, ready to tokenize."""
-        for enc in self._encoded(plan, before, TEXT_EXTS):
+        exts = (self.tokens.member,) if self.tokens is not None else TEXT_EXTS
+        for enc in self._encoded(plan, before, exts):
             if stop.is_set():
                 return
             # Every sample of the read, documents or not (text/elastic.py).
@@ -207,21 +217,38 @@ class TextLoader(Loader):
             yield (before, keys, enc.skips, urls, read, enc.state), (texts, urls, keys)
             before = enc.state
 
-    def _documents(self, enc: EncodedBatch) -> tuple[list[str], list[str], list[str]]:
-        texts, keys, urls, skips = [], [], [], SkipLog()
+    def _documents(self, enc: EncodedBatch) -> tuple[Any, list[str], list[str]]:
+        """(the read's documents, keys, urls): texts, or stored ids (a list of arrays, or
+        the read already packed when every member of it is sound and within max_doc_bytes)."""
+        if self.tokens is not None and max(map(len, enc.data), default=0) <= \
+                self.cfg.max_doc_bytes:
+            whole = pretokenized.packed(enc.data, self.tokens, self.tokenizer.sep_id)
+            if whole is not None:
+                return whole, list(enc.keys), list(enc.urls)
+        docs, keys, urls, skips = [], [], [], SkipLog()
         for i in range(len(enc)):
             try:
-                texts.append(self._document(enc.data[i], enc.urls[i], enc.keys[i]))
+                docs.append(self._document(enc.data[i], enc.urls[i], enc.keys[i]))
                 keys.append(enc.keys[i])
                 urls.append(enc.urls[i])
             except DataError as err:
                 handle(err.located(source=enc.urls[i], key=enc.keys[i]), self.on_error, skips)
         enc.skips.extend(skips.entries)
-        return texts, keys, urls
+        return docs, keys, urls
 
-    def _document(self, raw: np.ndarray, url: str, key: str) -> str:
-        data = raw.tobytes()
+    def _document(self, raw: np.ndarray, url: str, key: str) -> str | np.ndarray:
         limit = self.cfg.max_doc_bytes
+        if self.tokens is not None:  # stored ids: max_doc_bytes of them, in whole ids
+            ids = pretokenized.ids_of(raw, self.tokens)
+            if ids.nbytes > limit:
+                keep = limit // (ids.nbytes // len(ids))
+                log.warning("%s key %r: a document of %d stored token ids; only its first %d "
+                            "are used (max_doc_bytes=%d)", redact(url), key, len(ids), keep,
+                            limit)
+                self.truncated_docs += 1
+                ids = ids[:keep]
+            return ids
+        data = raw.tobytes()
         if len(data) > limit:
             cut = limit
             while cut and (data[cut] & 0xC0) == 0x80:  # not inside a UTF-8 character

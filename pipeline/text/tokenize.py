@@ -56,6 +56,21 @@ def packed(tokenizer: Tokenizer, docs: Documents, *, cut: dict[tuple[int, str], 
     return packing.join(encoded, tokenizer.sep_id)
 
 
+def stored(sep_id: int, docs: tuple[Any, list[str], list[str]], *,
+           cut: dict[tuple[int, str], int], ids: dict[str, int]
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """`packed` for stored token ids (pretokenized.py): the read as the loader packed it, or
+    its documents' ids, joined; documents an elastic resume starts late are cut first."""
+    found, urls, keys = docs
+    if isinstance(found, tuple):
+        if not cut:
+            return found
+        found = packing.documents(*found)
+    if not found:
+        return np.zeros(0, np.int32), np.zeros(0, np.int64)
+    return packing.join(elastic.trim(found, urls, keys, ids, cut), sep_id)
+
+
 def mapped(fn: Callable[[Any], R], items: Iterable[tuple[A, Any]], depth: int
            ) -> Generator[tuple[A, R], None, None]:
     """(a, fn(b)) for each (a, b) of `items`, in order; fn in helper threads `depth` ahead

@@ -12,11 +12,14 @@ its pad, separator and mask ids, and which ids are ordinary tokens (what masking
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 # Special tokens looked up in an HF tokenizer, in order of preference.
 PAD_NAMES = ("[PAD]", "<pad>", "<|pad|>")
@@ -101,6 +104,7 @@ class HFTokenizer:
         except Exception as exc:  # noqa: BLE001 - the library raises plain Exception
             raise ValueError(f"{path}: not a tokenizers file ({exc})") from None
         self.sha256 = hashlib.sha256(data).hexdigest()
+        _no_cutting(self._tok, path)
         self.vocab_size = self._tok.get_vocab_size()
         self.sep_id = self._special(path, SEP_NAMES, "separator")
         self.pad_id, self.pad_source = self._pad(path, pad_token)
@@ -150,6 +154,23 @@ class HFTokenizer:
         # The pad id only where it was chosen, so that states saved before it could be
         # chosen (files with a pad token) still match.
         return found if self.pad_source == "vocabulary" else {**found, "pad_id": self.pad_id}
+
+
+def _no_cutting(tok: Any, path: Path) -> None:
+    """Turn off the truncation and padding a tokenizer.json may carry (HF writes them with the
+    file: a GPT-2 file saved with max_length=50 cut every document to 50 tokens, silently).
+    Documents are packed or truncated into rows by the loader, never by the tokenizer."""
+    found = []
+    if tok.truncation is not None:
+        found.append(f"truncation (max_length={tok.truncation.get('max_length')})")
+        tok.no_truncation()
+    if tok.padding is not None:
+        found.append(f"padding (length={tok.padding.get('length')})")
+        tok.no_padding()
+    if found:
+        log.warning("%s: the tokenizer file turns on %s; turned off, so that no document is "
+                    "cut or padded by the tokenizer (the loader makes the rows)", path,
+                    " and ".join(found))
 
 
 def load_tokenizer(spec: str | Path | Tokenizer, pad_token: str | None = None) -> Tokenizer:
