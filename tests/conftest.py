@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.server
+import importlib
 import io
 import json
 import os
@@ -37,6 +38,17 @@ def dali_available() -> bool:
     from pipeline.loading.readers import dali_importable
 
     return dali_importable()
+
+
+def import_or_skip(name: str) -> Any:
+    """pytest.importorskip, but a package that is installed and breaks on import skips too:
+    PyPI's torchvision beside our CPU torch raises RuntimeError ("operator torchvision::nms
+    does not exist"), and lightning imports it when it is there. Such a reference is optional
+    (never a dependency), so its absence or breakage says nothing about our code."""
+    try:
+        return importlib.import_module(name)
+    except Exception as e:  # noqa: BLE001 - any failure to import means "not usable here"
+        pytest.skip(f"{name} does not import here ({type(e).__name__}: {str(e)[:120]})")
 
 
 def needs_dali(item: pytest.Item) -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, import_or_skip
 
 from pipeline import image_loader
 from pipeline.builtin import make_image_folder
@@ -52,7 +52,7 @@ def test_lightning_resumes_mid_epoch_with_exactly_the_remaining_samples(shards, 
     """The process is SIGKILLed at the start of global step 7 (5 steps an epoch: 2 into epoch
     1), not an exception Lightning could unwind; the same command again resumes from the
     checkpoint the killed process left."""
-    pytest.importorskip("lightning")
+    import_or_skip("lightning.pytorch")
     flags = ("--batch", BATCH, "--validate")
     killed = _lightning(shards, tmp_path, 1, -1, *flags, "--kill-at", 7)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
@@ -84,7 +84,7 @@ def test_lightning_ddp_on_two_ranks_resumes_on_one_with_every_sample_once(shards
     """Lightning's DDP (gloo, 2 processes) stopped mid-epoch, resumed from its checkpoint on
     one process: the loader's state holds both ranks' positions (gathered when Lightning
     saves on every rank), and the rest of the epoch goes to the one rank (elastic.py)."""
-    pytest.importorskip("lightning")
+    import_or_skip("lightning.pytorch")
     for devices, max_steps in ((2, 3), (1, -1)):
         done = _lightning(shards, tmp_path, devices, max_steps)
         assert done.returncode == 0, done.stderr[-3000:]

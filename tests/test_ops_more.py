@@ -11,7 +11,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import chi_square, photo_tensor
+from conftest import chi_square, import_or_skip, photo_tensor
 from PIL import ImageFilter, ImageOps
 
 from pipeline import ops
@@ -281,7 +281,7 @@ def test_gaussian_blur_draws_sigma_per_image_and_batches_as_each_alone(photos):
 
 
 def test_gaussian_blur_is_torchvisions_where_it_imports(photos):
-    tf = pytest.importorskip("torchvision.transforms.functional")
+    tf = import_or_skip("torchvision.transforms.functional")
     images = photo_tensor(photos)
     got = ops.GaussianBlur((9, 5)).torch(images, [1.3] * 6)
     want = tf.gaussian_blur(images, [9, 5], [1.3, 1.3])
