@@ -1,7 +1,9 @@
 """make_shards index: DALI indexes and a manifest for shards made elsewhere (webdataset's own
 ShardWriter, GNU tar), without rewriting them; DALI's reader accepts the indexes, the counts and
 checksums are the files', verify_shards passes, a stopped run goes on where it stopped, and a
-shard the readers would not read as it is is named and left without an index.
+shard the readers would not read as it is is named and left without an index; with --out DIR
+the indexes of read-only or remote (HTTP) shards go to DIR, which the loaders, verify_shards and
+train.py take as index=DIR.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import webdataset as wds
-from conftest import jpeg_bytes, run_tool
+from conftest import RangeHandler, http_server, jpeg_bytes, run_tool
 
 from pipeline import image_loader
 from pipeline.shards import daliindex
@@ -31,9 +34,9 @@ def wds_shards(folder: Path, shards: int = 3, per_shard: int = 5) -> dict[str, i
     return labels
 
 
-def keys_read(folder: Path, reader: str, backend: str) -> dict[str, int]:
+def keys_read(folder: Path | str, reader: str, backend: str, **kw: object) -> dict[str, int]:
     with image_loader(str(folder), batch_size=4, size=16, device="cpu", reader=reader,
-                      backend=backend, use_tuning=False, threads=1) as loader:
+                      backend=backend, use_tuning=False, threads=1, **kw) as loader:
         return {k: int(b.label[i]) for b in loader for i, k in enumerate(b.keys)}
 
 
@@ -70,25 +73,28 @@ def test_dalis_reader_reads_the_indexed_shards(tmp_path):
     assert keys_read(folder, "dali", "dali") == labels
 
 
-def test_a_stopped_index_goes_on_where_it_stopped(tmp_path):
+@pytest.mark.parametrize("out", [False, True], ids=["beside", "out"])
+def test_a_stopped_index_goes_on_where_it_stopped(tmp_path, out):
     """The first shard is indexed, the second is gzipped: the run stops there, naming it; with
     the shard replaced by its plain tar, a rerun reads only that one."""
     folder = tmp_path / "wds"
     wds_shards(folder, shards=2)
+    where = tmp_path / "index" if out else folder
+    flags = ("--out", where) if out else ()
     second = folder / "part-000001.tar"
     plain = second.read_bytes()
     second.write_bytes(gzip.compress(plain))
-    proc = run_tool("make_shards", "index", folder, "--quiet")
+    proc = run_tool("make_shards", "index", folder, *flags, "--quiet")
     assert proc.returncode != 0 and "gzipped tar" in proc.stderr and "part-000001" in proc.stderr
-    first_idx = folder / "part-000000.idx"
+    first_idx = where / "part-000000.idx"
     stamp = first_idx.stat().st_mtime_ns
-    assert not (folder / "manifest.json").exists() and not second.with_suffix(".idx").exists()
+    assert not (where / "manifest.json").exists() and not (where / "part-000001.idx").exists()
     second.write_bytes(plain)
-    run_tool("make_shards", "index", folder, "--quiet", check=True)
+    run_tool("make_shards", "index", folder, *flags, "--quiet", check=True)
     assert first_idx.stat().st_mtime_ns == stamp  # journalled: not read again
-    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest = json.loads((where / "manifest.json").read_text())
     assert [s["samples"] for s in manifest["shards"]] == [5, 5]
-    assert not (folder / ".shardflow-index.jsonl").exists()
+    assert not (where / ".shardflow-index.jsonl").exists()
 
 
 def test_a_shard_the_readers_refuse_is_named_and_left_without_an_index(tmp_path):
@@ -108,3 +114,134 @@ def test_a_shard_the_readers_refuse_is_named_and_left_without_an_index(tmp_path)
     assert keys_read(folder, "stream", "portable") == labels  # the manifest's shards
     proc = run_tool("make_shards", "index", folder, "--quiet")
     assert proc.returncode != 0 and "have a manifest already" in proc.stderr
+
+
+# -- --out DIR: indexes for shards that cannot have them beside (read-only, remote) ----------
+
+def in_place_indexes(folder: Path, tmp_path: Path) -> dict[str, str]:
+    """The .idx files `make_shards index` writes beside a copy of `folder`'s shards."""
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for p in folder.glob("*.tar"):
+        (copy / p.name).write_bytes(p.read_bytes())
+    run_tool("make_shards", "index", copy, "--quiet", check=True)
+    return {p.name: p.read_text() for p in copy.glob("*.idx")}
+
+
+def test_index_out_leaves_the_folder_as_it_is_and_the_loaders_read_through_it(tmp_path):
+    folder = tmp_path / "wds"
+    labels = wds_shards(folder, shards=4)  # 2 shards a rank: none left out to even them
+    before = sorted(folder.iterdir())
+    out = tmp_path / "index"
+    run_tool("make_shards", "index", folder, "--out", out, "--quiet", check=True)
+    assert sorted(folder.iterdir()) == before  # nothing written beside the shards
+    assert {p.name: p.read_text() for p in out.glob("*.idx")} == \
+        in_place_indexes(folder, tmp_path)
+    assert keys_read(folder, "stream", "portable", index=str(out)) == labels
+    halves = [keys_read(folder, "stream", "portable", index=str(out), rank=r, world_size=2)
+              for r in (0, 1)]  # counts from DIR's manifest: ranks can be split
+    assert not halves[0].keys() & halves[1].keys() and {**halves[0], **halves[1]} == labels
+    proc = run_tool("verify_shards", folder, "--index", out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # A stale index in DIR is found: another shard's index under this one's name.
+    (out / "part-000000.idx").write_text((out / "part-000001.idx").read_text())
+    proc = run_tool("verify_shards", folder, "--index", out)
+    assert proc.returncode == 1 and "bad-index" in proc.stdout
+
+
+@pytest.mark.dali
+def test_dalis_reader_reads_local_shards_through_an_index_folder(tmp_path):
+    pytest.importorskip("nvidia.dali")
+    folder = tmp_path / "wds"
+    labels = wds_shards(folder)
+    out = tmp_path / "index"
+    run_tool("make_shards", "index", folder, "--out", out, "--quiet", check=True)
+    with pytest.raises(ValueError, match="index=DIR"):  # no .idx beside them
+        keys_read(folder, "dali", "dali")
+    assert keys_read(folder, "dali", "dali", index=str(out)) == labels
+
+
+def test_index_out_over_http_gives_the_files_indexes_and_a_resume_by_range(tmp_path):
+    folder = tmp_path / "wds"
+    labels = wds_shards(folder, shards=4, per_shard=6)
+    out = tmp_path / "index"
+    with http_server(folder, RangeHandler) as base:
+        pattern = f"{base}/part-{{000000..000003}}.tar"
+        proc = run_tool("make_shards", "index", base + "/part-000000.tar", "--quiet")
+        assert proc.returncode != 0 and "give --out DIR" in proc.stderr
+        run_tool("make_shards", "index", pattern, "--out", out, "--quiet", check=True)
+        manifest = json.loads((out / "manifest.json").read_text())
+        for shard in manifest["shards"]:
+            data = (folder / shard["name"]).read_bytes()
+            assert (shard["samples"], shard["bytes"]) == (6, len(data))
+            assert shard["sha256"] == hashlib.sha256(data).hexdigest()
+        assert manifest["args"]["src"] == pattern and manifest["total_samples"] == 24
+        assert {p.name: p.read_text() for p in out.glob("*.idx")} == \
+            in_place_indexes(folder, tmp_path)
+        # The folder's URL (the manifest names its shards) or the pattern: the same samples.
+        assert keys_read(base, "stream", "portable", index=str(out)) == labels
+        assert keys_read(pattern, "auto", "auto", index=str(out)) == labels
+        proc = run_tool("verify_shards", base, "--index", out)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        fetched, state = _resume_over(base, out)
+    # The resume fetched the shuffle buffer's samples by range through DIR's .idx files,
+    # not their whole shards.
+    stragglers = state["ranks"][0]["reader_state"]["stragglers"]
+    assert stragglers
+    size = max(p.stat().st_size for p in folder.glob("*.tar"))
+    assert fetched < (4 - state["ranks"][0]["reader_state"]["needed"]) * size + \
+        len(stragglers) * 4096
+
+
+def _resume_over(base: str, out: Path) -> tuple[int, dict]:
+    def make():  # type: ignore[no-untyped-def]
+        return image_loader(base, index=str(out), batch_size=4, size=16, device="cpu",
+                            reader="stream", backend="portable", use_tuning=False, threads=1,
+                            shuffle_buffer=8, shards_in_flight=2, seed=5)
+
+    with make() as whole:
+        everything = list(whole)
+    with make() as first:
+        it = iter(first)
+        for _ in range(3):
+            next(it)
+        it.close()
+        state = json.loads(json.dumps(first.state_dict()))
+    with make() as resumed:
+        resumed.load_state_dict(state)
+        rest = list(resumed)
+        fetched = resumed.fetch_stats.remote_bytes
+    assert [b.keys for b in rest] == [b.keys for b in everything[3:]]
+    for a, b in zip(rest, everything[3:], strict=True):
+        assert torch.equal(a.image, b.image)
+    return fetched, state
+
+
+def test_an_index_folder_must_name_the_shards_it_is_given(tmp_path):
+    folder = tmp_path / "wds"
+    wds_shards(folder)
+    out = tmp_path / "index"
+    with pytest.raises(FileNotFoundError, match="make_shards.py index SRC --out DIR"):
+        keys_read(folder, "stream", "portable", index=str(out))
+    run_tool("make_shards", "index", folder / "part-00000[01].tar", "--out", out, "--quiet",
+             check=True)
+    assert len(keys_read(folder / "part-000001.tar", "stream", "portable", index=str(out))) == 5
+    with pytest.raises(ValueError, match="does not name .*part-000002.tar"):
+        keys_read(folder / "part-*.tar", "stream", "portable", index=str(out))
+
+
+def test_train_py_trains_on_remote_shards_through_an_index_folder(tmp_path):
+    """webdataset-written shards over HTTP, no manifest there: the class count comes from the
+    index folder's label statistics, and every 10th shard (here the last) is held out."""
+    folder = tmp_path / "wds"
+    wds_shards(folder, shards=4, per_shard=6)
+    out, run = tmp_path / "index", tmp_path / "run"
+    with http_server(folder, RangeHandler) as base:
+        run_tool("make_shards", "index", f"{base}/part-{{000000..000003}}.tar", "--out", out,
+                 "--quiet", check=True)
+        proc = run_tool("train", "--task", "image", "--data", base, "--index", out, "--out",
+                        run, "--steps", 2, "--batch-size", 4, "--size", 16, "--device", "cpu",
+                        "--precision", "fp32", "--quiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 2 and "part-000003.tar" in summary["held_out"]

@@ -69,10 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
                        "(s3://bucket/train)")
         _common_options(p)
         _kind_options(p, kind)
-    index = sub.add_parser("index", help="write DALI indexes and manifest.json beside "
-                           "existing local shards, without rewriting them (made by webdataset, "
-                           "tar or another tool)")
-    index.add_argument("src", help="the folder of .tar shards")
+    index = sub.add_parser("index", help="write DALI indexes and manifest.json for existing "
+                           "shards, without rewriting them (made by webdataset, tar or another "
+                           "tool): beside them, or in --out DIR")
+    index.add_argument("src", help="the folder of .tar shards; with --out, also a read-only "
+                       "folder, a glob, a brace pattern or a URL (https://, s3://)")
+    index.add_argument("--out", default=None, metavar="DIR",
+                       help="a local folder for the .idx files and manifest.json, when they "
+                       "cannot lie beside the shards; the loaders then take index=DIR, "
+                       "verify_shards --index DIR")
+    add_storage_options(index)
     index.add_argument("--on-error", choices=("raise", "skip"), default="raise",
                        help="raise: stop at the first shard the readers would not read as it "
                        "is; skip: list it in the manifest's skipped and go on")
@@ -291,14 +297,18 @@ def print_summary(m: Manifest, out: str, seconds: float) -> None:
 
 
 def _index(args: argparse.Namespace) -> int:
-    from pipeline.shards.indexing import index_folder
+    from pipeline.shards.indexing import index_source
     from pipeline.shards.tarread import TarLimits
 
     with tqdm(unit="shard", disable=args.quiet, dynamic_ncols=True) as bar:
-        m = index_folder(Path(args.src), limits=TarLimits(args.max_member_size),
-                         on_error=args.on_error, progress=lambda _name: bar.update())
+        m = index_source(args.src, args.out, limits=TarLimits(args.max_member_size),
+                         on_error=args.on_error, progress=lambda _name: bar.update(),
+                         storage_options=args.storage_options)
+    folder = Path(args.out if args.out is not None else args.src)
     print(f"indexed {len(m.shards)} shards, {m.total_samples} samples ({m.modality}) -> "
-          f"{Path(args.src) / 'manifest.json'}")
+          f"{folder / 'manifest.json'}")
+    if args.out is not None:
+        print(f"read them with index={str(folder)!r} (verify_shards SRC --index {folder})")
     if m.skipped:
         print(f"left {len(m.skipped)} shards without an index (listed under 'skipped' in "
               "manifest.json; make_shards shards rewrites them)")

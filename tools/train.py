@@ -138,6 +138,9 @@ def add_loader_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shards-in-flight", type=positive_int, default=2, metavar="N",
                    help="streaming reader: shards fetched at once per rank, their samples "
                    "interleaved (default 2)")
+    p.add_argument("--index", default=None, metavar="DIR",
+                   help="--data's manifest.json and .idx files lie in DIR, not beside its "
+                   "shards (make_shards index SRC --out DIR: read-only or remote shards)")
     p.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="streaming reader: keep remote shards in this local folder (shared by "
                    "the ranks of a machine), so later epochs read them from disk")
@@ -200,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     if info.is_main and not args.quiet:  # which tuned choices the loaders use, and why not
         logging.getLogger("pipeline.loading.tuning").setLevel(logging.INFO)
     distributed.init(info, use_cuda=args.device != "cpu" and torch.cuda.is_available())
-    split = split_eval(resolve_source(args.data, storage_options=args.storage_options),
+    split = split_eval(resolve_source(args.data, storage_options=args.storage_options,
+                                      index=args.index),
                        args.eval_data, info.world_size, args.storage_options)
     torch.manual_seed(args.seed)
     # The same seed on every rank: every rank starts from the same weights.

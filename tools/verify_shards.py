@@ -3,6 +3,7 @@
 
     python tools/verify_shards.py shards/train [--json report.json]
     python tools/verify_shards.py 'shards/train-{000000..000009}.tar' --world-size 4
+    python tools/verify_shards.py https://host/shards/ --index local-index/
 
 Exits 1 when anything is wrong (each problem is named with its shard and key), 0 otherwise.
 With --world-size, shows how the loaders will split the shards over that many ranks: their
@@ -34,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="a folder with manifest.json, a glob, a brace pattern or URL")
+    p.add_argument("--index", default=None, metavar="DIR",
+                   help="the shards' manifest.json and .idx files lie in DIR (make_shards index "
+                   "SRC --out DIR), not beside them")
     p.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1,
                    help="shards verified in parallel")
     p.add_argument("--worker-timeout", type=positive_seconds, default=900.0, metavar="SECONDS",
@@ -128,7 +132,8 @@ def verify_with_progress(args: argparse.Namespace) -> tuple[list[ShardReport], A
             bar.set_postfix(samples=samples)
 
         return verify(args.source, workers=args.jobs, timeout_s=args.worker_timeout,
-                      progress=progress, storage_options=args.storage_options)
+                      progress=progress, storage_options=args.storage_options,
+                      index=args.index)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,6 +70,7 @@ class TaskOptions:
     prefetch: int | None = None  # None: the tuning file's, else the loaders' default
     shards_in_flight: int = 2  # the streaming reader's fetches at once per rank
     cache_dir: str | None = None  # the streaming reader's local cache of remote shards
+    index: str | None = None  # the folder of `data`'s manifest and .idx files, if not beside
     cache_limit: int = 32 * 2**30
     tuning_file: Path | None = None  # None: tuning.default_path(), when it exists
     use_tuning: bool = True  # False: --no-tuning
@@ -268,7 +269,7 @@ def _classes(opts: TaskOptions, train: Source) -> int:
     known, where = None, ""
     if train.classes:
         known, where = len(train.classes), f"its class map ({len(train.classes)} classes)"
-    elif (stats := _label_stats(opts.data, opts.storage_options)) is not None:
+    elif (stats := _label_stats(opts.index or opts.data, opts.storage_options)) is not None:
         known = stats.ranges[-1][1] + 1
         where = f"its label statistics (labels up to {known - 1})"
     given = opts.num_classes

@@ -219,7 +219,7 @@ def _refuse_unlabelled(source: Source) -> None:
     """ValueError when no sample of any shard has a `.cls` member, from the .idx files: the
     loader was asked for labels the shards do not hold. Stops at the first labelled shard."""
     for shard in source.shards:
-        with open(shard.url[: -len(".tar")] + ".idx") as f:
+        with open(shard.index_url) as f:
             try:
                 samples = parse_index(f.read())
             except ValueError:

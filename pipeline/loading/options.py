@@ -68,6 +68,9 @@ class LoaderOptions:
     shards_in_flight: int = 2
     cache_dir: str | None = None
     cache_limit: int = 32 * 2**30
+    # A folder with the shards' manifest.json and .idx files, for shards that have none beside
+    # them (read-only or remote: `make_shards index SRC --out DIR`; shards/indexdir.py)
+    index: str | None = None
 
     def __post_init__(self) -> None:
         positive(self, "batch_size", "prefetch", "shards_in_flight", "cache_limit")

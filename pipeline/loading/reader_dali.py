@@ -27,14 +27,15 @@ from pipeline.shards.daliindex import parse_index
 from pipeline.shards.tarread import split_name
 
 
-def check_local_shard(url: str) -> int:
-    """Samples in a local shard per its index, after checking that the tar holds every byte
-    the index points at (a truncated shard is refused up front, not mid-epoch)."""
-    idx = url[: -len(".tar")] + ".idx"
+def check_local_shard(url: str, idx: str | None = None) -> int:
+    """Samples in a local shard per its index (`idx`, else the .idx beside it), after checking
+    that the tar holds every byte the index points at (a truncated shard is refused up front,
+    not mid-epoch)."""
+    idx = idx or url[: -len(".tar")] + ".idx"
     if not os.path.isfile(idx):
-        raise DataError("missing-index", "no .idx beside the shard; make it with "
-                        "tools/make_shards.py shards, or read through the streaming reader",
-                        source=url)
+        raise DataError("missing-index", f"no index at {idx}; make it with tools/make_shards.py "
+                        "index (--out DIR for shards you cannot write beside), or read "
+                        "through the streaming reader", source=url)
     with open(idx) as f:
         try:
             samples = parse_index(f.read())
@@ -75,17 +76,13 @@ def _seed(plan: EpochPlan) -> int:
     return (plan.seed * 1_000_003 + plan.epoch * 7919 + plan.rank) % (2**31 - 1)
 
 
-def _index(url: str) -> str:
-    return url[: -len(".tar")] + ".idx"
-
-
 def _fallback_exts(plan: EpochPlan, exts: tuple[str, ...]) -> list[str]:
     """The extensions of samples that have no member among `exts` and no `.cls`. DALI gives
     an empty output no source, so such a sample is named through a third output reading one
     of these; none (the usual case): no third output, nothing more is read."""
     wanted, found = {*exts, "cls"}, set[str]()
     for shard in plan.shards:
-        idx = _index(shard.url)
+        idx = shard.index_url
         st = os.stat(idx)
         for members in _ext_sets(idx, st.st_mtime_ns, st.st_size):
             if not members & wanted:
@@ -114,7 +111,7 @@ def _build(plan: EpochPlan, checkpoint: bytes | None, exts: tuple[str, ...],
                   enable_checkpointing=True, prefetch_queue_depth=2)
     def reader() -> Any:
         outs: list[Any] = fn.readers.webdataset(  # type: ignore[assignment]
-            paths=paths, index_paths=[_index(p) for p in paths],
+            paths=paths, index_paths=[s.index_url for s in plan.shards],
             ext=[";".join(exts), "cls", *extras] + ([";".join(fallback)] if fallback else []),
             missing_component_behavior="empty",
             random_shuffle=shuffle, initial_fill=max(plan.shuffle_buffer, 1),

@@ -72,8 +72,9 @@ def pick_reader(source: Source, reader: ReaderKind, kind: str, backend: str = "d
         return "stream"
     local = dali_readable(source)
     if reader == "dali" and not local:
-        raise ValueError("reader='dali' needs local .tar shards with .idx files beside them; "
-                         "use reader='stream' (or 'auto') for remote or unindexed shards")
+        raise ValueError("reader='dali' needs local .tar shards with .idx files (beside them, "
+                         "or in a folder given as index=DIR); use reader='stream' (or 'auto') "
+                         "for remote or unindexed shards")
     chosen = reader if reader != "auto" else ("dali" if local else "stream")
     log.info("%s loader: %s reader for %s", kind, chosen, source.describe())
     return chosen
@@ -124,7 +125,7 @@ def dali_readable(source: Source) -> bool:
 
 
 def _has_index(shard: ShardSpec) -> bool:
-    return os.path.isfile(shard.url[: -len(".tar")] + ".idx")  # not a FIFO: opening blocks
+    return os.path.isfile(shard.index_url)  # not a FIFO: opening blocks
 
 
 def check_local_shards(source: Source, on_error: OnError, skips: SkipLog) -> Source:
@@ -133,7 +134,7 @@ def check_local_shards(source: Source, on_error: OnError, skips: SkipLog) -> Sou
     good = []
     for shard in source.shards:
         try:
-            reader_dali.check_local_shard(shard.url)
+            reader_dali.check_local_shard(shard.url, shard.index_url)
             good.append(shard)
         except DataError as err:
             lost = f"; its {shard.samples} samples are lost" if shard.samples else ""

@@ -42,7 +42,8 @@ def _by_index(spec: ShardSpec, keys: set[str], stats: Any) -> dict[str, Sample]:
         raise ValueError("not a plain .tar: no index")
     options = dict(spec.storage_options)
     fs, path = fsspec.core.url_to_fs(spec.url, **options)
-    index = fs.cat_file(path[: -len(".tar")] + ".idx").decode()
+    with fsspec.open(spec.index_url, "rb", **options) as f:  # beside it, or index=DIR's
+        index = f.read().decode()
     wanted = [members for members in parse_index(index)
               if split_name(members[0][3])[0] in keys]
     ranges = [(off, off + size) for members in wanted for _, off, size, _ in members]

@@ -21,10 +21,11 @@ from typing import Any, TypeVar
 
 import fsspec
 
+from pipeline.shards import indexdir
 from pipeline.shards.listing import count_from_index, list_shards, preflight
 from pipeline.shards.manifest import MANIFEST, TokenForm, load_manifest
 from pipeline.storage import check_storage_options
-from pipeline.urls import check_scheme, expand_braces, redact
+from pipeline.urls import beside, check_scheme, expand_braces, redact
 
 T = TypeVar("T")
 
@@ -38,6 +39,13 @@ class ShardSpec:
     # a source's shards; never shown, compared or saved
     storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False,
                                                compare=False)
+    # Its DALI index, when not beside it (an index folder: pipeline/shards/indexdir.py)
+    index: str | None = None
+
+    @property
+    def index_url(self) -> str:
+        """Where this shard's `.idx` lies (it may not exist)."""
+        return self.index or beside(self.url, ".idx")
 
 
 @dataclass(frozen=True)
@@ -73,11 +81,15 @@ class Source:
 
 
 def resolve_source(source: str | Path | Sequence[str], *, allow_pipe: bool = False,
-                   storage_options: Mapping[str, Any] | None = None) -> Source:
+                   storage_options: Mapping[str, Any] | None = None,
+                   index: str | Path | None = None) -> Source:
     """Resolve any accepted form of `source`; FileNotFoundError lists every missing shard.
-    `storage_options`: fsspec's keyword arguments for its URLs, kept with each shard."""
+    `storage_options`: fsspec's keyword arguments for its URLs, kept with each shard.
+    `index`: a folder holding the shards' manifest and .idx files (shards/indexdir.py)."""
     check_storage_options(storage_options)
     options = dict(storage_options or {})
+    if index is not None:
+        return _from_index_dir(source, str(index), options)
     if isinstance(source, (str, Path)):
         text = str(source)
         found = _from_manifest(text, options)
@@ -106,6 +118,18 @@ def _from_manifest(text: str, options: Mapping[str, Any]) -> Source | None:
     shards = tuple(ShardSpec(f"{base}/{s.name}", s.samples, s.sha256, options)
                    for s in m.shards)
     preflight([s.url for s in shards], text, options)
+    return Source(shards, m.classes, m.modality, m.tokens)
+
+
+def _from_index_dir(source: str | Path | Sequence[str], index: str,
+                    options: dict[str, Any]) -> Source:
+    given = str(source) if isinstance(source, (str, Path)) else source
+    found, m = indexdir.matched(given, index, options)
+    shards = tuple(ShardSpec(url, info.samples, info.sha256, options,
+                             indexdir.index_path(url, index)) for url, info in found)
+    for s in shards:
+        check_scheme(s.url)
+    preflight([s.url for s in shards], str(source), options)
     return Source(shards, m.classes, m.modality, m.tokens)
 
 

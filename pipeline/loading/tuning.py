@@ -151,7 +151,8 @@ def source_and_options(kind: str, source: Any, options: dict[str, Any],
     from pipeline.loading.shardlist import resolve_source
 
     resolved = resolve_source(source, allow_pipe=bool(options.get("allow_pipe", False)),
-                              storage_options=options.get("storage_options"))
+                              storage_options=options.get("storage_options"),
+                              index=options.get("index"))
     if use_tuning:
         dali = resolve_backend(options.get("backend", "auto"), kind) == "dali"
         options = apply(kind, options, tuning_file, dali_readable=dali_readable(resolved),

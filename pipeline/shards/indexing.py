@@ -1,33 +1,44 @@
-"""Indexes for shards made elsewhere (`make_shards index SRC`), without rewriting a shard.
+"""Indexes for shards made elsewhere (`make_shards index SRC [--out DIR]`), without rewriting
+a shard.
 
-    SRC/*.tar  -> each read once: its DALI index (where every member's bytes lie), samples,
-                  bytes and sha256, the labels of its .cls members
-               -> SRC/NAME.idx beside each shard (written whole, then renamed)
-               -> SRC/manifest.json last: counts, checksums, modality, label statistics
+    SRC's .tar shards -> each read once: its DALI index (where every member's bytes lie),
+                         samples, bytes and sha256, the labels of its .cls members
+                      -> NAME.idx beside each shard, or in DIR (written whole, then renamed)
+                      -> manifest.json last, beside them or in DIR: counts, checksums,
+                         modality, label statistics
 
 So DALI's reader and every loader's rank split and exact resume work on shards that
-webdataset's writers, GNU tar or another tool made. The index lists exactly what the readers
-read as samples; a shard they would not read as it is (gzipped, a key's members apart, a
-refused member) gets no index and is named: `make_shards shards` rewrites such shards. A run
-that stops goes on where it stopped: each indexed shard is journalled (SRC/JOURNAL) with its
-size and mtime, and a rerun reads only the shards not yet done or changed since.
+webdataset's writers, GNU tar or another tool made. SRC is a local folder (the indexes go
+beside the shards), or, with `--out DIR`, anything the loaders read: a read-only folder, a
+glob, a brace pattern, an `https://` or `s3://` URL; the loaders then take `index=DIR`
+(shards/indexdir.py). The index lists exactly what the readers read as samples; a shard they
+would not read as it is (gzipped, a key's members apart, a refused member) gets no index and
+is named: `make_shards shards` rewrites such shards. A run that stops goes on where it
+stopped: each indexed shard is journalled (JOURNAL, in the output folder) with its size and
+version (mtime, or a remote store's ETag), and a rerun reads only the shards not yet done or
+changed since.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import fsspec
+
 from pipeline.atomic import write_atomic
 from pipeline.errors import DataError, OnError, SkipLog, handle
 from pipeline.samples.checks import check_label, modality_of
-from pipeline.shards import daliindex
+from pipeline.shards import daliindex, indexdir
+from pipeline.shards.listing import list_shards
 from pipeline.shards.manifest import MANIFEST, LabelStats, Manifest, ShardInfo
 from pipeline.shards.tarread import TarLimits, iter_located, split_name
 from pipeline.shards.verify import HashingReader
+from pipeline.urls import redact
 
 JOURNAL = ".shardflow-index.jsonl"
 GZIP_MAGIC = b"\x1f\x8b"
@@ -42,39 +53,40 @@ class Indexed:
     exts: tuple[str, ...]
     labels: LabelStats | None
 
-    def journal_line(self, st: os.stat_result) -> str:
-        return json.dumps({**self.info.to_json(), "mtime_ns": st.st_mtime_ns,
+    def journal_line(self, version: tuple[int, str]) -> str:
+        return json.dumps({**self.info.to_json(), "version": version[1],
                            "exts": list(self.exts),
                            "labels": self.labels.to_json() if self.labels else None}) + "\n"
 
 
-def index_shard(path: Path, limits: TarLimits) -> Indexed:
-    """Read one shard and index it; DataError for a shard the readers would not read as
-    indexed (the reason says what `make_shards shards` would do about it)."""
-    url = str(path)
+def index_shard(url: str, limits: TarLimits,
+                storage_options: Mapping[str, Any] | None = None) -> Indexed:
+    """Read one shard (a path or any fsspec URL) and index it; DataError for a shard the
+    readers would not read as indexed (the reason says what `make_shards shards` would do)."""
+    shown = redact(url)
     samples: list[list[daliindex.Entry]] = []
     keys: set[str] = set()
     exts: set[str] = set()
     labels: list[int] = []
     current: str | None = None
-    with open(path, "rb") as raw:
+    with fsspec.open(url, "rb", **(storage_options or {})) as raw:
         if raw.read(2) == GZIP_MAGIC:
             raise DataError("compressed-shard", "a gzipped tar: DALI's reader reads members at "
                             "their offsets in a plain tar; make_shards shards rewrites it",
-                            source=url)
+                            source=shown)
         raw.seek(0)
         reader = HashingReader(raw)
-        for m in iter_located(reader, url, limits):  # type: ignore[arg-type]
+        for m in iter_located(reader, shown, limits):  # type: ignore[arg-type]
             key, ext = split_name(m.stored)
             if isinstance(m.data, DataError):
                 raise DataError(m.data.reason, f"{m.data.detail}; the readers refuse it, so the "
                                 "shard is not indexed as it is (make_shards shards leaves it "
-                                "out)", source=url, key=key)
+                                "out)", source=shown, key=key)
             if key != current:
                 if key in keys:
                     raise DataError("split-key", "the key's members lie apart (after other "
                                     "keys); make_shards shards puts them back together",
-                                    source=url, key=key)
+                                    source=shown, key=key)
                 keys.add(key)
                 samples.append([])
                 current = key
@@ -83,7 +95,7 @@ def index_shard(path: Path, limits: TarLimits) -> Indexed:
             if ext == "cls":
                 labels += _label(m.data)
         reader.drain()
-    info = ShardInfo(path.name, len(samples), reader.count, reader.sha.hexdigest())
+    info = ShardInfo(shard_name(url), len(samples), reader.count, reader.sha.hexdigest())
     return Indexed(info, daliindex.format_index(samples), tuple(sorted(exts)),
                    LabelStats.of(labels) if labels else None)
 
@@ -97,40 +109,110 @@ def _label(data: bytes) -> list[int]:
         return []
 
 
-def index_folder(src: Path, *, limits: TarLimits | None = None, on_error: OnError = "raise",
-                 progress: Any = None) -> Manifest:
-    """Index every `*.tar` of `src` (see the module's docstring); the manifest."""
+def index_source(src: str | Path, out: str | Path | None = None, *,
+                 limits: TarLimits | None = None, on_error: OnError = "raise",
+                 progress: Any = None, storage_options: Mapping[str, Any] | None = None
+                 ) -> Manifest:
+    """Index every .tar shard of `src` (see the module's docstring), writing the indexes and
+    manifest beside the shards (`out` None: `src` must be a local folder) or in the local
+    folder `out`; the manifest."""
     limits = limits or TarLimits()
-    if (src / MANIFEST).exists():
-        raise ValueError(f"{src / MANIFEST} exists: these shards have a manifest already "
-                         "(verify them with verify_shards; remove it to index them again)")
-    paths = sorted(p for p in src.glob("*.tar") if p.is_file())
-    if not paths:
-        raise ValueError(f"{src}: no .tar shards to index")
-    done = _journal(src / JOURNAL)
+    src = str(src)
+    folder = _output_folder(src, out)
+    if (folder / MANIFEST).exists():
+        where = "these shards have" if out is None else f"{folder} holds"
+        raise ValueError(f"{folder / MANIFEST} exists: {where} a manifest already (verify "
+                         "them with verify_shards; remove it to index them again)")
+    urls = _shards(src, storage_options)
+    done = _journal(folder / JOURNAL)
     skips = SkipLog()
     indexed: list[Indexed] = []
-    with open(src / JOURNAL, "a") as journal:
-        for path in paths:
-            st = path.stat()
-            entry = _reusable(done.get(path.name), st, path)
+    with open(folder / JOURNAL, "a") as journal:
+        for url in urls:
+            idx = folder / indexdir.index_path(shard_name(url), None)
+            version = _version(url, storage_options)
+            entry = _reusable(done.get(shard_name(url)), version, idx)
             if entry is None:
                 try:
-                    entry = index_shard(path, limits)
+                    entry = _indexed(url, version, limits, storage_options)
                 except DataError as err:
                     handle(err, on_error, skips)  # under "skip": no index, listed in skipped
                     continue
-                write_atomic(path.with_suffix(".idx"), entry.index.encode())
-                journal.write(entry.journal_line(st))
+                write_atomic(idx, entry.index.encode())
+                journal.write(entry.journal_line(version))
                 journal.flush()
                 os.fsync(journal.fileno())
             indexed.append(entry)
             if progress is not None:
-                progress(path.name)
-    manifest = _manifest(indexed, skips, src)
-    manifest.save(src / MANIFEST)
-    (src / JOURNAL).unlink()
+                progress(shard_name(url))
+    manifest = _manifest(indexed, skips, src if out is not None else folder.name)
+    manifest.save(folder / MANIFEST)
+    (folder / JOURNAL).unlink()
     return manifest
+
+
+def index_folder(src: Path, **kwargs: Any) -> Manifest:
+    """index_source with the indexes beside the shards of the local folder `src`."""
+    return index_source(src, None, **kwargs)
+
+
+def _output_folder(src: str, out: str | Path | None) -> Path:
+    if out is not None:
+        if "://" in str(out):
+            raise ValueError(f"--out {redact(str(out))}: the index folder is local (DALI's "
+                             "reader opens its .idx files as files)")
+        Path(out).mkdir(parents=True, exist_ok=True)
+        return Path(out)
+    if "://" in src or not Path(src).is_dir():
+        raise ValueError(f"{redact(src)}: not a local folder; to index remote shards, a glob or "
+                         "a pattern, give --out DIR (the loaders then take index=DIR)")
+    if not os.access(src, os.W_OK):
+        raise ValueError(f"{src}: cannot write beside these shards (read-only); give --out "
+                         "DIR (the loaders then take index=DIR)")
+    return Path(src)
+
+
+def _shards(src: str, storage_options: Mapping[str, Any] | None) -> list[str]:
+    """The shards to index: a folder's .tar files, else what the pattern or URL lists; two
+    with one name would share one .idx."""
+    if "://" not in src and Path(src).is_dir():
+        urls = [str(p) for p in sorted(Path(src).glob("*.tar")) if p.is_file()]
+    else:
+        urls = list_shards(src, storage_options)
+    if not urls:
+        raise ValueError(f"{redact(src)}: no .tar shards to index")
+    names = [shard_name(u) for u in urls]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"{redact(src)}: shards share a name ({', '.join(twice[:5])}); an "
+                         "index folder holds one NAME.idx per name: index them apart")
+    return urls
+
+
+def shard_name(url: str) -> str:
+    return url.split("?", 1)[0].rsplit("/", 1)[-1] if "://" in url else Path(url).name
+
+
+def _version(url: str, storage_options: Mapping[str, Any] | None) -> tuple[int, str]:
+    """(size, version) of a shard: a changed shard is indexed again on a rerun. A local file's
+    version is its mtime; a remote store's, its ETag or last-modified time where it says."""
+    if "://" not in url:
+        st = os.stat(url)
+        return st.st_size, str(st.st_mtime_ns)
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    info = fs.info(path)
+    stamp = next((info[k] for k in ("ETag", "etag", "LastModified", "last_modified", "mtime")
+                  if info.get(k) is not None), "")
+    return int(info.get("size") or 0), str(stamp)
+
+
+def _indexed(url: str, version: tuple[int, str], limits: TarLimits,
+             storage_options: Mapping[str, Any] | None) -> Indexed:
+    entry = index_shard(url, limits, storage_options)
+    if version[0] and entry.info.bytes != version[0]:
+        raise DataError("shard-changed", f"the store said {version[0]} bytes, {entry.info.bytes}"
+                        " were read: the shard changed while it was indexed", source=redact(url))
+    return entry
 
 
 def _journal(path: Path) -> dict[str, dict[str, Any]]:
@@ -147,20 +229,18 @@ def _journal(path: Path) -> dict[str, dict[str, Any]]:
     return found
 
 
-def _reusable(doc: dict[str, Any] | None, st: os.stat_result, path: Path) -> Indexed | None:
+def _reusable(doc: dict[str, Any] | None, version: tuple[int, str], idx: Path
+              ) -> Indexed | None:
     """A journalled shard, when it has not changed since and its index is still there."""
-    if doc is None or (doc["bytes"], doc["mtime_ns"]) != (st.st_size, st.st_mtime_ns):
-        return None
-    idx = path.with_suffix(".idx")
-    if not idx.is_file():
+    if doc is None or (doc["bytes"], doc.get("version")) != version or not idx.is_file():
         return None
     return Indexed(ShardInfo.from_json(doc), idx.read_text(), tuple(doc["exts"]),
                    LabelStats.from_json(doc["labels"]))
 
 
-def _manifest(indexed: list[Indexed], skips: SkipLog, src: Path) -> Manifest:
+def _manifest(indexed: list[Indexed], skips: SkipLog, src: str) -> Manifest:
     labels = [v for e in indexed if e.labels for v in e.labels.values()]
     return Manifest(shards=[e.info for e in indexed],
                     modality=modality_of({x for e in indexed for x in e.exts}),
-                    skipped=skips.entries, args={"kind": "index", "src": src.name},
+                    skipped=skips.entries, args={"kind": "index", "src": redact(src)},
                     labels=LabelStats.of(labels) if labels else None)

@@ -18,12 +18,12 @@ import fsspec
 from pipeline import executor
 from pipeline.errors import DataError, SkipLog
 from pipeline.samples.checks import IMAGE_MEMBERS, TEXT_EXTS, CheckLimits, check_sample
-from pipeline.shards import daliindex
+from pipeline.shards import daliindex, indexdir
 from pipeline.shards.listing import list_shards, regular_file
 from pipeline.shards.manifest import MANIFEST, Manifest, ShardInfo, TokenForm, load_manifest
 from pipeline.shards.tarread import TarLimits, dotted_key, iter_samples
 from pipeline.text import pretokenized
-from pipeline.urls import beside, redact
+from pipeline.urls import redact
 
 REQUIRED = {"image": (IMAGE_MEMBERS,), "text": (TEXT_EXTS,), "pointcloud": (("npy",),)}
 
@@ -71,17 +71,23 @@ class VerifyOptions:
     tokens: TokenForm | None = None  # the manifest's: documents stored as token ids
     # fsspec's options for the shard URLs (endpoint, credentials): never shown
     storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    index: str | None = None  # the folder holding the .idx files, when not beside the shards
 
 
-def shard_urls(source: str, storage_options: Mapping[str, Any] | None = None
-               ) -> tuple[list[str], Manifest | None]:
-    """Shard URLs and the manifest, from a folder/URL holding manifest.json or shard URLs."""
+def shard_urls(source: str, storage_options: Mapping[str, Any] | None = None,
+               index: str | None = None
+               ) -> tuple[list[tuple[str, ShardInfo | None]], Manifest | None]:
+    """Each shard's URL with what the manifest says of it, and the manifest: from a folder/URL
+    holding manifest.json, from an index folder's (`index`: shards/indexdir.py), or none."""
+    if index is not None:
+        found, manifest = indexdir.matched(source, index, storage_options)
+        return list(found), manifest
     base = source.rstrip("/")
     fs, path = fsspec.core.url_to_fs(base, **(storage_options or {}))
     if fs.isdir(path) and fs.exists(f"{path}/{MANIFEST}"):
         manifest = load_manifest(f"{base}/{MANIFEST}", storage_options)
-        return [f"{base}/{s.name}" for s in manifest.shards], manifest
-    return list_shards(source, storage_options), None
+        return [(f"{base}/{s.name}", s) for s in manifest.shards], manifest
+    return [(url, None) for url in list_shards(source, storage_options)], None
 
 
 def verify_shard(url: str, expected: ShardInfo | None, opts: VerifyOptions) -> ShardReport:
@@ -111,7 +117,7 @@ def verify_shard(url: str, expected: ShardInfo | None, opts: VerifyOptions) -> S
         return report
     report.bytes, report.sha256 = reader.count, reader.sha.hexdigest()
     _compare(report, expected, skips)
-    _check_index(url, members, skips, opts.storage_options)
+    _check_index(url, members, skips, opts)
     report.problems = skips.entries
     return report
 
@@ -163,11 +169,13 @@ def _compare(report: ShardReport, expected: ShardInfo | None, skips: SkipLog) ->
 
 
 def _check_index(url: str, members: dict[str, tuple[int, int]], skips: SkipLog,
-                 storage_options: Mapping[str, Any]) -> None:
-    """The .idx beside the shard must point at exactly the bytes we read for each member."""
+                 opts: VerifyOptions) -> None:
+    """The shard's .idx (beside it, or in the index folder) must point at exactly the bytes we
+    read for each member."""
     if url.endswith((".tar.gz", ".tgz")):
         return  # DALI cannot read a compressed shard, index or not: the streaming reader does
-    idx_url = beside(url, ".idx")
+    storage_options = opts.storage_options
+    idx_url = indexdir.index_path(url, opts.index)
     fs, path = fsspec.core.url_to_fs(idx_url, **storage_options)
     try:
         regular_file(idx_url)  # a FIFO where the .idx belongs would block the read
@@ -175,7 +183,8 @@ def _check_index(url: str, members: dict[str, tuple[int, int]], skips: SkipLog,
         skips.add(DataError("bad-index", err.detail, source=redact(idx_url)))
         return
     if not fs.exists(path):
-        skips.add(DataError("missing-index", "no DALI index (.idx) beside the shard; DALI would "
+        where = "beside the shard" if opts.index is None else f"at {redact(idx_url)}"
+        skips.add(DataError("missing-index", f"no DALI index (.idx) {where}; DALI would "
                             "scan the whole tar at start-up", source=redact(url)))
         return
     try:
@@ -202,21 +211,21 @@ def _verify_one(item: tuple[str, ShardInfo | None], opts: VerifyOptions) -> Shar
 def verify(source: str, *, workers: int = 1, limits: CheckLimits | None = None,
            timeout_s: float | None = None,
            progress: Callable[[int, int], None] | None = None,
-           storage_options: Mapping[str, Any] | None = None
+           storage_options: Mapping[str, Any] | None = None, index: str | None = None
            ) -> tuple[list[ShardReport], Manifest | None]:
     """Verify every shard of `source`; reports come back in shard order. With workers > 1 a
     shard whose check takes over `timeout_s` is reported hung (executor.WorkerError).
     `progress(samples, shards)` is called as each shard's report arrives: (its samples, the
-    total number of shards). `storage_options`: fsspec's keyword arguments for its URLs."""
-    urls, manifest = shard_urls(source, storage_options)
-    if not urls:
+    total number of shards). `storage_options`: fsspec's keyword arguments for its URLs.
+    `index`: a folder with the shards' manifest and .idx files (shards/indexdir.py)."""
+    items, manifest = shard_urls(source, storage_options, index)
+    if not items:
         raise FileNotFoundError(f"{redact(source)}: no shards found")
-    expected = manifest.shards if manifest else [None] * len(urls)
     opts = VerifyOptions(limits or CheckLimits(), TarLimits(),
                          manifest.modality if manifest else None,
                          len(manifest.classes) if manifest and manifest.classes else None,
-                         manifest.tokens if manifest else None, dict(storage_options or {}))
-    items = list(zip(urls, expected, strict=True))
+                         manifest.tokens if manifest else None, dict(storage_options or {}),
+                         index)
     reports = []
     for report in executor.ordered_map(_verify_one, items, opts, workers, chunk=1,
                                        timeout_s=timeout_s,
