@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
 from collections import Counter
 
 import pytest
@@ -317,6 +318,21 @@ def test_bench_convert_end_to_end(tmp_path):
                                                 rel=0.01, abs=0.01)
     assert (out / "convert.md").read_text().strip() in proc.stdout
     assert {p.name for p in out.iterdir()} == {"convert.json", "convert.md"}
+    # Ratios are of the same rounds' pairs; start-up is make_shards' own, as a share of a run.
+    seconds = {name: row["seconds"] for name, row in rows.items()}
+    two, one = seconds["make_shards 2 workers"], seconds["make_shards 1 worker"]
+    assert report["ratios"]["make_shards 2 workers / make_shards 1 worker"] == pytest.approx(
+        statistics.median(a / b for a, b in zip(one, two, strict=True)), abs=0.002)
+    assert set(report["ratios"]) == {
+        "make_shards 2 workers / make_shards 1 worker",
+        "make_shards 2 workers / webdataset ShardWriter + PIL check",
+        "make_shards 1 worker / webdataset ShardWriter + PIL check"}
+    for name in ("make_shards 1 worker", "make_shards 2 workers"):
+        row = rows[name]
+        assert row["startup_s"] > 0
+        assert row["startup_share"] == pytest.approx(
+            row["startup_s"] / statistics.median(row["seconds"]), rel=0.01)
+    assert "startup_s" not in rows["tar -cf"]
 
 
 def test_bench_convert_contenders_do_the_whole_work(bench_tools, tiny_corpus, tmp_path):
@@ -338,3 +354,24 @@ def test_bench_convert_contenders_do_the_whole_work(bench_tools, tiny_corpus, tm
             runs[f"make_shards {workers} worker" + ("s" if workers > 1 else "")]()
             samples = read_wds(tmp_path / f"w{workers}")
             assert Counter((s["jpg"], int(s["cls"])) for s in samples) == expected
+
+
+def test_bench_convert_shardwriter_checks_and_writes_every_photo(bench_tools, tiny_corpus,
+                                                                 tmp_path):
+    """The ShardWriter contender writes every photo once with its label, over its previous
+    output too, and its PIL check is a real decode: a cut JPEG stops it."""
+    import webdataset as wds
+
+    runs = bench_tools[1].contenders(tiny_corpus.folder, tmp_path)
+    expected = _folder_samples(tiny_corpus.folder)
+    for _ in range(2):
+        runs["webdataset ShardWriter + PIL check"]()
+        urls = [str(p) for p in sorted((tmp_path / "wds").glob("*.tar"))]
+        samples = list(wds.WebDataset(urls, shardshuffle=False, empty_check=False))
+        assert Counter((s["jpg"], int(s["cls"])) for s in samples) == expected
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_corpus.folder, cut)
+    victim = sorted(cut.rglob("*.jpg"))[3]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    with pytest.raises(OSError, match="truncated"):
+        bench_tools[1].write_shardwriter(cut, tmp_path / "wds-cut")

@@ -54,7 +54,7 @@ from pipeline.shards.manifest import (
     parse_manifest,
 )
 from pipeline.shards.tarread import TarLimits, iter_regrouped
-from pipeline.shards.writer import ShardWriter
+from pipeline.shards.writer import Packed, ShardWriter, pack
 from pipeline.storage import Store
 from pipeline.text import pretokenized
 from pipeline.text.tokenizer import Tokenizer, load_tokenizer
@@ -166,14 +166,16 @@ class _Work:
 Task = InputItem | RowChunk | RowBlock | dict[str, object] | DataError
 
 
-def run_task(task: Task, work: _Work) -> list[dict[str, object] | DataError]:
+def run_task(task: Task, work: _Work) -> list[Packed | DataError]:
+    """The task's samples, checked and packed as tar bytes (writer.Packed: packing in the
+    workers leaves the one process that writes shards little to do per sample)."""
     built = _built(task, work)
-    if work.text.tokenizer is None:
-        return built
-    tokenizer = _tokenizer(work.text.tokenizer)  # documents stored as ids (--tokenizer)
-    source = task.path if isinstance(task, InputItem) else ""
-    return pretokenized.encode_samples(built, tokenizer, pretokenized.form_of(tokenizer),
-                                       source)
+    if work.text.tokenizer is not None:
+        tokenizer = _tokenizer(work.text.tokenizer)  # documents stored as ids (--tokenizer)
+        source = task.path if isinstance(task, InputItem) else ""
+        built = pretokenized.encode_samples(built, tokenizer, pretokenized.form_of(tokenizer),
+                                            source)
+    return [item if isinstance(item, DataError) else pack(item) for item in built]
 
 
 @functools.lru_cache(maxsize=2)
@@ -266,7 +268,7 @@ class _Job:
                     self._take(item, (n, r))
                 self.end = (n + 1, 0)
 
-    def _take(self, item: dict[str, object] | DataError, position: tuple[int, int]) -> None:
+    def _take(self, item: Packed | DataError, position: tuple[int, int]) -> None:
         if isinstance(item, DataError):
             handle(item, self.cfg.on_error, self.skips)
             return
@@ -342,7 +344,7 @@ class _Tally:
             labels = None if journal.shards else set()
         return cls(dict(journal.reencoded), journal.offset_clouds, labels, journal.rows)
 
-    def add(self, sample: dict[str, object]) -> None:
+    def add(self, sample: Packed) -> None:
         for reason in sample.get("__repairs__", ()):  # type: ignore[attr-defined]
             self.reencoded[reason] = self.reencoded.get(reason, 0) + 1
         self.offset_clouds += OFFSET_EXT in sample
@@ -371,7 +373,7 @@ def _expected_samples(tasks: Iterable[object]) -> int | None:
 
 
 def _ordered_map(cfg: ConvertConfig
-                 ) -> Callable[..., Generator[list[dict[str, object] | DataError], None, None]]:
+                 ) -> Callable[..., Generator[list[Packed | DataError], None, None]]:
     """The engine: worker processes here, or Ray tasks (engine_ray.py); same order, same
     results, so the same shards."""
     return engine_ray.ordered_map if cfg.engine == "ray" else executor.ordered_map

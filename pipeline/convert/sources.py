@@ -320,7 +320,9 @@ def _read_file(path: str, max_bytes: int, storage_options: Mapping[str, Any]) ->
     """The whole file, refusing more than max_bytes without reading past the limit."""
     regular_file(path)
     try:
-        with fsspec.open(path, "rb", **storage_options) as f:
+        # A local path opens directly: fsspec's URL parsing cost a tenth of the read.
+        with (open(path, "rb") if "://" not in path else
+              fsspec.open(path, "rb", **storage_options)) as f:
             data = f.read(max_bytes + 1)
     except FileNotFoundError:
         raise DataError("missing-file", "the file does not exist") from None

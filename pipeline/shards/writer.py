@@ -9,10 +9,11 @@ full disk never leaves a partial file under a final name. Tar headers carry fixe
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import os
 import tarfile
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -43,6 +44,52 @@ class _HashingFile:
         return self.pos
 
 
+@dataclass(frozen=True)
+class Packed:
+    """A sample as the bytes its members take in a shard (headers, data, padding), built
+    where the sample was checked: a conversion's workers pack in parallel what the one
+    process writing shards would otherwise pack in turn. Wherever it lies in a shard, a
+    sample's tar bytes are the same, so packed or not, the shards are byte-identical."""
+
+    key: str
+    blob: bytes
+    members: tuple[tuple[str, int, int, str], ...]  # ext, data offset in blob, size, name
+    fields: Mapping[str, object]  # "__" fields and small members (a label): what is tallied
+
+    def get(self, name: str, default: object = None) -> object:
+        return self.fields.get(name, default)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.fields or any(m[0] == name for m in self.members)
+
+    def __getitem__(self, name: str) -> object:
+        return self.fields[name]
+
+
+SMALL_MEMBER = 256  # members up to this size stay readable in Packed.fields (labels)
+
+
+def pack(sample: Sample | Packed) -> Packed:
+    """`sample`'s members as GNU tar bytes, in the writer's fixed order and fields."""
+    if isinstance(sample, Packed):
+        return sample
+    key = str(sample["__key__"])
+    parts: list[bytes] = []
+    members = []
+    at = 0
+    for ext, data in _members(sample):
+        name = f"{key}.{ext}"
+        header = _tarinfo(name, len(data)).tobuf(tarfile.GNU_FORMAT, tarfile.ENCODING,
+                                                 "surrogateescape")
+        pad = -len(data) % BLOCK
+        parts += [header, data, bytes(pad)] if pad else [header, data]
+        members.append((ext, at + len(header), len(data), name))
+        at += len(header) + len(data) + pad
+    fields = {k: v for k, v in sample.items()
+              if k.startswith("__") or (isinstance(v, bytes) and len(v) <= SMALL_MEMBER)}
+    return Packed(key, b"".join(parts), tuple(members), fields)
+
+
 def member_bytes(name: str, size: int) -> int:
     """Bytes one member takes in a GNU tar: header, long-name blocks, padded data."""
     blocks = 1 + -(-size // BLOCK)
@@ -51,7 +98,9 @@ def member_bytes(name: str, size: int) -> int:
     return blocks * BLOCK
 
 
-def sample_bytes(sample: Sample) -> int:
+def sample_bytes(sample: Sample | Packed) -> int:
+    if isinstance(sample, Packed):
+        return len(sample.blob)
     key = str(sample["__key__"])
     return sum(member_bytes(f"{key}.{ext}", len(v)) for ext, v in _members(sample))
 
@@ -69,7 +118,6 @@ def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
     return info
 
 
-
 class ShardWriter:
     """Writes samples into `out/{prefix}-{index:06d}.tar` shards under count and size limits.
 
@@ -84,7 +132,6 @@ class ShardWriter:
         self.index = start_index
         self._raw: BinaryIO | None = None
         self._hashing: _HashingFile | None = None
-        self._tar: tarfile.TarFile | None = None
         self._entries: list[list[tuple[str, int, int, str]]] = []
 
     def shard_name(self, index: int | None = None) -> str:
@@ -98,7 +145,7 @@ class ShardWriter:
     def open_bytes(self) -> int:
         return self._hashing.pos if self._hashing is not None else 0
 
-    def fits(self, sample: Sample) -> bool:
+    def fits(self, sample: Sample | Packed) -> bool:
         """Whether `sample` still fits in the open shard (an empty shard takes anything)."""
         if not self._entries:
             return True
@@ -107,38 +154,35 @@ class ShardWriter:
         assert self._hashing is not None
         return self._hashing.pos + sample_bytes(sample) + END_OF_ARCHIVE <= self.max_size
 
-    def write(self, sample: Sample) -> None:
-        if self._tar is None:
+    def write(self, sample: Sample | Packed) -> None:
+        packed = pack(sample)
+        if self._hashing is None:
             self._open()
-        size = sample_bytes(sample)
-        if size + END_OF_ARCHIVE > self.max_size:
+        assert self._hashing is not None
+        if len(packed.blob) + END_OF_ARCHIVE > self.max_size:
             log.warning("sample %r (%d bytes) is larger than max_size=%d; it gets a shard of "
-                        "its own", sample["__key__"], size, self.max_size)
-        assert self._tar is not None
-        entry = []
-        for ext, data in _members(sample):
-            info = _tarinfo(f"{sample['__key__']}.{ext}", len(data))
-            header = info.tobuf(self._tar.format, self._tar.encoding, self._tar.errors)
-            data_offset = self._tar.offset + len(header)
-            self._tar.addfile(info, io.BytesIO(data))
-            entry.append((ext, data_offset, info.size, info.name))
-        self._entries.append(entry)
+                        "its own", packed.key, len(packed.blob), self.max_size)
+        at = self._hashing.pos
+        self._hashing.write(packed.blob)
+        self._entries.append([(ext, at + offset, size, name)
+                              for ext, offset, size, name in packed.members])
 
     def _open(self) -> None:
         self._raw = open(self._tmp(self.shard_name()), "wb")  # noqa: SIM115 - owned, closed in finish
         self._hashing = _HashingFile(self._raw)
-        self._tar = tarfile.open(fileobj=self._hashing, mode="w",  # type: ignore[call-overload]
-                                 format=tarfile.GNU_FORMAT)
 
     def _tmp(self, name: str) -> Path:
         return self.out / f".{name}.tmp"
 
     def finish(self) -> ShardInfo | None:
         """Close the open shard, write its index and give both their final names."""
-        if self._tar is None:
+        if self._hashing is None:
             return None
-        assert self._raw is not None and self._hashing is not None
-        self._tar.close()
+        assert self._raw is not None
+        # The end of the archive as tarfile writes it: two zero blocks, then zeros to a
+        # whole record.
+        end = 2 * BLOCK
+        self._hashing.write(bytes(end + -(self._hashing.pos + end) % END_OF_ARCHIVE))
         self._raw.flush()
         os.fsync(self._raw.fileno())
         self._raw.close()
@@ -149,7 +193,7 @@ class ShardWriter:
         fsync_dir(self.out)
         info = ShardInfo(name, len(self._entries), self._hashing.pos,
                          self._hashing.sha.hexdigest())
-        self._tar = self._raw = self._hashing = None
+        self._raw = self._hashing = None
         self._entries = []
         self.index += 1
         return info
@@ -159,7 +203,7 @@ class ShardWriter:
         if self._raw is not None:
             self._raw.close()
             self._tmp(self.shard_name()).unlink(missing_ok=True)
-        self._tar = self._raw = self._hashing = None
+        self._raw = self._hashing = None
         self._entries = []
 
 
