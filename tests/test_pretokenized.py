@@ -255,6 +255,11 @@ def test_make_shards_tokenizes_and_reshards_keep_the_ids(corpus, tmp_path):
              check=True)
     run_tool("make_shards", "shards", tmp_path / "b", tmp_path / "c", "--max-count", 50,
              check=True)
+    # ids tokenized again would keep the old ids under the new name: refused, nothing written
+    proc = run_tool("make_shards", "shards", tmp_path / "b", tmp_path / "d", "--tokenizer",
+                    "bytes")
+    assert proc.returncode != 0 and "holds token ids already" in proc.stderr
+    assert not (tmp_path / "d").exists() or not any((tmp_path / "d").iterdir())
     for out in ("a", "b", "c"):
         m = load_manifest(str(tmp_path / out / "manifest.json"))
         assert m.tokens is not None and m.tokens.member == "tokens.u16", out

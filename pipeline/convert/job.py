@@ -208,6 +208,7 @@ def convert(cfg: ConvertConfig, progress: Progress | None = None) -> Manifest:
         with engine_ray.session(cfg.ray_address, cfg.workers):  # up before OUT is touched
             return convert(cfg, progress)
     outdir.not_in_place(cfg)
+    _refuse_tokenizing_ids(cfg)
     store = cfg.store()
     journal = outdir.prepare_out(cfg, store)
     skips = SkipLog()
@@ -317,12 +318,28 @@ class _Job:
         shards of ids without one, the source manifest's."""
         if self.cfg.text.tokenizer is not None:
             return pretokenized.form_of(_tokenizer(self.cfg.text.tokenizer))
-        if self.cfg.kind != "shards":
-            return None
-        src = Store(self.cfg.src, self.cfg.storage_options)
-        if not src.exists(MANIFEST):
-            return None
-        return parse_manifest(src.read_bytes(MANIFEST), src.where(MANIFEST)).tokens
+        return _source_tokens(self.cfg) if self.cfg.kind == "shards" else None
+
+
+def _source_tokens(cfg: ConvertConfig) -> TokenForm | None:
+    """The token form of the shards being re-sharded, from their folder's manifest."""
+    src = Store(cfg.src, cfg.storage_options)
+    if not src.exists(MANIFEST):
+        return None
+    return parse_manifest(src.read_bytes(MANIFEST), src.where(MANIFEST)).tokens
+
+
+def _refuse_tokenizing_ids(cfg: ConvertConfig) -> None:
+    """`shards --tokenizer` over shards that hold ids already would leave their ids as they
+    are under the new tokenizer's name: refused before anything is written."""
+    if cfg.kind != "shards" or cfg.text.tokenizer is None:
+        return
+    held = _source_tokens(cfg)
+    if held is not None:
+        raise ValueError(f"{redact(cfg.src)} holds token ids already ({held.tokenizer}, "
+                         f"vocab_size {held.vocab_size}, in .{held.member}): re-shard them "
+                         "without --tokenizer (the ids are kept), or convert the text again "
+                         "with the other tokenizer")
 
 
 class _Tally:
