@@ -120,6 +120,36 @@ def test_dali_outputs_are_split_from_one_copy_or_sample_by_sample():
     assert reader_dali._strings(_Scattered([b"s:1:k.txt", b""]), 2) == ["s:1:k.txt", ""]
 
 
+@pytest.mark.dali
+def test_sources_are_named_in_one_pass_as_sample_by_sample():
+    from nvidia.dali.backend import TensorListCPU
+
+    from pipeline.loading.batch import EncodedBatch
+
+    def column(sources):
+        return TensorListCPU([np.frombuffer(s.encode(), np.uint8) if s else np.zeros(0, np.uint8)
+                              for s in sources])
+
+    def each(sources, take):
+        batch = EncodedBatch([], [], [], [])
+        reader_dali._name_each(batch, [column(sources)], take)
+        return batch.urls, batch.keys
+
+    sources = ["/d/s-0.tar:512:doc_1.tokens.u16", "/d/s-1.tar:2048:a.b.seg.png",
+               "http://host:8080/x.tar:1536:dir.v2/k7.jpg", "/d/s-0.tar:4096:plain",
+               "s3://b/p q.tar:0:ü.txt", "/pad.tar:1:padding.txt"]
+    for take in (5, 1):
+        got = reader_dali._named(column(sources), take)
+        assert got == each(sources, take)
+    assert got is not None and reader_dali._named(column(sources), 5) == (
+        ["/d/s-0.tar", "/d/s-1.tar", "http://host:8080/x.tar", "/d/s-0.tar", "s3://b/p q.tar"],
+        ["doc_1", "a", "dir.v2/k7", "plain", "ü"])
+    # An empty source (a sample without the member), or one that does not parse: per sample.
+    for odd in (["/d/s-0.tar:512:a.txt", ""], ["/d/s-0.tar:512:a.txt", "no-colons"],
+                ["/d/s-0.tar:512:a\nb.txt", "/d/s-0.tar:9:c.txt"]):
+        assert reader_dali._named(column(odd), 2) is None
+
+
 # -- reader states written out when used ----------------------------------------------------------
 
 def test_a_deferred_part_is_computed_once_and_resolved_anywhere_in_a_state():
@@ -149,6 +179,31 @@ def test_a_snapshot_stays_what_was_read_when_it_was_taken(tmp_path):
     assert resolved(second) == {"done": [i0], "partial": [[i1, ["x", "y"]]]}
     tracker.add(_encoded([(specs[1].url, "z")]))
     assert resolved(second)["partial"] == [[i1, ["x", "y"]]]  # unchanged by later reads
+
+
+def test_interleaved_shards_are_tracked_as_sample_by_sample(tmp_path):
+    # The shuffle buffer interleaves shards within a read; the tracker adds each shard's run
+    # at once, keeping each shard's reading order and ending a shard at its count.
+    specs = tuple(ShardSpec(str(tmp_path / f"s{i}.tar"), 4) for i in range(3))
+    plan = plan_epoch(Source(specs), epoch=0, seed=0, rank=0, world_size=1, batch_size=2,
+                      shuffle=False, shuffle_buffer=0)
+    rng = np.random.default_rng(0)
+    order = [(s.url, f"{n}-{k}") for n, s in enumerate(specs) for k in range(4)]
+    order = [order[i] for i in rng.permutation(len(order))]
+    order.insert(5, (str(tmp_path / "elsewhere.tar"), "zz"))  # a URL the plan does not have
+    tracker = consumed.Tracker(plan, None)
+    reads = [order[:7], order[7:8], order[8:]]
+    ids = consumed.shard_index(plan)
+    want: dict[int, list[str]] = {}
+    for read in reads:
+        tracker.add(_encoded(read))
+        for url, key in read:
+            if url in ids:
+                want.setdefault(ids[url], []).append(key)
+        done = sorted(i for i, keys in want.items() if len(keys) >= 4)
+        partial = [[i, keys] for i, keys in sorted(want.items()) if len(keys) < 4]
+        assert resolved(tracker.snapshot()) == {"done": done, "partial": partial}
+    assert resolved(tracker.snapshot()) == {"done": [0, 1, 2], "partial": []}
 
 
 def _encoded(samples):

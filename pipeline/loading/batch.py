@@ -30,6 +30,10 @@ class EncodedBatch:
     # of the raw bytes (None where the sample has none), which the loader's check replaces
     # by each one's parsed value (str, a JSON object...).
     extras: dict[str, list[Any]] = field(default_factory=dict)
+    # `data` as the reader had it, one buffer and each sample's size (DALI's reader), for
+    # a consumer that takes the whole column at once (text/pretokenized.py); None once a
+    # sample is dropped, or from a reader that has none.
+    flat: tuple[np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -38,6 +42,7 @@ class EncodedBatch:
         columns: list[list[Any]] = [self.keys, self.urls, self.data, self.labels]
         for column in columns + list(self.extras.values()):
             del column[index]
+        self.flat = None
 
 
 @dataclass

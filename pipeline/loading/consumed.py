@@ -18,7 +18,9 @@ keys reached, not a copy of it.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,10 +68,20 @@ class Tracker:
         """The samples of `enc` as the reader read them (before any drop), and its skips:
         a skip with a key is a sample read; one without (a shard lost whole or from some
         point on) ends that shard."""
-        for url, key in zip(enc.urls, enc.keys, strict=True):
+        # A read holds samples of a few shards, interleaved by the shuffle buffer: ordered by
+        # shard (stably: each shard's keys in reading order) they are a few runs, each added
+        # at once. A call per sample here was a tenth of the pre-tokenized text loader's time.
+        urls, keys = enc.urls, enc.keys
+        if len(urls) > 1:
+            get = operator.itemgetter(*sorted(range(len(urls)), key=urls.__getitem__))
+            urls, keys = get(urls), get(keys)
+        start = 0
+        for url, run in itertools.groupby(urls):
+            end = start + len(list(run))
             i = self.index.get(url)
             if i is not None:
-                self._add(i, key)
+                self._add_run(i, list(keys[start:end]))
+            start = end
         for skip in enc.skips:
             i = self.index.get(skip.get("source", ""))
             if i is None:
@@ -81,11 +93,16 @@ class Tracker:
                 self.partial.pop(i, None)
 
     def _add(self, i: int, key: str) -> None:
+        self._add_run(i, [key])
+
+    def _add_run(self, i: int, run: list[str]) -> None:
+        """Keys read of shard `i`, in order; those past its count are not kept (it is done)."""
         if i in self.done:
             return
         keys = self.partial.setdefault(i, [])
-        keys.append(key)
-        if len(keys) >= self.total.get(i, _NEVER):
+        total = self.total.get(i, _NEVER)
+        keys.extend(run if total == _NEVER else run[: max(int(total) - len(keys), 0)])
+        if len(keys) >= total:
             self.done.add(i)
             del self.partial[i]
 

@@ -220,9 +220,11 @@ class TextLoader(Loader):
     def _documents(self, enc: EncodedBatch) -> tuple[Any, list[str], list[str]]:
         """(the read's documents, keys, urls): texts, or stored ids (a list of arrays, or
         the read already packed when every member of it is sound and within max_doc_bytes)."""
-        if self.tokens is not None and max(map(len, enc.data), default=0) <= \
-                self.cfg.max_doc_bytes:
-            whole = pretokenized.packed(enc.data, self.tokens, self.tokenizer.sep_id)
+        longest = int(enc.flat[1].max(initial=0)) if enc.flat is not None else \
+            max(map(len, enc.data), default=0)
+        if self.tokens is not None and longest <= self.cfg.max_doc_bytes:
+            whole = pretokenized.packed(enc.data, self.tokens, self.tokenizer.sep_id,
+                                        enc.flat)
             if whole is not None:
                 return whole, list(enc.keys), list(enc.urls)
         docs, keys, urls, skips = [], [], [], SkipLog()

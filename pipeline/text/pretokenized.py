@@ -103,16 +103,22 @@ def ids_of(data: bytes | np.ndarray, form: TokenForm) -> np.ndarray:
     return ids.astype(np.int32)
 
 
-def packed(data: list[np.ndarray], form: TokenForm, sep_id: int
+def packed(data: list[np.ndarray], form: TokenForm, sep_id: int,
+           flat: tuple[np.ndarray, np.ndarray] | None = None
            ) -> tuple[np.ndarray, np.ndarray] | None:
     """A read's members (checked whole: a few numpy calls) as a Piece's (tokens, starts),
     each document followed by the separator; None when one of them is bad, so that the
-    caller checks each alone (ids_of) and names it."""
+    caller checks each alone (ids_of) and names it. `flat`: the same members as one buffer
+    and their sizes (EncodedBatch.flat), which saves a call per member."""
     itemsize = _DTYPES[form.dtype].itemsize
-    sizes = np.fromiter((len(d) for d in data), np.int64, len(data))
-    if not len(data) or (sizes == 0).any() or (sizes % itemsize).any():
+    if flat is not None:
+        buffer, sizes = flat
+    else:
+        sizes = np.fromiter((len(d) for d in data), np.int64, len(data))
+    if not len(sizes) or (sizes == 0).any() or (sizes % itemsize).any():
         return None
-    ids = np.concatenate(data).view(_DTYPES[form.dtype])
+    raw = buffer[: int(sizes.sum())] if flat is not None else np.concatenate(data)
+    ids = raw.view(_DTYPES[form.dtype])
     if int(ids.max()) >= form.vocab_size:
         return None
     ends = np.cumsum(sizes // itemsize)
