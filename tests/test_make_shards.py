@@ -183,6 +183,42 @@ def test_size_limit_is_respected(tmp_path):
     assert load_manifest(tmp_path / "o")["total_samples"] == 20
 
 
+def test_a_file_over_max_file_size_is_refused_naming_it_and_one_at_the_limit_kept(tmp_path):
+    src = make_image_folder(tmp_path / "src", classes=1, per_class=3)
+    files = sorted(src.rglob("*.jpg"))
+    limit = max(f.stat().st_size for f in files[:2])  # one of them exactly at the limit
+    big = jpeg_bytes(7, size=(96, 80))
+    assert len(big) > limit
+    files[2].write_bytes(big)
+    refused = run_tool("make_shards", "imagefolder", src, tmp_path / "o", "--max-file-size",
+                       str(limit))
+    assert refused.returncode != 0 and "file-too-large" in refused.stderr
+    assert files[2].name in refused.stderr
+    run_tool("make_shards", "imagefolder", src, tmp_path / "s", "--max-file-size", str(limit),
+             "--on-error", "skip", check=True)
+    m = load_manifest(tmp_path / "s")
+    assert m["total_samples"] == 2 and m["skipped_counts"] == {"file-too-large": 1}
+    assert files[2].name in json.dumps(m["skipped"])
+
+
+def test_a_local_file_that_grows_while_read_is_read_to_its_end(tmp_path, monkeypatch):
+    from pipeline.convert import sources
+    from pipeline.errors import DataError
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(256)) * 40)
+    real = sources.os.fstat
+
+    def stale(fd):  # the size taken before the file grew to what is on disk now
+        st = real(fd)
+        return type("Stat", (), {"st_size": st.st_size - 1000})()
+
+    monkeypatch.setattr(sources.os, "fstat", stale)
+    assert sources._read_file(str(path), 1 << 20, {}) == path.read_bytes()
+    with pytest.raises(DataError, match="max_file_bytes=10000"):
+        sources._read_file(str(path), 10_000, {})
+
+
 def test_refuses_existing_shards_unless_overwrite(tmp_path):
     src = make_image_folder(tmp_path / "src", classes=1, per_class=2)
     run_tool("make_shards", "imagefolder", src, tmp_path / "o", check=True)
