@@ -183,6 +183,43 @@ def test_size_limit_is_respected(tmp_path):
     assert load_manifest(tmp_path / "o")["total_samples"] == 20
 
 
+def test_the_folder_walk_lists_in_pathlibs_order_and_names_what_it_passes_over(
+        tmp_path, monkeypatch):
+    import os
+
+    from pipeline.convert import sources
+
+    root = tmp_path / "src"
+    for rel in ("a/b.jpg", "a.b/c.jpg", "a-b/x.jpg", "A/y.jpg", "ü/z.jpg", ".hidden/h.jpg",
+                "a/.dot.jpg", "a/b/c/d.jpg", "a b/e.jpg", "a/b.JPG", "a/b0.jpg", "deny/q.jpg"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"x")
+    (root / "a" / "link.jpg").symlink_to(root / "a" / "b.jpg")
+    (root / "linkdir").symlink_to(root / "a", target_is_directory=True)
+    os.mkfifo(root / "a" / "pipe.jpg")
+    # What pathlib's sorted rglob gave (the walk before this one), the unreadable folder apart.
+    want, passed = [], []
+    for p in sorted(root.rglob("*")):
+        if p.is_symlink():
+            passed.append((str(p), "symlink"))
+        elif p.is_file():
+            want.append(p.relative_to(root).as_posix())
+        elif not p.is_dir():
+            passed.append((str(p), "not-a-regular-file"))
+    real = os.scandir
+
+    def scandir(path):  # tests run as root, whom chmod does not stop
+        if str(path).endswith("deny"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(sources.os, "scandir", scandir)
+    files, ignored = sources._walk(root)
+    assert files == [f for f in want if not f.startswith("deny/")]
+    assert sorted((i["source"], i["reason"]) for i in ignored) == sorted(
+        passed + [(str(root / "deny"), "unreadable-folder")])
+
+
 def test_a_file_over_max_file_size_is_refused_naming_it_and_one_at_the_limit_kept(tmp_path):
     src = make_image_folder(tmp_path / "src", classes=1, per_class=3)
     files = sorted(src.rglob("*.jpg"))
