@@ -13,7 +13,7 @@ from pathlib import Path
 
 import fsspec
 import pytest
-from conftest import ROOT, make_image_folder
+from conftest import make_image_folder
 
 from pipeline.convert import ConvertConfig, convert
 from pipeline.shards.manifest import merge_parts
@@ -22,8 +22,7 @@ from pipeline.storage import Store
 
 @pytest.fixture
 def cliutil(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))  # the tools import it from beside them
-    return importlib.import_module("cliutil")
+    return importlib.import_module("pipeline.cli.util")
 
 
 @pytest.fixture

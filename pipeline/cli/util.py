@@ -121,7 +121,7 @@ def setup_logging(quiet: bool) -> None:
                         format="%(levelname)s %(name)s: %(message)s")
 
 
-def fail(message: str, code: int = 1) -> None:
+def fail(message: str, code: int = 1) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(code)
 

@@ -1,0 +1,89 @@
+"""`shardflow SUBCOMMAND ...`: the project's command, installed with the package.
+
+    shardflow convert imagefolder photos/ shards/     # make_shards.py
+    shardflow verify shards/                          # verify_shards.py
+    shardflow train --task image --data shards/ --steps 300
+    shardflow bench --images 400                      # bench_loader.py
+    shardflow --version
+
+Each subcommand is a module with `entry(argv)` (its `main`, errors mapped to exit codes as
+util.run_main documents), named here by its import path and
+imported only when it runs: `shardflow --help` stays quick, and the conversion side's
+commands never import torch. The training side's live in trainers/cli/ (they compose loaders
+and trainers); naming them as strings keeps `pipeline` free of imports from above it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable
+from importlib import metadata
+from typing import NoReturn
+
+# subcommand -> (module with main(argv), arguments put before the user's, what it does)
+COMMANDS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "convert": ("pipeline.cli.make_shards", (), "convert a dataset to shards"),
+    "index": ("pipeline.cli.make_shards", ("index",),
+              "DALI indexes and a manifest for shards made elsewhere (= convert index)"),
+    "verify": ("pipeline.cli.verify_shards", (), "check shards against manifest and indexes"),
+    "train": ("trainers.cli.train", (), "train on shards (image, text, point clouds, CTR)"),
+    "demo": ("trainers.cli.demo", (), "convert the built-in data and train on each modality"),
+    "bench": ("pipeline.cli.bench_loader", (), "loader throughput beside the baselines"),
+    "tune": ("pipeline.cli.bench_loader", ("--tune",),
+             "measure loader settings here and write the tuning file (= bench --tune)"),
+    "bench-convert": ("pipeline.cli.bench_convert", (), "conversion speed beside tar and peers"),
+    "bench-stream": ("pipeline.cli.bench_stream", (), "the streaming reader over HTTP"),
+    "gpu-check": ("pipeline.cli.gpu_check", (), "the GPU figures (on a CUDA machine)"),
+    "soak": ("trainers.cli.soak", (), "long runs: memory and threads stay flat"),
+    "train-tokenizer": ("pipeline.cli.train_tokenizer", (), "a BPE tokenizer from text shards"),
+    "plot": ("trainers.cli.plot_run", (), "redraw a run's curves.png"),
+}
+
+
+def version() -> str:
+    try:
+        return metadata.version("shardflow")
+    except metadata.PackageNotFoundError:  # run from a checkout that is not installed
+        return "unknown (not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="shardflow", description="shardflow: WebDataset shards, loaders and training.",
+        epilog="`shardflow SUBCOMMAND --help` gives each one's options.")
+    p.add_argument("--version", action="version", version=f"shardflow {version()}")
+    sub = p.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
+    for name, (_module, _first, summary) in COMMANDS.items():
+        # Each subcommand parses its own arguments: here only its name is taken.
+        sub.add_parser(name, help=summary, add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Run `argv`'s subcommand (exits with its code: util.run_main's table)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    if not argv:
+        parser.error(f"name a subcommand: {', '.join(COMMANDS)}")
+    if argv[0].startswith("-"):
+        parser.parse_args(argv)  # --help, --version, or the error that names the choices
+        raise SystemExit(2)
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        parser.parse_args([name])  # exits 2 naming the choices
+    module, first, _summary = COMMANDS[name]
+    entry: Callable[[list[str]], NoReturn] = importlib.import_module(module).entry
+    # The subcommand's own parser names itself after sys.argv[0] ("usage: shardflow convert");
+    # one that starts with a subcommand of its own (index) adds that name itself.
+    prog = "shardflow" if first and not first[0].startswith("-") else f"shardflow {name}"
+    saved, sys.argv = sys.argv, [prog, *rest]
+    try:
+        entry([*first, *rest])  # exits: errors as one line and a code (util.run_main)
+    finally:
+        sys.argv = saved
+
+
+if __name__ == "__main__":
+    main()

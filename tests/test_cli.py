@@ -1,0 +1,117 @@
+"""The `shardflow` command (pipeline/cli/main.py): its subcommands, help, version and exit
+codes, as installed in this venv; and the wheel on its own, installed outside the checkout
+and run from another folder (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, jpeg_bytes, make_image_folder
+
+from pipeline.cli.main import COMMANDS
+
+SHARDFLOW = Path(sys.executable).parent / "shardflow"  # the console script pip installed
+
+
+def shardflow(*args: object, exe: Path = SHARDFLOW, cwd: Path | None = None,
+              env: dict[str, str] | None = None, timeout: float = 300
+              ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def test_the_command_is_installed_names_its_version_and_every_subcommand():
+    assert SHARDFLOW.exists(), "make install puts the console script in the venv"
+    version = shardflow("--version")
+    assert version.returncode == 0 and version.stdout.strip() == "shardflow 0.1.0"
+    top = shardflow("--help")
+    assert top.returncode == 0
+    assert all(name in top.stdout for name in COMMANDS)
+    same = subprocess.run([sys.executable, "-m", "pipeline", "--help"], capture_output=True,
+                          text=True, timeout=60)
+    assert same.returncode == 0 and same.stdout == top.stdout
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_subcommand_has_its_own_help(name):
+    proc = shardflow(name, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"usage: shardflow {name} ")
+
+
+def test_an_unknown_subcommand_or_none_is_a_usage_error_naming_the_choices():
+    for args in (["bogus"], []):
+        proc = shardflow(*args)
+        assert proc.returncode == 2
+        assert "convert" in proc.stderr and "train" in proc.stderr
+
+
+def test_errors_keep_their_exit_codes_through_the_command(tmp_path):
+    missing = shardflow("convert", "imagefolder", tmp_path / "nothing", tmp_path / "o")
+    assert missing.returncode == 2 and "nothing" in missing.stderr
+    src = make_image_folder(tmp_path / "src", classes=1, per_class=2)
+    (src / "class0" / "zz_bad.jpg").write_bytes(b"not an image")
+    bad = shardflow("convert", "imagefolder", src, tmp_path / "o", "--workers", 1)
+    assert bad.returncode == 1 and "zz_bad" in bad.stderr and "bad-image" in bad.stderr
+    good = shardflow("index", tmp_path / "nothing-here")
+    assert good.returncode == 2, good.stderr
+
+
+# -- the wheel on its own ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def wheel_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's wheel built from this checkout and installed alone into a folder
+    (--no-deps --no-index: its dependencies are this venv's, no network)."""
+    work = tmp_path_factory.mktemp("wheel")
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-w",
+                    str(work / "dist")], check=True, timeout=300, cwd=work)
+    [wheel] = (work / "dist").glob("shardflow-*.whl")
+    site = work / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(site),
+                    str(wheel)], check=True, timeout=300, cwd=work)
+    return site
+
+
+@pytest.mark.slow
+def test_the_wheel_alone_converts_verifies_trains_and_benchmarks(wheel_site, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(wheel_site)}
+    exe = wheel_site / "bin" / "shardflow"
+    away = tmp_path / "elsewhere"  # not the checkout: nothing may come from it
+    away.mkdir()
+    where = subprocess.run([sys.executable, "-c", "import pipeline, trainers; "
+                            "print(pipeline.__file__, trainers.__file__)"],
+                           capture_output=True, text=True, cwd=away, env=env, check=True)
+    assert all(p.startswith(str(wheel_site)) for p in where.stdout.split()), where.stdout
+
+    def run(*args: object, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        proc = shardflow(*args, exe=exe, cwd=away, env=env, timeout=timeout)
+        assert proc.returncode == 0, f"{args}: {proc.stdout}\n{proc.stderr}"
+        return proc
+
+    assert run("--version").stdout.strip() == "shardflow 0.1.0"
+    for name in COMMANDS:
+        assert run(name, "--help").stdout.startswith(f"usage: shardflow {name} ")
+    src = make_image_folder(away / "photos", classes=2, per_class=12)
+    (src / "class1" / "upper.JPG").write_bytes(jpeg_bytes(99))
+    run("convert", "imagefolder", src, away / "shards", "--max-count", 10, "--quiet")
+    manifest = json.loads((away / "shards" / "manifest.json").read_text())
+    assert manifest["total_samples"] == 25 and len(manifest["shards"]) == 3
+    run("verify", away / "shards")
+    run("train", "--task", "image", "--data", away / "shards", "--out", away / "run",
+        "--steps", 5, "--batch-size", 8, "--size", 32, "--device", "cpu", "--quiet")
+    summary = json.loads((away / "run" / "summary.json").read_text())
+    assert summary["steps"] == 5
+    run("gpu-check", "--dry-run", "--only", "delivery", "--json", away / "gpu.json")
+    report = json.loads((away / "gpu.json").read_text())  # its part ran as a subprocess
+    assert report["finished"] is True and report["parts"]["delivery"]["status"] == "ok"
+    run("bench", "--images", 64, "--repeats", 1, "--batch-size", 16, "--work",
+        away / "bench-work", "--json", away / "bench.json", timeout=600)
+    figures = json.loads((away / "bench.json").read_text())
+    assert figures["images_per_s"]["shardflow"] > 0
