@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: install test lint demo bench gpu-check gpu-test dali-cuda13 clean
+.PHONY: install test lint demo bench docs gpu-check gpu-test dali-cuda13 clean
 
 install: $(STAMP)
 
@@ -56,6 +56,19 @@ bench: $(BENCH_STAMP)
 	$(PY) tools/bench_loader.py --modality pointcloud --json bench-out/pointcloud.json \
 		--plot bench-out/pointcloud.png
 
+# README.md (the front page, its docs/ links made relative) and docs/*.md as a site in site/
+# (mkdocs.yml), with the docs extra; the Markdown reads well without it.
+DOCS_STAMP := $(VENV)/.installed-docs
+$(DOCS_STAMP): pyproject.toml $(STAMP)
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" -e ".[dev,docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	rm -rf build/docs-src && mkdir -p build/docs-src
+	cp docs/*.md build/docs-src/
+	sed 's#](docs/#](#g' README.md > build/docs-src/index.md
+	$(PY) -m mkdocs build --quiet --strict -f mkdocs.yml
+
 # On a CUDA machine: the GPU figures (tools/gpu_check.py --help); elsewhere it says so, exits 0.
 gpu-check: $(STAMP)
 	$(PY) tools/gpu_check.py --json gpu-report.json
@@ -76,4 +89,4 @@ dali-cuda13: $(STAMP)
 	$(PY) -m pip install --quiet "nvidia-dali-cuda130>=2.0"
 
 clean:
-	rm -rf demo-out bench-out .pytest_cache
+	rm -rf demo-out bench-out .pytest_cache site build/docs-src

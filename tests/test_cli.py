@@ -115,3 +115,28 @@ def test_the_wheel_alone_converts_verifies_trains_and_benchmarks(wheel_site, tmp
         away / "bench-work", "--json", away / "bench.json", timeout=600)
     figures = json.loads((away / "bench.json").read_text())
     assert figures["images_per_s"]["shardflow"] > 0
+
+
+def test_the_cli_reference_is_the_parsers_own_help():
+    """docs/cli.md is made from the parsers (pipeline/cli/reference.py): an option added,
+    renamed or described anew without regenerating it fails here."""
+    from pipeline.cli import reference
+
+    current = (ROOT / "docs" / "cli.md").read_text()
+    made = reference.reference()
+    assert made == current, ("docs/cli.md is stale: python -m pipeline.cli.reference > "
+                             "docs/cli.md")
+    for name in COMMANDS:
+        assert f"## shardflow {name}\n" in made and f"usage: shardflow {name} " in made
+    assert "### shardflow convert imagefolder" in made and "--max-side" in made
+
+
+def test_data_writes_the_built_in_datasets_and_refuses_a_folder_in_use(tmp_path):
+    made = shardflow("data", tmp_path / "s", "--only", "images,text")
+    assert made.returncode == 0, made.stderr
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["images", "text"]
+    assert len(list((tmp_path / "s" / "images").iterdir())) == 10  # class folders
+    again = shardflow("data", tmp_path / "s", "--only", "images")
+    assert again.returncode == 2 and "not empty" in again.stderr
+    unknown = shardflow("data", tmp_path / "t", "--only", "videos")
+    assert unknown.returncode == 2 and "videos" in unknown.stderr and "clicks" in unknown.stderr

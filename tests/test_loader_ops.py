@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import gpu_available, resumed_run
-from test_ops import Invert  # the README's own op
+from test_ops import Invert  # the own op of docs/ops.md
 
 from pipeline import image_loader, ops
 
@@ -170,23 +170,22 @@ def test_a_skipped_sample_leaves_the_others_their_own_draws(tmp_path):
 
 
 def _readme_example() -> str:
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme[readme.index("### Augmentation ops"):]
+    section = (Path(__file__).parents[1] / "docs" / "ops.md").read_text()
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
 @pytest.mark.parametrize("reader, backend", BACKENDS)
 def test_the_readmes_own_op_runs_in_the_loader(op_shards, reader, backend, capsys):
-    """The README's example as written, on our shards (its "shards/" replaced, and a
+    """docs/ops.md's example as written, on our shards (its "shards/train" replaced, and a
     smaller size): its last batch is the plain loader's, augmented by its recipe and mix."""
     if backend == "dali":
         pytest.importorskip("nvidia.dali")
     code = _readme_example()
-    assert code.count('"shards/", ') == 1
+    assert code.count('"shards/train", ') == 1
     options = {"size": 32, "threads": 1, "device": "cpu", "reader": reader,
                "backend": backend, "use_tuning": False}
     scope = {"SHARDS": op_shards, "OPTIONS": options}
-    exec(code.replace('"shards/", ', "SHARDS, **OPTIONS, "), scope)  # our README's code
+    exec(code.replace('"shards/train", ', "SHARDS, **OPTIONS, "), scope)  # the docs' code
     assert "decode stage" in capsys.readouterr().out
     last, recipe, mix = scope["batch"], scope["recipe"], scope["mix"]
     with image_loader(op_shards, batch_size=64, seed=0, **options) as plain:

@@ -191,10 +191,10 @@ def test_mix_draws_follow_timm(photos):
     assert first != ops.batch_rng(3, 1, ["b", "a"]).random()
 
 
-# -- on a loader's batches (the README's example) ----------------------------------------------
+# -- on a loader's batches (docs/ops.md's example) -------------------------------------------------
 
 class Invert(ops.Op):
-    """The README's own op: the negative, for a share p of the images."""
+    """docs/ops.md's own op: the negative, for a share p of the images."""
 
     def __init__(self, p: float = 0.5) -> None:
         self.p = p
@@ -208,7 +208,7 @@ class Invert(ops.Op):
 
 
 def _augmented(loader, batches, recipe, mix) -> list[tuple[list, torch.Tensor, torch.Tensor]]:
-    """What the README's loop trains on, batch by batch."""
+    """What docs/ops.md's loop trains on, batch by batch."""
     out = []
     for batch in batches:
         images = ops.apply(recipe, batch.image, ops.sample_rngs(0, loader.epoch, batch.keys))

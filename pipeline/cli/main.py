@@ -24,6 +24,7 @@ from typing import NoReturn
 
 # subcommand -> (module with main(argv), arguments put before the user's, what it does)
 COMMANDS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "data": ("pipeline.cli.data", (), "the built-in datasets as raw files, to try things on"),
     "convert": ("pipeline.cli.make_shards", (), "convert a dataset to shards"),
     "index": ("pipeline.cli.make_shards", ("index",),
               "DALI indexes and a manifest for shards made elsewhere (= convert index)"),
