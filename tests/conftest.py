@@ -313,3 +313,19 @@ def convert_killed(cfg: object, kill_at: int, spec_dir: Path,
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-3000:])
+
+
+@pytest.fixture(scope="session")
+def wheel_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's wheel built from this checkout and installed alone into a folder
+    (--no-deps --no-index: its dependencies are this venv's, no network); its `shardflow`
+    is bin/shardflow there, run with PYTHONPATH set to the folder (tests/test_cli.py)."""
+    work = tmp_path_factory.mktemp("wheel")
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-w",
+                    str(work / "dist")], check=True, timeout=300, cwd=work)
+    [wheel] = (work / "dist").glob("shardflow-*.whl")
+    site = work / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(site),
+                    str(wheel)], check=True, timeout=300, cwd=work)
+    return site

@@ -64,23 +64,9 @@ def test_errors_keep_their_exit_codes_through_the_command(tmp_path):
 
 # -- the wheel on its own ---------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def wheel_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The project's wheel built from this checkout and installed alone into a folder
-    (--no-deps --no-index: its dependencies are this venv's, no network)."""
-    work = tmp_path_factory.mktemp("wheel")
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-w",
-                    str(work / "dist")], check=True, timeout=300, cwd=work)
-    [wheel] = (work / "dist").glob("shardflow-*.whl")
-    site = work / "site"
-    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(site),
-                    str(wheel)], check=True, timeout=300, cwd=work)
-    return site
-
-
 @pytest.mark.slow
 def test_the_wheel_alone_converts_verifies_trains_and_benchmarks(wheel_site, tmp_path):
+    """`shardflow demo` from the wheel: tests/test_demo.py's whole run."""
     env = {**os.environ, "PYTHONPATH": str(wheel_site)}
     exe = wheel_site / "bin" / "shardflow"
     away = tmp_path / "elsewhere"  # not the checkout: nothing may come from it

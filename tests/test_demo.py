@@ -1,11 +1,13 @@
-"""tools/demo.py, the README's main job (`make demo`): each built-in dataset converted and
-verified, the image loader, and the four training runs reaching what their data allows; the
-folder it writes into is its own."""
+"""`shardflow demo` (trainers/cli/demo.py), the README's main job (`make demo`): each
+built-in dataset converted and verified, the image loader, and the four training runs reaching
+what their data allows; the folder it writes into is its own."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -52,10 +54,16 @@ def test_each_dataset_line_is_what_was_written_and_verified(demo, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_whole_demo_trains_every_modality_past_what_chance_allows(tmp_path):
-    """The whole job (about 100 s here): exit 0 (every dataset verified, the CTR run within
-    0.03 of the planted achievable AUC), and each run's held-out figure, read from its line."""
-    proc = run_tool("demo", "--out", tmp_path / "demo", check=True)
+def test_the_whole_demo_trains_every_modality_past_what_chance_allows(tmp_path, wheel_site):
+    """The whole job (about 100 s here), as `shardflow demo` from the wheel installed alone
+    and run outside the checkout (conftest.wheel_site): exit 0 (every dataset verified, the
+    CTR run within 0.03 of the planted achievable AUC), and each run's held-out figure, read
+    from its line."""
+    env = {**os.environ, "PYTHONPATH": str(wheel_site)}
+    proc = subprocess.run([str(wheel_site / "bin" / "shardflow"), "demo", "--out",
+                           str(tmp_path / "demo")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=900, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     out = proc.stdout
     assert len(re.findall(r"^\w+ +\w+ +\d+ .* ok +[\d.]+s$", out, re.M)) == 5, out
     assert re.search(r"image loader \(cpu, .*: batches of \(25, 3, 224, 224\) torch.uint8; "
