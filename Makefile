@@ -65,7 +65,7 @@ $(DOCS_STAMP): pyproject.toml $(STAMP)
 
 docs: $(DOCS_STAMP)
 	rm -rf build/docs-src && mkdir -p build/docs-src
-	cp docs/*.md build/docs-src/
+	cp -r docs/. build/docs-src/
 	sed 's#](docs/#](#g' README.md > build/docs-src/index.md
 	$(PY) -m mkdocs build --quiet --strict -f mkdocs.yml
 
