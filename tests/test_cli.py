@@ -90,6 +90,9 @@ def test_the_wheel_alone_converts_verifies_trains_and_benchmarks(wheel_site, tmp
     manifest = json.loads((away / "shards" / "manifest.json").read_text())
     assert manifest["total_samples"] == 25 and len(manifest["shards"]) == 3
     run("verify", away / "shards")
+    run("recipes", away / "cluster")  # package data: in the wheel
+    assert (away / "cluster" / "slurm_train.sbatch").read_bytes() == \
+        (ROOT / "pipeline" / "cli" / "cluster" / "slurm_train.sbatch").read_bytes()
     run("train", "--task", "image", "--data", away / "shards", "--out", away / "run",
         "--steps", 5, "--batch-size", 8, "--size", 32, "--device", "cpu", "--quiet")
     summary = json.loads((away / "run" / "summary.json").read_text())
@@ -126,3 +129,20 @@ def test_data_writes_the_built_in_datasets_and_refuses_a_folder_in_use(tmp_path)
     assert again.returncode == 2 and "not empty" in again.stderr
     unknown = shardflow("data", tmp_path / "t", "--only", "videos")
     assert unknown.returncode == 2 and "videos" in unknown.stderr and "clicks" in unknown.stderr
+
+
+def test_recipes_writes_the_cluster_recipes_and_keeps_edited_ones(tmp_path):
+    shipped = ROOT / "pipeline" / "cli" / "cluster"
+    made = shardflow("recipes", tmp_path / "cluster")
+    assert made.returncode == 0, made.stderr
+    names = sorted(p.name for p in shipped.iterdir())
+    assert {"slurm_train.sbatch", "pytorchjob.yaml", "convert_job.yaml", "README.md"} <= set(names)
+    assert all((tmp_path / "cluster" / n).read_bytes() == (shipped / n).read_bytes()
+               for n in names)
+    (tmp_path / "cluster" / "pytorchjob.yaml").write_text("# edited")
+    again = shardflow("recipes", tmp_path / "cluster")
+    assert again.returncode == 2 and "pytorchjob.yaml" in again.stderr
+    assert (tmp_path / "cluster" / "pytorchjob.yaml").read_text() == "# edited"
+    assert shardflow("recipes", tmp_path / "cluster", "--overwrite").returncode == 0
+    assert (tmp_path / "cluster" / "pytorchjob.yaml").read_bytes() == \
+        (shipped / "pytorchjob.yaml").read_bytes()

@@ -1,15 +1,15 @@
-"""The cluster recipes in tools/cluster (SLURM batch script, Kubeflow PyTorchJob, indexed
-conversion Job): their structure, and their commands. Each recipe's shell runs for real under
-bash with the launchers stubbed (srun, scontrol, torchrun and python record their arguments),
-so the variables are expanded as on a cluster; every flag then goes through the real parsers
-(tools/train.py's, tools/make_shards.py's, torchrun's). The commands, as written, must be the
+"""The cluster recipes in pipeline/cli/cluster (package data: `shardflow recipes DIR`; SLURM
+batch script, Kubeflow PyTorchJob, indexed conversion Job): their structure, and their
+commands. Each recipe's shell runs for real under bash with the launchers stubbed (srun,
+scontrol, torchrun and shardflow record their arguments), so the variables are expanded as on
+a cluster; every flag then goes through the real parsers (shardflow train's, shardflow
+convert's, torchrun's). The commands, as written, must be the
 ones in docs/storage-and-cluster.md's "On a cluster" block. No cluster needed."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import io
 import re
 import shlex
@@ -21,11 +21,11 @@ import pytest
 import yaml  # PyYAML: webdataset depends on it
 from conftest import ROOT
 
-CLUSTER = ROOT / "tools" / "cluster"
+CLUSTER = ROOT / "pipeline" / "cli" / "cluster"
 SBATCH = CLUSTER / "slurm_train.sbatch"
 README_SECTION = "## On a cluster"
 DOC = ROOT / "docs" / "storage-and-cluster.md"  # where that section lives
-TOOLS = ("tools/train.py", "tools/make_shards.py")
+TRAIN = "trainers.cli.train"  # what `shardflow train` runs; torchrun --module starts it
 # What the training operator gives every pod (PET_*: torchrun's own variables).
 OPERATOR_ENV = {"PET_MASTER_ADDR": "shardflow-train-master-0", "PET_MASTER_PORT": "23456"}
 SLURM_ENV = {"SLURM_JOB_NODELIST": "gpu-node-[07-08]", "SLURM_NNODES": "2",
@@ -73,13 +73,15 @@ def sbatch_options() -> dict[str, str]:
 
 
 def tool_commands(shell: str) -> list[list[str]]:
-    """The commands in shell text that run one of TOOLS, as words (variables unexpanded,
-    quotes removed, a leading `exec` dropped)."""
+    """The commands in shell text that convert or train (`shardflow convert ...`, torchrun
+    with --module TRAIN), as words (variables unexpanded, quotes removed, a leading `exec`
+    dropped)."""
     commands = []
     for line in shell.replace("\\\n", " ").splitlines():
         words = shlex.split(line, comments=True)
-        if any(w in TOOLS for w in words):
-            commands.append(words[1:] if words[0] == "exec" else words)
+        words = words[1:] if words[:1] == ["exec"] else words
+        if words[:2] == ["shardflow", "convert"] or TRAIN in words:
+            commands.append(words)
     return commands
 
 
@@ -102,7 +104,7 @@ HOSTNAMES = RECORD + f"printf '{FIRST_NODE}\\ngpu-node-08\\n'\n"
 def stubs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder of launchers that record their arguments in $ARGV_DIR instead of running."""
     folder = tmp_path_factory.mktemp("stubs")
-    for name, text in {"srun": RECORD, "torchrun": RECORD, "python": RECORD,
+    for name, text in {"srun": RECORD, "torchrun": RECORD, "shardflow": RECORD,
                        "scontrol": HOSTNAMES}.items():
         (folder / name).write_text(text)
         (folder / name).chmod(0o755)
@@ -140,24 +142,16 @@ def container_env(container: dict[str, Any], docs: dict[str, dict[str, Any]]
 
 # -- the real parsers ---------------------------------------------------------------------------
 
-def _load_tool(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"{name}_tool", ROOT / "tools" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def parsers() -> dict[str, argparse.ArgumentParser]:
-    """tools/train.py's, tools/make_shards.py's and torchrun's own argument parsers."""
+    """shardflow train's, shardflow convert's and torchrun's own argument parsers."""
     from torch.distributed.run import get_args_parser
 
-    with pytest.MonkeyPatch.context() as mp:  # the tools import cliutil from beside them
-        mp.syspath_prepend(str(ROOT / "tools"))
-        found = {"tools/train.py": _load_tool("train").build_parser(),
-                 "tools/make_shards.py": _load_tool("make_shards").build_parser(),
-                 "torchrun": get_args_parser()}
+    from pipeline.cli import make_shards
+    from trainers.cli import train
+
+    found = {"shardflow train": train.build_parser(),
+             "shardflow convert": make_shards.build_parser(), "torchrun": get_args_parser()}
     for name, parser in found.items():
         parser.prog = name  # for the messages
     return found
@@ -192,10 +186,10 @@ def parse(parser: argparse.ArgumentParser, argv: list[str], own: int | None = No
 
 def torchrun_and_train(parsers: dict[str, argparse.ArgumentParser], argv: list[str]
                        ) -> tuple[argparse.Namespace, argparse.Namespace]:
-    """torchrun's arguments and tools/train.py's, from torchrun's argv."""
-    launch = parse(parsers["torchrun"], argv, own=argv.index("tools/train.py"))
-    assert launch.training_script == "tools/train.py", launch.training_script
-    return launch, parse(parsers["tools/train.py"], launch.training_script_args)
+    """torchrun's arguments and shardflow train's, from torchrun's argv."""
+    launch = parse(parsers["torchrun"], argv, own=argv.index(TRAIN))
+    assert launch.module and launch.training_script == TRAIN, launch
+    return launch, parse(parsers["shardflow train"], launch.training_script_args)
 
 
 # -- SLURM --------------------------------------------------------------------------------------
@@ -308,13 +302,14 @@ def test_the_conversion_is_an_indexed_job_of_parts_then_a_suspended_merge():
 
 def run_job(name: str, stubs: Path, tmp: Path, **env: str
             ) -> tuple[dict[str, Any], dict[str, str], list[str]]:
-    """The conversion Job's container, its environment, and what it passes to python."""
+    """The conversion Job's container, its environment, and what it passes to shardflow
+    convert."""
     docs = documents("convert_job.yaml")
     container = only_container(pod_specs(docs[f"Job/{name}"])[name])
     env = {**container_env(container, docs), **env}
     calls = run_recorded(["bash", "-c", script_of(container)], env, stubs, tmp)
-    assert calls["python"][0] == "tools/make_shards.py", calls["python"]
-    return container, env, calls["python"][1:]
+    assert calls["shardflow"][0] == "convert", calls["shardflow"]
+    return container, env, calls["shardflow"][1:]
 
 
 def test_each_conversion_pod_converts_its_own_part(parsers, stubs, tmp_path):
@@ -322,7 +317,7 @@ def test_each_conversion_pod_converts_its_own_part(parsers, stubs, tmp_path):
                 ["data"]["PARTS"])
     container, env, argv = run_job("shardflow-convert", stubs, tmp_path,
                                    JOB_COMPLETION_INDEX=str(parts - 1))
-    args = parse(parsers["tools/make_shards.py"], argv)
+    args = parse(parsers["shardflow convert"], argv)
     assert (args.kind, args.src, str(args.out)) == (env["KIND"], env["SRC"], env["OUT"])
     assert args.part == (parts - 1, parts)
     assert args.workers == int(container["resources"]["limits"]["cpu"])
@@ -330,7 +325,7 @@ def test_each_conversion_pod_converts_its_own_part(parsers, stubs, tmp_path):
 
 def test_the_merge_job_merges_the_parts_folder(parsers, stubs, tmp_path):
     _, env, argv = run_job("shardflow-merge", stubs, tmp_path)
-    args = parse(parsers["tools/make_shards.py"], argv)
+    args = parse(parsers["shardflow convert"], argv)
     assert (args.kind, str(args.out)) == ("merge", env["OUT"])
 
 
@@ -365,14 +360,14 @@ def test_the_recipes_run_the_commands_the_readme_shows():
     shown = {tuple(c) for c in tool_commands(fenced)}
     ours = recipe_commands()
     assert len(ours) == 4  # SLURM, PyTorchJob, convert, merge
-    assert shown == ours, {"only in the README": shown - ours,
-                           "only in tools/cluster": ours - shown}
+    assert shown == ours, {"only in the docs": shown - ours,
+                           "only in the recipes": ours - shown}
 
 
 def test_the_files_and_jobs_the_readme_names_exist():
     section = readme_section()
-    files = set(re.findall(r"tools/cluster/[\w.]+", section))
-    assert files and all((ROOT / f).exists() for f in files), files
+    files = set(re.findall(r"\bcluster/([\w.]+)", section))
+    assert files and all((CLUSTER / f).exists() for f in files), files
     jobs = {o["metadata"]["name"] for n in ("pytorchjob.yaml", "convert_job.yaml")
             for o in documents(n).values()}
     named = set(re.findall(r"\bjob[/ ](shardflow-[\w-]+)", section))

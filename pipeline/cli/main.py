@@ -37,6 +37,7 @@ COMMANDS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "bench-convert": ("pipeline.cli.bench_convert", (), "conversion speed beside tar and peers"),
     "bench-stream": ("pipeline.cli.bench_stream", (), "the streaming reader over HTTP"),
     "gpu-check": ("pipeline.cli.gpu_check", (), "the GPU figures (on a CUDA machine)"),
+    "recipes": ("pipeline.cli.recipes", (), "the SLURM and Kubernetes recipes, to edit"),
     "soak": ("trainers.cli.soak", (), "long runs: memory and threads stay flat"),
     "train-tokenizer": ("pipeline.cli.train_tokenizer", (), "a BPE tokenizer from text shards"),
     "plot": ("trainers.cli.plot_run", (), "redraw a run's curves.png"),
