@@ -356,6 +356,9 @@ def entry(argv: list[str] | None = None) -> NoReturn:
         DataError: "\n(rerun the same command with --on-error skip to record bad inputs and "
                    "convert the rest; finished shards are kept)",
         WorkerError: "; finished shards are kept: rerun the same command to go on",
+        # a missing source or an output already there: the message says it all (before
+        # OSError, whose hint is about a full disk)
+        FileNotFoundError: "", FileExistsError: "",
         OSError: "; nothing partial was left under a final name: free space or fix the cause "
                  "and rerun the same command to finish"})
 

@@ -31,7 +31,7 @@ def index_path(url: str, index_dir: str | None) -> str:
     """Where the `.idx` of the shard at `url` lies: beside it, or in `index_dir` by name."""
     if index_dir is None:
         return beside(url, ".idx")
-    return f"{index_dir.rstrip('/')}/{beside(_name(url), '.idx')}"
+    return f"{index_dir.rstrip('/')}/{beside(shard_name(url), '.idx')}"
 
 
 def load_index_manifest(index_dir: str, storage_options: Mapping[str, Any] | None = None
@@ -57,13 +57,13 @@ def matched(source: str | Sequence[str], index_dir: str,
         return [(f"{base}/{s.name}", s) for s in manifest.shards], manifest
     urls = list_shards(source, storage_options) if isinstance(source, str) else \
         [u for item in source for u in expand_braces(str(item))]
-    unknown = [u for u in urls if _name(u) not in by_name]
+    unknown = [u for u in urls if shard_name(u) not in by_name]
     if unknown:
         shown = ", ".join(redact(u) for u in unknown[:5])
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         raise ValueError(f"index={redact(index_dir)}: its {MANIFEST} does not name {shown}{more}"
                          " (index those shards with make_shards index ... --out DIR)")
-    return [(u, by_name[_name(u)]) for u in urls], manifest
+    return [(u, by_name[shard_name(u)]) for u in urls], manifest
 
 
 def _is_prefix(source: str) -> bool:
@@ -72,7 +72,8 @@ def _is_prefix(source: str) -> bool:
     return not path.endswith(SHARD_SUFFIXES) and not any(c in path for c in "*?[{")
 
 
-def _name(url: str) -> str:
+def shard_name(url: str) -> str:
+    """A shard's file name: what an index folder's manifest knows it by."""
     return _path(url).rsplit("/", 1)[-1]
 
 

@@ -95,7 +95,7 @@ def index_shard(url: str, limits: TarLimits,
             if ext == "cls":
                 labels += _label(m.data)
         reader.drain()
-    info = ShardInfo(shard_name(url), len(samples), reader.count, reader.sha.hexdigest())
+    info = ShardInfo(indexdir.shard_name(url), len(samples), reader.count, reader.sha.hexdigest())
     return Indexed(info, daliindex.format_index(samples), tuple(sorted(exts)),
                    LabelStats.of(labels) if labels else None)
 
@@ -129,9 +129,9 @@ def index_source(src: str | Path, out: str | Path | None = None, *,
     indexed: list[Indexed] = []
     with open(folder / JOURNAL, "a") as journal:
         for url in urls:
-            idx = folder / indexdir.index_path(shard_name(url), None)
+            idx = folder / indexdir.index_path(indexdir.shard_name(url), None)
             version = _version(url, storage_options)
-            entry = _reusable(done.get(shard_name(url)), version, idx)
+            entry = _reusable(done.get(indexdir.shard_name(url)), version, idx)
             if entry is None:
                 try:
                     entry = _indexed(url, version, limits, storage_options)
@@ -144,7 +144,7 @@ def index_source(src: str | Path, out: str | Path | None = None, *,
                 os.fsync(journal.fileno())
             indexed.append(entry)
             if progress is not None:
-                progress(shard_name(url))
+                progress(indexdir.shard_name(url))
     manifest = _manifest(indexed, skips, src if out is not None else folder.name)
     manifest.save(folder / MANIFEST)
     (folder / JOURNAL).unlink()
@@ -181,16 +181,12 @@ def _shards(src: str, storage_options: Mapping[str, Any] | None) -> list[str]:
         urls = list_shards(src, storage_options)
     if not urls:
         raise ValueError(f"{redact(src)}: no .tar shards to index")
-    names = [shard_name(u) for u in urls]
+    names = [indexdir.shard_name(u) for u in urls]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"{redact(src)}: shards share a name ({', '.join(twice[:5])}); an "
                          "index folder holds one NAME.idx per name: index them apart")
     return urls
-
-
-def shard_name(url: str) -> str:
-    return url.split("?", 1)[0].rsplit("/", 1)[-1] if "://" in url else Path(url).name
 
 
 def _version(url: str, storage_options: Mapping[str, Any] | None) -> tuple[int, str]:
