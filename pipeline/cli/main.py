@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def prog_of(name: str) -> str:
+    """sys.argv[0] for subcommand `name`, which its parser names itself after ("usage:
+    shardflow convert"); one that starts with a subcommand of its own (index) adds that."""
+    first = COMMANDS[name][1]
+    return "shardflow" if first and not first[0].startswith("-") else f"shardflow {name}"
+
+
 def main(argv: list[str] | None = None) -> NoReturn:
     """Run `argv`'s subcommand (exits with its code: util.run_main's table)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -77,10 +84,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         parser.parse_args([name])  # exits 2 naming the choices
     module, first, _summary = COMMANDS[name]
     entry: Callable[[list[str]], NoReturn] = importlib.import_module(module).entry
-    # The subcommand's own parser names itself after sys.argv[0] ("usage: shardflow convert");
-    # one that starts with a subcommand of its own (index) adds that name itself.
-    prog = "shardflow" if first and not first[0].startswith("-") else f"shardflow {name}"
-    saved, sys.argv = sys.argv, [prog, *rest]
+    saved, sys.argv = sys.argv, [prog_of(name), *rest]
     try:
         entry([*first, *rest])  # exits: errors as one line and a code (util.run_main)
     finally:

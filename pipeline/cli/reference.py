@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Iterator
 
-from pipeline.cli.main import COMMANDS, build_parser
+from pipeline.cli.main import COMMANDS, build_parser, prog_of
 
 WIDTH = "100"  # argparse wraps help to $COLUMNS: fixed, so the text is the same everywhere
 KINDS = ("imagefolder", "manifest", "text", "pointcloud", "shards", "parquet", "tabular",
@@ -31,9 +31,7 @@ def help_text(name: str | None, args: tuple[str, ...] = ()) -> str:
                 build_parser().parse_args(["--help"])
             else:
                 module, first, _summary = COMMANDS[name]
-                prog = "shardflow" if first and not first[0].startswith("-") else \
-                    f"shardflow {name}"
-                saved, sys.argv = sys.argv, [prog]
+                saved, sys.argv = sys.argv, [prog_of(name)]
                 try:
                     importlib.import_module(module).entry([*first, *args, "--help"])
                 finally:
