@@ -1,5 +1,5 @@
 """Text stored as token ids (make_shards text --tokenizer): the loader's batches are the ones
-tokenizing at load time gives, on both readers, through exact and elastic resume; another
+tokenizing at load time gives, on all three readers, through exact and elastic resume; another
 tokenizer is refused; verify_shards checks the ids; a tokenizer.json that truncates or pads
 cuts nothing."""
 
@@ -68,7 +68,8 @@ def _same(a: list, b: list) -> bool:
 
 @pytest.mark.parametrize("name", ["bytes", "bpe"])
 @pytest.mark.parametrize("reader,objective,packing", [
-    ("dali", "mlm", True), ("stream", "clm", True), ("dali", "clm", False)])
+    ("dali", "mlm", True), ("stream", "clm", True), ("dali", "clm", False),
+    ("index", "mlm", True), ("index", "clm", False)])
 def test_stored_ids_give_the_batches_of_tokenizing_at_load_time(corpus, name, reader,
                                                                 objective, packing):
     root, _, found = corpus
@@ -98,7 +99,7 @@ def test_the_manifest_names_the_tokenizer_and_the_member(corpus):
         assert bpe.sha256 == load_tokenizer(found["bpe"][0]).describe()["sha256"]
 
 
-@pytest.mark.parametrize("reader", ["dali", "stream"])
+@pytest.mark.parametrize("reader", ["dali", "stream", "index"])
 def test_exact_resume_on_stored_ids(corpus, reader):
     _, _, found = corpus
     tokenizer, ids = found.get("bpe", found["bytes"])
@@ -115,23 +116,24 @@ def test_exact_resume_on_stored_ids(corpus, reader):
             assert _same(list(second), whole[stop:]), f"after {stop}"
 
 
-def test_elastic_resume_two_ranks_to_one_as_with_text(corpus):
+@pytest.mark.parametrize("reader", ["dali", "index"])
+def test_elastic_resume_two_ranks_to_one_as_with_text(corpus, reader):
     """Documents cut between batches are started at their next token on the new rank count;
     stored ids do it as the tokenizing loader does, token for token."""
     root, _, found = corpus
     tokenizer, ids = found.get("bpe", found["bytes"])
+    kw = {**OPTS, "tokenizer": tokenizer, "reader": reader}
 
     def run(source: Path) -> list:
         first, states = [], []
         for rank in range(2):
-            with text_loader(source, batch_size=3, rank=rank, world_size=2,
-                             tokenizer=tokenizer, **OPTS) as loader:
+            with text_loader(source, batch_size=3, rank=rank, world_size=2, **kw) as loader:
                 for n, batch in enumerate(loader, 1):
                     first.append(batch)
                     if n == 5:
                         break
                 states.append(loader.state_dict(gather=False))
-        with text_loader(source, batch_size=3, tokenizer=tokenizer, **OPTS) as one:
+        with text_loader(source, batch_size=3, **kw) as one:
             one.load_state_dict(merge_states(states))
             return first + list(one)
 

@@ -30,15 +30,26 @@ class EncodedBatch:
     # of the raw bytes (None where the sample has none), which the loader's check replaces
     # by each one's parsed value (str, a JSON object...).
     extras: dict[str, list[Any]] = field(default_factory=dict)
-    # `data` as the reader had it, one buffer and each sample's size (DALI's reader), for
-    # a consumer that takes the whole column at once (text/pretokenized.py); None once a
-    # sample is dropped, or from a reader that has none.
+    # `data` as the reader had it, one buffer and each sample's size (DALI's and the index
+    # reader), for a consumer that takes the whole column at once (text/pretokenized.py);
+    # None once a sample is dropped, or from a reader that has none. A reader asked for no
+    # views leaves `data` empty beside it, until `unpack()`.
     flat: tuple[np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
 
+    def unpack(self) -> None:
+        """Fill an empty `data` with its samples' views of `flat` (a consumer that looks at
+        samples alone, when the reader was asked for the buffer only)."""
+        if self.flat is not None and len(self.data) != len(self.keys):
+            buffer, sizes = self.flat
+            ends = np.cumsum(sizes).tolist()
+            self.data = [buffer[end - size: end]
+                         for size, end in zip(sizes.tolist(), ends, strict=True)]
+
     def drop(self, index: int) -> None:
+        self.unpack()
         columns: list[list[Any]] = [self.keys, self.urls, self.data, self.labels]
         for column in columns + list(self.extras.values()):
             del column[index]

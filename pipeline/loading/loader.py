@@ -95,7 +95,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         backend = readers.resolve_backend(cfg.backend, self.kind, cfg.decode)
         reader = readers.pick_reader(source, cfg.reader, self.kind, backend)
         early = SkipLog()
-        if reader == "dali":
+        if reader in ("dali", "index"):
             source = readers.check_local_shards(source, cfg.on_error, early)
         Loader.__init__(self, source, batch_size=cfg.batch_size, seed=cfg.seed, rank=rank,
                         world_size=world_size, shuffle=cfg.train,
@@ -271,7 +271,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         return results[::-1]
 
     def _encoded(self, plan: EpochPlan, state: dict[str, Any] | None, exts: tuple[str, ...],
-                 extras: tuple[str, ...] = ()) -> Iterator[EncodedBatch]:
+                 extras: tuple[str, ...] = (), views: bool = True) -> Iterator[EncodedBatch]:
         """The reader's batches of `plan` from `state` (readers.encoded); once all are read,
         DALI's reader of the next epoch is started for the next pass, which is that epoch
         from its start unless a pass is left early or a state loaded (then it is dropped)."""
@@ -279,7 +279,8 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
 
         return readers.encoded(self.reader, plan, state, self.on_error, exts, extras,
                                self.stream, primed=self._primed,
-                               then=lambda: plan_epoch(**self._plan_args(plan.epoch + 1)))
+                               then=lambda: plan_epoch(**self._plan_args(plan.epoch + 1)),
+                               views=views)
 
     def _batches_per_epoch(self, plan: EpochPlan) -> int | None:
         """How many batches an epoch yields, when that is known before reading it."""

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pipeline.errors import OnError, check_on_error
 from pipeline.storage import check_storage_options
 
-ReaderKind = Literal["auto", "dali", "stream"]  # e.g. reader="stream" for remote shards
+ReaderKind = Literal["auto", "dali", "stream", "index"]  # e.g. "stream" for remote shards
 # Where batches land and training runs, e.g. device="cuda:1"; "gpu" is the older spelling of
 # "cuda"; "auto": the current CUDA device when there is one, else the CPU.
 Device = str
@@ -54,7 +54,9 @@ class LoaderOptions:
     # text/loader.BURST batches of one read; a CPU DALI graph: prefetch + 1 batches)
     prefetch: int = 2
     shuffle_buffer: int = 1024  # samples held to shuffle within shards (0: none)
-    reader: ReaderKind = "auto"  # DALI's reader for local indexed shards, else streaming
+    # DALI's reader for local indexed shards, else streaming; "index": local indexed shards
+    # through their .idx offsets, no DALI (auto for stored token ids: loading/reader_index.py)
+    reader: ReaderKind = "auto"
     allow_pipe: bool = False  # `pipe:` URLs run a shell command: refused unless allowed
     timeout_s: float | None = 600.0  # no batch for this long: the loader is hung, raise
     backend: Backend = "auto"  # "dali", "portable" (no DALI needed) or "auto"
@@ -79,7 +81,7 @@ class LoaderOptions:
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device={self.device!r}: choose cpu, cuda, cuda:N or auto")
         choice(self, "decode", ("auto", "cpu", "gpu"))
-        choice(self, "reader", ("auto", "dali", "stream"))
+        choice(self, "reader", ("auto", "dali", "stream", "index"))
         choice(self, "backend", ("auto", "dali", "portable"))
         if self.backend == "portable" and (self.reader == "dali" or self.decode == "gpu"):
             raise ValueError(portable_conflict(self.reader, self.decode))

@@ -16,7 +16,7 @@ from typing import Any, Literal, cast
 
 from pipeline import dali
 from pipeline.errors import DataError, OnError, SkipLog, handle
-from pipeline.loading import consumed, reader_dali, reader_stream
+from pipeline.loading import consumed, reader_dali, reader_index, reader_stream
 from pipeline.loading.batch import EncodedBatch
 from pipeline.loading.options import Backend, ReaderKind, portable_conflict
 from pipeline.loading.readplan import EpochPlan
@@ -30,15 +30,20 @@ def encoded(reader: str, plan: EpochPlan, state: dict[str, Any] | None, on_error
             exts: tuple[str, ...], extras: tuple[str, ...] = (),
             stream: reader_stream.StreamOptions | None = None,
             primed: reader_dali.Primed | None = None,
-            then: Callable[[], EpochPlan] | None = None) -> Iterator[EncodedBatch]:
+            then: Callable[[], EpochPlan] | None = None, views: bool = True
+            ) -> Iterator[EncodedBatch]:
     """The epoch's encoded batches from `state` on, through the chosen reader; `extras`:
     further members to carry by extension (EncodedBatch.extras). Each batch's state says
     what was read up to it (consumed.py). The rest of an epoch resumed on another number of
     ranks is streamed whatever the reader: it passes over keys read before, which DALI's
     reader cannot. `stream`: how the streaming reader fetches (shards in flight, cache).
     DALI's reader: `primed` may hold the pipeline started for this plan, and once every batch
-    is read, the one of `then()` (the next pass's plan) is started there."""
-    if reader == "dali" and not plan.rest:
+    is read, the one of `then()` (the next pass's plan) is started there. The index reader
+    (reader_index.py) reads local indexed shards with numpy, no pipeline; `views=False`: it
+    leaves the data column as one buffer (EncodedBatch.flat, unpack)."""
+    if reader == "index" and not plan.rest:
+        found = reader_index.batches(plan, state, exts=exts, extras=extras, views=views)
+    elif reader == "dali" and not plan.rest:
         found = reader_dali.batches(plan, state, exts=exts, extras=extras, primed=primed)
         if primed is not None and then is not None:
             found = _then_prime(found, primed, then, exts, extras)
@@ -62,15 +67,24 @@ def _then_prime(batches: Iterator[EncodedBatch], primed: reader_dali.Primed,
 
 def pick_reader(source: Source, reader: ReaderKind, kind: str, backend: str = "dali") -> str:
     """DALI's reader for local shards that all have .idx files, else the streaming reader
-    (which reads local shards too); the portable backend always streams."""
-    if reader not in ("auto", "dali", "stream"):
-        raise ValueError(f"reader={reader!r}: choose one of auto, dali, stream")
+    (which reads local shards too); the portable backend streams. Stored token ids on local
+    indexed shards: the index reader, on either backend (DALI's reader cost more than the
+    rest of such a loader: loading/reader_index.py); reader="index" asks for it anywhere."""
+    if reader not in ("auto", "dali", "stream", "index"):
+        raise ValueError(f"reader={reader!r}: choose one of auto, dali, stream, index")
+    local = dali_readable(source)
+    if reader == "index" or (reader == "auto" and local and source.tokens is not None):
+        if not local:
+            raise ValueError("reader='index' needs local .tar shards with .idx files (beside "
+                             "them, or in a folder given as index=DIR); use reader='stream' "
+                             "(or 'auto') for remote or unindexed shards")
+        log.info("%s loader: index reader for %s", kind, source.describe())
+        return "index"
     if backend == "portable":
         if reader == "dali":
             raise ValueError(portable_conflict(reader, "auto", " (nvidia.dali does not import)"))
         log.info("%s loader: stream reader for %s (portable backend)", kind, source.describe())
         return "stream"
-    local = dali_readable(source)
     if reader == "dali" and not local:
         raise ValueError("reader='dali' needs local .tar shards with .idx files (beside them, "
                          "or in a folder given as index=DIR); use reader='stream' (or 'auto') "

@@ -104,10 +104,11 @@ def load(path: Path | None = None) -> Tuning | None:
 
 
 def apply(kind: str, options: dict[str, Any], path: Path | None, *, dali_readable: bool,
-          dali: bool = True) -> dict[str, Any]:
+          dali: bool = True, stored_ids: bool = False) -> dict[str, Any]:
     """`options` of a `kind` loader with the tuned choices filled in where the caller left
     them automatic and they are possible here (`dali_readable`: the source is local shards
-    with .idx files; `dali`: the loader runs the DALI backend, not the portable one)."""
+    with .idx files; `dali`: the loader runs the DALI backend, not the portable one;
+    `stored_ids`: text stored as token ids, which the index reader reads whatever was tuned)."""
     tuning = load(path)
     if tuning is None:
         return options
@@ -116,6 +117,8 @@ def apply(kind: str, options: dict[str, Any], path: Path | None, *, dali_readabl
         if name not in APPLIES_TO.get(kind, ()) or not _possible(name, value, options,
                                                                  dali_readable):
             continue
+        if name == "reader" and stored_ids:
+            continue  # readers.pick_reader's choice, measured on these shards, not on images
         if not dali and (name, value) in _DALI_ONLY:
             continue  # measured with DALI; the portable backend streams and decodes on the CPU
         if name in AUTOMATIC and tuned.get(name, "auto") == "auto":
@@ -156,5 +159,5 @@ def source_and_options(kind: str, source: Any, options: dict[str, Any],
     if use_tuning:
         dali = resolve_backend(options.get("backend", "auto"), kind) == "dali"
         options = apply(kind, options, tuning_file, dali_readable=dali_readable(resolved),
-                        dali=dali)
+                        dali=dali, stored_ids=resolved.tokens is not None)
     return resolved, options

@@ -113,6 +113,7 @@ class TextLoader(Loader):
         self.truncated_docs = 0
         if cfg.packing:
             self.agree_to_stop = rank_agreement(world_size)
+        self._draws = masking.MaskDraws()  # used in the stage thread only, one pass at a time
 
     def _plan_args(self, epoch: int) -> dict[str, Any]:
         # A plan's batches are the reader's reads: of docs_per_read documents (config.py).
@@ -206,7 +207,8 @@ class TextLoader(Loader):
         """((state before the read, keys, skips, urls, samples read, state after), (texts,
         urls, keys)) per read: the documents of each read, checked, ready to tokenize."""
         exts = (self.tokens.member,) if self.tokens is not None else TEXT_EXTS
-        for enc in self._encoded(plan, before, exts):
+        # Stored ids are packed from the read's one buffer: no view a document (unpack).
+        for enc in self._encoded(plan, before, exts, views=self.tokens is None):
             if stop.is_set():
                 return
             # Every sample of the read, documents or not (text/elastic.py).
@@ -227,6 +229,7 @@ class TextLoader(Loader):
                                         enc.flat)
             if whole is not None:
                 return whole, list(enc.keys), list(enc.urls)
+        enc.unpack()
         docs, keys, urls, skips = [], [], [], SkipLog()
         for i in range(len(enc)):
             try:
@@ -359,7 +362,7 @@ class TextLoader(Loader):
             return ids, masking.clm(ids, attention)
         tok = self.tokenizer
         # Evaluation draws the same masks every pass, so that its losses compare.
-        rng = masking.batch_rng(self.seed, epoch if self.cfg.train else 0, self.rank, index)
+        rng = self._draws.batch(self.seed, epoch if self.cfg.train else 0, self.rank, index)
         assert tok.mask_id is not None
         return masking.mlm(ids, attention, rng, mask_id=tok.mask_id, normal_ids=tok.normal_ids,
                            special_ids=tok.special_ids,

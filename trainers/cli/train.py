@@ -123,8 +123,9 @@ def add_augment_flags(p: argparse.ArgumentParser) -> None:
 
 def add_loader_flags(p: argparse.ArgumentParser) -> None:
     """How the loaders read and decode: reader, backend, threads, prefetch, the tuning file."""
-    p.add_argument("--reader", choices=("auto", "dali", "stream"), default="auto",
-                   help="DALI's reader (local indexed shards) or the streaming one")
+    p.add_argument("--reader", choices=("auto", "dali", "stream", "index"), default="auto",
+                   help="DALI's reader (local indexed shards), the streaming one, or the "
+                   "index reader (local indexed shards, no DALI; auto for stored token ids)")
     p.add_argument("--backend", choices=("auto", "dali", "portable"), default="auto",
                    help="what decodes: DALI, or the portable backend (PIL/numpy + torch, no "
                    "DALI needed); auto: DALI where it imports")
