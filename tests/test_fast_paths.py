@@ -57,13 +57,20 @@ def test_documents_of_an_empty_read_is_empty():
 # -- masking ------------------------------------------------------------------------------------
 
 def _reference_mlm(ids, attention, rng, *, mask_id, normal_ids, special_ids, prob):
-    """BERT's masking over the whole array, one step at a time: what masking.mlm must give."""
-    u = rng.random(ids.shape, dtype=np.float32)
-    chosen = (u < prob) & attention.astype(bool) & ~np.isin(ids, special_ids)
+    """BERT's masking over the whole array, one step at a time: what masking.mlm must give,
+    with its 16-bit uniform draws (u in [0, 1) in steps of 1/65536: the raw 64-bit words cut
+    in four, lowest bits first)."""
+    words = rng.bit_generator.random_raw(-(-ids.size // 4))
+    u16 = [(int(w) >> (16 * i)) & 0xFFFF for w in words for i in range(4)][: ids.size]
+    u = np.array(u16, np.float64).reshape(ids.shape) / 65536
+    p = round(prob * 65536) / 65536  # prob as the 16-bit draws hold it
+    chosen = (u < p) & attention.astype(bool) & ~np.isin(ids, special_ids)
     labels = np.where(chosen, ids, masking.IGNORE)
     inputs = ids.copy()
-    inputs[chosen & (u < 0.8 * prob)] = mask_id
-    swap = chosen & (u >= 0.8 * prob) & (u < 0.9 * prob)
+    mask_below, swap_below = (round(prob * 65536) * 8 // 10) / 65536, \
+        (round(prob * 65536) * 9 // 10) / 65536
+    inputs[chosen & (u < mask_below)] = mask_id
+    swap = chosen & (u >= mask_below) & (u < swap_below)
     if swap.any():
         inputs[swap] = normal_ids[rng.integers(0, len(normal_ids), int(swap.sum()))]
     return inputs, labels
