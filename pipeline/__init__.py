@@ -21,6 +21,10 @@ def __getattr__(name: str) -> object:
         from pipeline.tabular.loader import tabular_loader
 
         return tabular_loader
+    if name in ("ShardDataset", "collate_skipping"):
+        from pipeline.access import dataset
+
+        return getattr(dataset, name)
     if name == "merge_states":
         from pipeline.loading.elastic import merge_states
 

@@ -273,3 +273,23 @@ def test_a_manifest_listing_s3_urls_reads_them_with_the_storage_options(s3, tmp_
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["total_samples"] == 4 and manifest["classes"] == {"class0": 0, "class1": 1}
     assert SECRET.encode() not in b"".join(p.read_bytes() for p in out.iterdir())
+
+
+@pytest.mark.parametrize("modality", ["image", "text", "pointcloud"])
+def test_shard_dataset_reads_s3_samples_by_range_requests_as_the_folder(s3, converted,
+                                                                        modality):
+    import numpy as np
+
+    from pipeline import ShardDataset
+
+    url, folder = converted[modality]
+    remote, local = ShardDataset(url, storage_options=s3.options), ShardDataset(folder)
+    assert remote.keys() == local.keys() and len(remote) == len(local) > 0
+    for i in range(len(local)):
+        a, b = remote[i], local[i]
+        assert a.keys() == b.keys() and a["__key__"] == b["__key__"]
+        for name in a:
+            if not name.startswith("__"):
+                same = np.array_equal(a[name], b[name]) if isinstance(a[name], np.ndarray) \
+                    else a[name] == b[name]
+                assert same, (i, name)

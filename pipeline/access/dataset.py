@@ -1,0 +1,219 @@
+"""Random access to a shard set by global index or key: a map-style dataset over the shards'
+`.idx` offsets (what wids' ShardListDataset and Streaming's `dataset[i]` give).
+
+    from pipeline import ShardDataset
+    ds = ShardDataset("shards/images")          # local, https://, s3:// (storage_options=...)
+    len(ds); ds[17]; ds.key(17); ds.get("class_3_00012"); ds.keys()
+    # {"__key__": ..., "__url__": ..., "image": uint8 (H, W, 3), "label": 3, ...}
+
+A global index counts samples in the source's shard order (the manifest's), each shard's in
+its index's order. Only the shards' indexes are read up front (the counts in the manifest
+give `len` without even those); a sample is one read of its members' span: `os.pread` on a
+local shard (or its copy in the shard cache), one range request on a remote one. No state
+is shared between reads and files are opened per process, so the dataset is safe in
+DataLoader worker processes, with any sampler. Decoding uses the loaders' own checks
+(access/decode.py); `decode=False` gives the raw members. A bad sample raises DataError
+naming its shard and key; with on_error="skip" it is logged, counted in `skipped` (this
+process's) and returned as None, which `collate_skipping` leaves out of a batch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.access.decode import MAX_PIXELS, decoded
+from pipeline.errors import DataError, OnError, SkipLog, check_on_error, handle
+from pipeline.loading.shardcache import ShardCache
+from pipeline.loading.shardlist import ShardSpec, Source, resolve_source
+from pipeline.shards.daliindex import parse_index
+from pipeline.shards.tarread import split_name
+from pipeline.urls import is_remote, redact
+
+log = logging.getLogger(__name__)
+Members = list[tuple[str, int, int, str]]  # ext, offset, size, member name
+
+
+class ShardDataset:
+    """Samples of a shard set by global index or key (see the module's docs)."""
+
+    def __init__(self, source: str | Path | Sequence[str], *, decode: bool = True,
+                 on_error: OnError = "raise", storage_options: Mapping[str, Any] | None = None,
+                 index: str | Path | None = None, cache_dir: str | Path | None = None,
+                 max_pixels: int = MAX_PIXELS) -> None:
+        check_on_error(on_error)
+        self.source: Source = resolve_source(source, storage_options=storage_options,
+                                             index=index)
+        self.decode, self.on_error, self.max_pixels = decode, on_error, max_pixels
+        self.cache = ShardCache(cache_dir, 2**62) if cache_dir else None
+        self.skipped = SkipLog()
+        self._tables: dict[int, list[Members]] = {}
+        self._keys: dict[str, tuple[int, int]] | None = None
+        self._ends = self._counted()
+        self._files: dict[int, int] = {}  # shard -> fd, opened in this process
+        self._pid = os.getpid()
+
+    # -- what is in it -------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def key(self, i: int) -> str:
+        shard, row = self._locate(i)
+        return split_name(self._table(shard)[row][0][3])[0]
+
+    def keys(self) -> list[str]:
+        """Every key, in global index order (reads every shard's index)."""
+        return [split_name(members[0][3])[0] for shard in range(len(self.source.shards))
+                for members in self._table(shard)]
+
+    def index_of(self, key: str) -> int:
+        """The global index of `key`; KeyError naming the source when it is not there."""
+        shard, row = self._by_key(key)
+        return (self._ends[shard - 1] if shard else 0) + row
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def __getitem__(self, i: int) -> dict[str, Any] | None:
+        shard, row = self._locate(i)
+        return self._read(shard, row)
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        return self._read(*self._by_key(key))
+
+    def __iter__(self) -> Iterator[dict[str, Any] | None]:
+        return (self[i] for i in range(len(self)))
+
+    def _read(self, shard: int, row: int) -> dict[str, Any] | None:
+        spec, members = self.source.shards[shard], self._table(shard)[row]
+        key = split_name(members[0][3])[0]
+        sample: dict[str, Any] = {"__key__": key, "__url__": redact(spec.url)}
+        try:
+            sample.update(self._members(shard, members))
+            if not self.decode:
+                return sample
+            classes = len(self.source.classes) if self.source.classes else None
+            return decoded(sample, self.source.modality, self.source.tokens, classes,
+                           self.max_pixels)
+        except DataError as err:
+            handle(err.located(source=redact(spec.url), key=key), self.on_error,
+                   self.skipped)
+            return None
+
+    def _members(self, shard: int, members: Members) -> dict[str, bytes]:
+        """The sample's members in one read of their span (they lie together in the tar,
+        headers between)."""
+        start = min(off for _, off, _, _ in members)
+        end = max(off + size for _, off, size, _ in members)
+        span = self._span(shard, start, end)
+        if len(span) != end - start:
+            raise DataError("truncated", f"the shard ends before byte {end} its index points "
+                            "to: it was cut or replaced after indexing")
+        return {ext: span[off - start: off - start + size] for ext, off, size, _ in members}
+
+    def _span(self, shard: int, start: int, end: int) -> bytes:
+        spec = self.source.shards[shard]
+        local = self._local_path(spec)
+        if local is None:
+            import fsspec
+
+            fs, path = fsspec.core.url_to_fs(spec.url, **spec.storage_options)
+            (found,) = fs.cat_ranges([path], [start], [end])
+            if isinstance(found, BaseException):
+                raise OSError(f"range request to {redact(spec.url)} failed: {found}")
+            if len(found) > end - start:  # the server sent the whole shard, not the range
+                self._warn_no_ranges(spec)
+                found = found[start:end]
+            return bytes(found)
+        if os.getpid() != self._pid:  # a forked DataLoader worker: its own files
+            self._files, self._pid = {}, os.getpid()
+        fd = self._files.get(shard)
+        if fd is None:
+            fd = self._files[shard] = os.open(local, os.O_RDONLY)
+        return os.pread(fd, end - start, start)
+
+    def _warn_no_ranges(self, spec: ShardSpec) -> None:
+        if not getattr(self, "_warned", False):
+            self._warned = True
+            log.warning("%s: the server does not answer range requests; every sample read "
+                        "fetches its whole shard (use shards on a server that does, or a "
+                        "local copy)", redact(spec.url))
+
+    def _local_path(self, spec: ShardSpec) -> str | None:
+        if not is_remote(spec.url):
+            return spec.url
+        cached = self.cache.lookup(spec) if self.cache is not None else None
+        return str(cached) if cached is not None else None
+
+    # -- the indexes ---------------------------------------------------------------------------
+
+    def _counted(self) -> list[int]:
+        """Cumulative sample counts by shard: the manifest's, else each index's."""
+        ends, total = [], 0
+        for shard, spec in enumerate(self.source.shards):
+            total += spec.samples if spec.samples is not None else len(self._table(shard))
+            ends.append(total)
+        return ends
+
+    def _locate(self, i: int) -> tuple[int, int]:
+        n = len(self)
+        if not isinstance(i, int) or isinstance(i, bool):
+            raise TypeError(f"index {i!r}: an int (use get(key) for a key)")
+        if not -n <= i < n:
+            raise IndexError(f"index {i} is out of range: {self.source.describe()} holds {n} "
+                             "samples")
+        i %= n
+        shard = bisect.bisect_right(self._ends, i)
+        return shard, i - (self._ends[shard - 1] if shard else 0)
+
+    def _by_key(self, key: str) -> tuple[int, int]:
+        if self._keys is None:
+            self._keys = {split_name(members[0][3])[0]: (shard, row)
+                          for shard in range(len(self.source.shards))
+                          for row, members in enumerate(self._table(shard))}
+        found = self._keys.get(key)
+        if found is None:
+            raise KeyError(f"no sample with key {key!r} in {self.source.describe()}")
+        return found
+
+    def _table(self, shard: int) -> list[Members]:
+        table = self._tables.get(shard)
+        if table is None:
+            table = self._tables[shard] = _read_index(self.source.shards[shard])
+        return table
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Open files stay with the process that opened them (DataLoader workers reopen).
+        return {**self.__dict__, "_files": {}}
+
+
+def _read_index(spec: ShardSpec) -> list[Members]:
+    import fsspec
+
+    try:
+        with fsspec.open(spec.index_url, "rb", **spec.storage_options) as f:
+            text = f.read().decode()
+    except FileNotFoundError:
+        raise DataError("missing-index", f"no index at {redact(spec.index_url)}: make one with "
+                        "`shardflow index SRC` (--out DIR for shards you cannot write beside, "
+                        "then index=DIR)", source=redact(spec.url)) from None
+    try:
+        table = parse_index(text)
+    except ValueError as exc:
+        raise DataError("bad-index", f"{redact(spec.index_url)}: {exc}",
+                        source=redact(spec.url)) from None
+    if spec.samples is not None and len(table) != spec.samples:
+        raise DataError("index-mismatch", f"the index lists {len(table)} samples, the manifest "
+                        f"{spec.samples}", source=redact(spec.url))
+    return table
+
+
+def collate_skipping(samples: list[Any]) -> Any:
+    """torch's default_collate of the samples that are not None (skipped as bad)."""
+    from torch.utils.data import default_collate
+
+    return default_collate([s for s in samples if s is not None])
