@@ -85,6 +85,14 @@ class ShardDataset:
     def get(self, key: str) -> dict[str, Any] | None:
         return self._read(*self._by_key(key))
 
+    def raw(self, i: int) -> dict[str, Any] | None:
+        """Sample `i`'s members as bytes, whatever `decode` says."""
+        decode, self.decode = self.decode, False
+        try:
+            return self[i]
+        finally:
+            self.decode = decode
+
     def __iter__(self) -> Iterator[dict[str, Any] | None]:
         return (self[i] for i in range(len(self)))
 

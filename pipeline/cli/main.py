@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "index": ("pipeline.cli.make_shards", ("index",),
               "DALI indexes and a manifest for shards made elsewhere (= convert index)"),
     "verify": ("pipeline.cli.verify_shards", (), "check shards against manifest and indexes"),
+    "show": ("pipeline.cli.show_shards", (), "look at samples: a grid, statistics, one sample"),
     "train": ("trainers.cli.train", (), "train on shards (image, text, point clouds, CTR)"),
     "demo": ("trainers.cli.demo", (), "convert the built-in data and train on each modality"),
     "bench": ("pipeline.cli.bench_loader", (), "loader throughput beside the baselines"),

@@ -1,0 +1,101 @@
+"""What a shard set holds, counted from its raw members (images by their headers, nothing
+decoded): classes, image sizes and aspects, text lengths and tokens, points per cloud.
+
+Counted over every sample, or over `limit` of them drawn evenly from (seed) when the set is
+larger (said in the result). Bad samples are counted by reason, not raised.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from pipeline.access.dataset import ShardDataset
+from pipeline.errors import DataError
+from pipeline.samples import headers
+from pipeline.samples.checks import IMAGE_MEMBERS, POINTCLOUD_EXTS, TEXT_EXTS
+
+EDGES: dict[str, list[float]] = {"side": [0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1 << 30],
+         "aspect": [0, 0.5, 0.75, 0.9, 1.1, 1.34, 1.8, 2.5, 1e9],
+         "length": [0, 64, 256, 1024, 4096, 16384, 65536, 1 << 40],
+         "points": [0, 256, 1024, 4096, 16384, 65536, 262144, 1 << 40]}
+
+
+def gather(ds: ShardDataset, limit: int | None = None, seed: int = 0) -> dict[str, Any]:
+    """The statistics of `ds` (raw members), JSON-able."""
+    indexes = list(range(len(ds)))
+    if limit is not None and len(indexes) > limit:
+        indexes = sorted(random.Random(seed).sample(indexes, limit))
+    found: dict[str, list[float]] = {"width": [], "height": [], "aspect": [], "length": [],
+                                     "tokens": [], "points": []}
+    labels: Counter[int] = Counter()
+    bad: Counter[str] = Counter()
+    for i in indexes:
+        sample = ds.raw(i)
+        if sample is None:  # raw reads fail only on a cut shard (on_error="skip")
+            bad["unreadable"] += 1
+            continue
+        try:
+            _count(sample, ds, found, labels)
+        except DataError as err:
+            bad[err.reason] += 1
+    return _summary(ds, len(indexes), found, labels, bad)
+
+
+def _count(sample: dict[str, Any], ds: ShardDataset, found: dict[str, list[float]],
+           labels: Counter[int]) -> None:
+    if "cls" in sample:
+        labels[int(bytes(sample["cls"]).strip() or b"-1")] += 1
+    image = next((sample[e] for e in IMAGE_MEMBERS if e in sample), None)
+    if image is not None:
+        w, h = headers.read_header(bytes(image)).upright_size()
+        found["width"].append(w)
+        found["height"].append(h)
+        found["aspect"].append(w / h)
+    text = next((sample[e] for e in TEXT_EXTS if e in sample), None)
+    if text is not None:
+        found["length"].append(len(bytes(text).decode("utf-8", "replace")))
+    tokens = ds.source.tokens
+    if tokens is not None and tokens.member in sample:
+        found["tokens"].append(len(sample[tokens.member]) // (2 if tokens.dtype == "uint16" else 4))
+    cloud = next((e for e in POINTCLOUD_EXTS if e in sample), None)
+    if cloud is not None:
+        from pipeline.samples import pointcloud_io
+
+        try:
+            found["points"].append(len(pointcloud_io.read_points(bytes(sample[cloud]), cloud)))
+        except pointcloud_io.PointCloudFormatError as exc:
+            raise DataError("bad-points", str(exc)) from None
+
+
+def _summary(ds: ShardDataset, counted: int, found: dict[str, list[float]],
+             labels: Counter[int], bad: Counter[str]) -> dict[str, Any]:
+    names = {v: k for k, v in (ds.source.classes or {}).items()}
+    out: dict[str, Any] = {"source": ds.source.describe(), "samples": len(ds),
+                           "counted": counted, "modality": ds.source.modality,
+                           "bad": dict(sorted(bad.items()))}
+    if labels:
+        out["classes"] = {names.get(k, str(k)): n for k, n in sorted(labels.items())}
+    for name, values in found.items():
+        if values:
+            edges = EDGES["side" if name in ("width", "height") else
+                          "length" if name in ("length", "tokens") else name]
+            out[name] = _histogram(values, edges)
+    return out
+
+
+def _histogram(values: list[float], edges: list[float]) -> dict[str, Any]:
+    array = np.asarray(values, np.float64)
+    counts, _ = np.histogram(array, bins=edges)
+    used = np.flatnonzero(counts)  # the bins from the first to the last that hold any
+    keep = range(int(used[0]), int(used[-1]) + 1)
+    return {"min": float(array.min()), "median": float(np.median(array)),
+            "max": float(array.max()), "mean": round(float(array.mean()), 3),
+            "bins": [[_edge(edges[i]), _edge(edges[i + 1]), int(counts[i])] for i in keep]}
+
+
+def _edge(value: float) -> float | int:
+    return int(value) if float(value).is_integer() else value

@@ -1,0 +1,113 @@
+"""`shardflow show` (pipeline/cli/show_shards.py): grids of image, text and point-cloud shards
+whose PNG decodes with the expected tiles, augmented pairs, statistics that count what the
+shards hold, one sample by key or index, and clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import run_tool
+from PIL import Image
+
+from pipeline.access import view
+from pipeline.builtin import make_image_folder, make_pointcloud_folder, make_text_corpus
+from pipeline.cli import show_shards
+from pipeline.convert import ConvertConfig, convert
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("show")
+    made = {"image": ("imagefolder", make_image_folder(root / "images", per_class=3, size=48)),
+            "text": ("text", make_text_corpus(root / "docs", docs=25)),
+            "pointcloud": ("pointcloud", make_pointcloud_folder(root / "pc", per_class=2,
+                                                                points=80))}
+    out = {}
+    for modality, (kind, src) in made.items():
+        convert(ConvertConfig(kind=kind, src=str(src), out=root / f"s-{modality}",
+                              max_count=10, workers=1))
+        out[modality] = root / f"s-{modality}"
+    return out
+
+
+def _tiles(png: Path) -> tuple[int, int]:
+    """(columns, rows) of tiles the grid's size holds."""
+    with Image.open(png) as img:
+        img.load()
+        w, h = img.size
+    tw, th = view.TILE + 2, view.TILE + view.CAPTION + 2
+    assert (w + 2) % tw == 0 and (h + 2) % th == 0, (w, h)
+    return (w + 2) // tw, (h + 2) // th
+
+
+@pytest.mark.parametrize("modality", ["image", "text", "pointcloud"])
+def test_a_grid_decodes_with_its_tiles_and_different_samples(shards, modality, tmp_path):
+    out = tmp_path / "grid.png"
+    assert show_shards.main([str(shards[modality]), "--grid", "4x3", "--out", str(out)]) == 0
+    assert _tiles(out) == (4, 3)
+    pixels = np.asarray(Image.open(out).convert("RGB"))
+    tiles = [pixels[r * 144: r * 144 + 128, c * 130: c * 130 + 128]
+             for r in range(3) for c in range(4)]
+    assert len({t.tobytes() for t in tiles}) == 12  # twelve samples, each drawn
+    assert all(t.std() > 5 for t in tiles)  # none blank
+
+
+def test_augmented_pairs_follow_each_image(shards, tmp_path):
+    out = tmp_path / "aug.png"
+    show_shards.main([str(shards["image"]), "--grid", "4x2", "--augment", "rand-m9-n2",
+                      "--first", "--out", str(out)])
+    assert _tiles(out) == (4, 2)
+    pixels = np.asarray(Image.open(out).convert("RGB"))
+    first, second = pixels[:128, :128], pixels[:128, 130:258]
+    assert not np.array_equal(first, second)  # the second tile is the first augmented
+    again = tmp_path / "again.png"
+    show_shards.main([str(shards["image"]), "--grid", "4x2", "--augment", "rand-m9-n2",
+                      "--first", "--out", str(again)])
+    assert np.array_equal(pixels, np.asarray(Image.open(again).convert("RGB")))  # same draws
+
+
+def test_stats_count_what_the_shards_hold(shards, tmp_path):
+    for modality, expect in (("image", "width"), ("text", "length"),
+                             ("pointcloud", "points")):
+        out = tmp_path / f"{modality}.png"
+        show_shards.main([str(shards[modality]), "--stats", "--out", str(out)])
+        Image.open(out).load()
+        found = json.loads(out.with_suffix(".json").read_text())
+        assert found["counted"] == found["samples"] and found["bad"] == {}
+        assert sum(c for _, _, c in found[expect]["bins"]) == found["samples"]
+        if modality != "text":
+            assert sum(found["classes"].values()) == found["samples"]
+    images = json.loads((tmp_path / "image.json").read_text())
+    assert images["width"]["min"] == images["width"]["max"] == 48 and len(images["classes"]) == 10
+    clouds = json.loads((tmp_path / "pointcloud.json").read_text())
+    assert clouds["points"]["median"] == 80
+    text = json.loads((tmp_path / "text.json").read_text())
+    docs = sorted((shards["text"].parent / "docs").iterdir())
+    lengths = [len(p.read_text(encoding="utf-8")) for p in docs]
+    assert text["length"]["max"] == max(lengths) and text["length"]["min"] == min(lengths)
+    limited = tmp_path / "some.png"
+    show_shards.main([str(shards["text"]), "--stats", "--limit", "7", "--out", str(limited)])
+    assert json.loads(limited.with_suffix(".json").read_text())["counted"] == 7
+
+
+def test_one_sample_by_key_or_index_shows_its_members(shards, tmp_path, capsys):
+    from pipeline import ShardDataset
+
+    key = ShardDataset(shards["image"]).key(4)
+    show_shards.main([str(shards["image"]), "--key", key, "--out", str(tmp_path / "one.png")])
+    printed = capsys.readouterr().out
+    assert f"index 4, key {key!r}" in printed and ".cls: 1 bytes" in printed
+    assert "image: uint8 (48, 48, 3)" in printed and "label:" in printed
+    Image.open(tmp_path / "one.png").load()
+    show_shards.main([str(shards["text"]), "--index", "-1"])
+    assert "text: 'Chronicle" in capsys.readouterr().out
+
+
+def test_an_unknown_key_or_a_bad_grid_is_a_usage_error(shards):
+    proc = run_tool("show_shards", shards["image"], "--key", "nope")
+    assert proc.returncode == 2 and "no sample with key 'nope'" in proc.stderr
+    proc = run_tool("show_shards", shards["image"], "--grid", "8by8")
+    assert proc.returncode == 2 and "COLSxROWS" in proc.stderr
