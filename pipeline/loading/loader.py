@@ -42,6 +42,7 @@ from pipeline.loading.reader_stream import StreamOptions
 from pipeline.loading.readplan import EpochPlan, plan_epoch, plan_rest
 from pipeline.loading.shardcache import ShardCache
 from pipeline.loading.shardlist import Source
+from pipeline.loading.subset import Subset, subset_of
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 1
@@ -57,6 +58,8 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
 
     kind = "base"
     holdout: KeyHoldout | None = None  # read one side of a split by key hash (holdout.py)
+    subset: Subset | None = None  # part of the dataset, by key (subset.py)
+    left_out = 0  # samples the subset left out so far (counted as read, re-reads included)
     stream = StreamOptions()  # how the streaming reader fetches (set from the options)
 
     def __init__(self, source: Source, *, batch_size: int, seed: int, rank: int,
@@ -104,6 +107,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
                         backend=backend)
         if rank == 0:  # a shard dropped before the rank split is counted once, by rank 0
             self.skips.extend(early.entries)
+        self.subset = subset_of(cfg.seed, cfg.subsample, cfg.keys, cfg.exclude, cfg.select)
         cache = ShardCache(cfg.cache_dir, cfg.cache_limit) if cfg.cache_dir else None
         self.stream = StreamOptions(cfg.shards_in_flight, cache)
 
@@ -258,7 +262,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         """`check(enc, i)` for every sample of `enc`: those it refuses with a DataError are raised
         or dropped from `enc` (the skips recorded with it); the results of the rest, aligned
         with what is left in `enc`."""
-        select(self.holdout, enc)  # the other side's samples: not read, not skipped
+        self._leave_out(enc)
         results: list[T] = []
         skips = SkipLog()
         for i in reversed(range(len(enc))):
@@ -269,6 +273,13 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
                 enc.drop(i)
         enc.skips.extend(reversed(skips.entries))
         return results[::-1]
+
+    def _leave_out(self, enc: EncodedBatch) -> None:
+        """Drop the samples of the holdout's other side and those the subset does not take:
+        not read, not skipped (the subset's counted in left_out)."""
+        select(self.holdout, enc)
+        if self.subset is not None:
+            self.left_out += self.subset.apply(enc)
 
     def _encoded(self, plan: EpochPlan, state: dict[str, Any] | None, exts: tuple[str, ...],
                  extras: tuple[str, ...] = (), views: bool = True) -> Iterator[EncodedBatch]:
@@ -323,11 +334,12 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
                 "batch_size": self.batch_size, "shuffle": self.shuffle,
                 "shuffle_buffer": self.shuffle_buffer, "epoch": self.epoch,
                 "batches": self._batches_done, "reader_state": resolved(self._reader_state),
-                "skipped": list(self.skips.entries), "rest": self._rest}
+                "skipped": list(self.skips.entries), "rest": self._rest,
+                "subset": self.subset.describe() if self.subset is not None else None}
 
     # backend before reader: a portable loader streams, and the backend is what to change.
     _MUST_MATCH = ("version", "kind", "source_fingerprint", "seed", "backend", "reader",
-                   "batch_size", "shuffle", "shuffle_buffer")
+                   "batch_size", "shuffle", "shuffle_buffer", "subset")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`; raises ValueError naming what differs from this loader. A

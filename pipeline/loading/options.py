@@ -73,6 +73,12 @@ class LoaderOptions:
     # A folder with the shards' manifest.json and .idx files, for shards that have none beside
     # them (read-only or remote: `make_shards index SRC --out DIR`; shards/indexdir.py)
     index: str | None = None
+    # Part of the dataset, by key (loading/subset.py): a fraction by (seed, key) hash; a list
+    # or file of keys to take (exclude=True: to leave out); a predicate (key, small members)
+    subsample: float | None = None
+    keys: Any = field(default=None, repr=False, compare=False)
+    exclude: bool = False
+    select: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         positive(self, "batch_size", "prefetch", "shards_in_flight", "cache_limit")

@@ -92,6 +92,11 @@ class TabularLoader(Loader):
                                                    gpu_decode=False)
         self.device, self.decode = self.placement.device, self.placement.decode
         self._init_from_config(source, cfg, rank, world_size)
+        if self.subset is not None:  # a sample here is a block of rows, not a keyed record
+            raise ValueError("subsample, keys, exclude and select take samples by key; the "
+                             "tabular loader's samples are blocks of rows with no keys of "
+                             "their own: filter rows at conversion (make_shards tabular), or "
+                             "hold out by hash with the train/eval holdout")
         cuda = self.placement.target == "cuda"
         self.copier = DeviceCopier(("cuda", self.placement.cuda_index) if cuda else "cpu",
                                    None, None, True, slots=cfg.prefetch + 2)

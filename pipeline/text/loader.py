@@ -36,7 +36,6 @@ from pipeline.loading import consumed, mix, readers, tuning
 from pipeline.loading.agreement import rank_agreement
 from pipeline.loading.batch import EncodedBatch, TextBatch
 from pipeline.loading.delivery import DeviceCopier
-from pipeline.loading.holdout import select
 from pipeline.loading.loader import Loader, Produced
 from pipeline.loading.prefetch import Burst
 from pipeline.loading.readplan import EpochPlan
@@ -214,7 +213,7 @@ class TextLoader(Loader):
             # Every sample of the read, documents or not (text/elastic.py).
             read = list(zip(enc.urls, enc.keys, strict=True))
             read += [(s["source"], s["key"]) for s in enc.skips if s.get("key")]
-            select(self.holdout, enc)  # a split by key hash (holdout.py)
+            self._leave_out(enc)  # a split by key hash (holdout.py), a subset (subset.py)
             texts, keys, urls = self._documents(enc)
             yield (before, keys, enc.skips, urls, read, enc.state), (texts, urls, keys)
             before = enc.state

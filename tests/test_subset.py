@@ -1,0 +1,152 @@
+"""Subsets at load time (pipeline/loading/subset.py): subsample, keys (a file or a list, or
+excluded), select on key and label; the same keys on 1 and 2 ranks, through an exact and an
+elastic resume, on every reader; what is left out counted apart from bad data; a state
+refused by a loader with another subset; the tabular loader refuses them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import dali_available, resumed_run
+
+from pipeline import image_loader, merge_states, pointcloud_loader, text_loader
+from pipeline.builtin import make_image_folder, make_pointcloud_folder, make_text_corpus
+from pipeline.convert import ConvertConfig, convert
+from pipeline.loading.subset import _unit
+
+IMAGE = {"batch_size": 6, "size": 24, "device": "cpu", "shuffle_buffer": 8, "seed": 4}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("subset")
+    made = {"image": ("imagefolder", make_image_folder(root / "i", per_class=6, size=32)),
+            "text": ("text", make_text_corpus(root / "t", docs=60)),
+            "pointcloud": ("pointcloud", make_pointcloud_folder(root / "p", per_class=4,
+                                                                points=64))}
+    for name, (kind, src) in made.items():
+        convert(ConvertConfig(kind=kind, src=str(src), out=root / name, max_count=8, workers=1))
+    return {name: root / name for name in made}
+
+
+def _keys(loader) -> list[str]:
+    return [k for batch in loader for k in batch.keys]
+
+
+def _all_keys(source: Path) -> set[str]:
+    with image_loader(source, **{**IMAGE, "train": False}) as loader:
+        return set(_keys(loader))
+
+
+READERS = ["stream", pytest.param("dali", marks=pytest.mark.dali), "index"]
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_subsample_takes_the_keys_its_hash_picks_on_one_or_two_ranks(data, reader):
+    every = _all_keys(data["image"])
+    want = {k for k in every if _unit(4, k) < 0.4}
+    assert 0 < len(want) < len(every)
+    with image_loader(data["image"], reader=reader, subsample=0.4, **IMAGE) as loader:
+        got = _keys(loader)
+        assert set(got) == want and len(got) == len(want)
+        assert loader.left_out == len(every) - len(want) and loader.skipped == []
+    ranks = []
+    for rank in range(2):
+        with image_loader(data["image"], reader=reader, subsample=0.4, rank=rank,
+                          world_size=2, **IMAGE) as loader:
+            ranks.append(set(_keys(loader)))
+    assert not ranks[0] & ranks[1] and ranks[0] | ranks[1] <= want
+    # what two ranks leave out to even their lengths is left out of the subset too
+    assert len(want - (ranks[0] | ranks[1])) <= len(every) // 2
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_a_subset_resumes_exactly(data, reader):
+    def make():
+        return image_loader(data["image"], reader=reader, subsample=0.5, **IMAGE)
+
+    head, rest, again = resumed_run(make, after=3)
+    assert [b.keys for b in again] == [b.keys for b in rest]
+    taken = {k for b in head + rest for k in b.keys}
+    assert taken == {k for k in _all_keys(data["image"]) if _unit(4, k) < 0.5}
+
+
+def test_two_ranks_resumed_on_one_read_the_rest_of_the_subset_once(data):
+    every = _all_keys(data["image"])
+    want = {k for k in every if _unit(4, k) < 0.5}
+    first, states = [], []
+    for rank in range(2):
+        with image_loader(data["image"], rank=rank, world_size=2, subsample=0.5,
+                          reader="stream", **IMAGE) as loader:
+            it = iter(loader)
+            first += [k for _ in range(2) for k in next(it).keys]
+            states.append(loader.state_dict(gather=False))
+    with image_loader(data["image"], subsample=0.5, reader="stream", **IMAGE) as one:
+        one.load_state_dict(json.loads(json.dumps(merge_states(states))))
+        rest = _keys(one)
+    assert not set(first) & set(rest) and len(first) + len(rest) == len(set(first + rest))
+    assert set(first + rest) == want  # every taken sample once; the rank split left none out
+
+
+def test_keys_from_a_file_or_excluded_on_packed_text(data, tmp_path):
+    every = sorted(f"doc_{i:05d}" for i in range(60))
+    chosen = every[::3]
+    listing = tmp_path / "keys.txt"
+    listing.write_text("# the documents to train on\n" + "\n".join(chosen) + "\n\n")
+    common = {"batch_size": 2, "seq_len": 64, "device": "cpu", "train": False}
+    with text_loader(data["text"], keys=listing, **common) as loader:
+        got = set(_keys(loader))
+        assert got == set(chosen) and loader.left_out == 40
+    with text_loader(data["text"], keys=chosen, exclude=True, **common) as loader:
+        assert set(_keys(loader)) == set(every) - set(chosen)
+
+
+def test_select_on_the_label_of_point_clouds(data):
+    common = {"batch_size": 4, "num_points": 32, "device": "cpu", "train": False}
+    with pointcloud_loader(data["pointcloud"], **common) as loader:
+        labels = {k: int(lab) for b in loader for k, lab in zip(b.keys, b.label, strict=True)}
+    with pointcloud_loader(data["pointcloud"], select=lambda key, m: m["cls"] in (b"1", b"3"),
+                           **common) as loader:
+        got = {k: int(lab) for b in loader for k, lab in zip(b.keys, b.label, strict=True)}
+    assert got == {k: v for k, v in labels.items() if v in (1, 3)} and got
+
+
+def test_a_state_of_another_subset_is_refused_naming_it(data):
+    with image_loader(data["image"], subsample=0.5, **IMAGE) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    with image_loader(data["image"], subsample=0.25, **IMAGE) as other, \
+            pytest.raises(ValueError, match="it differs in subset"):
+        other.load_state_dict(state)
+    with image_loader(data["image"], **IMAGE) as whole, \
+            pytest.raises(ValueError, match="it differs in subset"):
+        whole.load_state_dict(state)
+
+
+def test_bad_subset_options_are_refused(data, tmp_path):
+    with pytest.raises(ValueError, match=r"subsample=1.5: a fraction in \(0, 1\]"):
+        image_loader(data["image"], subsample=1.5, **IMAGE)
+    with pytest.raises(ValueError, match="exclude=True drops the samples named by keys"):
+        image_loader(data["image"], exclude=True, **IMAGE)
+    with pytest.raises(ValueError, match="keys: strings"):
+        image_loader(data["image"], keys=[1, 2], **IMAGE)
+    from pipeline import tabular_loader
+    from pipeline.builtin import make_ctr_dataset
+    from pipeline.convert.tabular import TabularOptions
+
+    clicks = make_ctr_dataset(tmp_path / "clicks", rows=2000)
+    convert(ConvertConfig(kind="tabular", src=str(clicks / "part-00000.tsv"),
+                          out=tmp_path / "ctr", tabular=TabularOptions(preset="criteo"),
+                          workers=1))
+    with pytest.raises(ValueError, match="blocks of rows with no keys"):
+        tabular_loader(tmp_path / "ctr", batch_size=64, subsample=0.5, device="cpu")
+
+
+@pytest.mark.skipif(not dali_available(), reason="DALI is not installed")
+def test_the_portable_backend_takes_the_same_subset(data):
+    with image_loader(data["image"], subsample=0.3, backend="portable", **IMAGE) as a, \
+            image_loader(data["image"], subsample=0.3, backend="dali", reader="stream",
+                         **IMAGE) as b:
+        assert set(_keys(a)) == set(_keys(b))
