@@ -311,13 +311,13 @@ def test_an_op_without_a_dali_form_keeps_the_rest_in_torch(op_shards):
     assert not any("DALI" in w for w in where) and len(where) == 3
 
 
-def killed_loader(shards, reader: str, backend: str):  # type: ignore[no-untyped-def]
+def killed_loader(shards, reader: str, backend: str, **extra):  # type: ignore[no-untyped-def]
     """The loader tests/loader_killed.py iterates and kills: RandAugment, an own op, mixup
-    and cutmix, two decode threads."""
+    and cutmix, two decode threads (and `extra` options)."""
     return image_loader(shards, batch_size=8, size=32, device="cpu", seed=5, threads=2,
                         reader=reader, backend=backend, use_tuning=False,
                         augment=[ops.RandAugment(2, 9), Invert(0.3)],
-                        batch_augment=[ops.Mix(0.8, 1.0, classes=10)])
+                        batch_augment=[ops.Mix(0.8, 1.0, classes=10)], **extra)
 
 
 def batch_digest(batch) -> list[str]:  # type: ignore[no-untyped-def]

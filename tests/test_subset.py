@@ -150,3 +150,31 @@ def test_the_portable_backend_takes_the_same_subset(data):
             image_loader(data["image"], subsample=0.3, backend="dali", reader="stream",
                          **IMAGE) as b:
         assert set(_keys(a)) == set(_keys(b))
+
+
+@pytest.mark.parametrize("reader, backend", [("index", "portable"), ("stream", "portable"),
+                                             pytest.param("dali", "dali", marks=pytest.mark.dali)])
+def test_a_subset_killed_mid_epoch_resumes_with_the_same_batches(op_shards, tmp_path, reader,
+                                                                 backend):
+    """SIGKILL after the second batch (tests/loader_killed.py) of a loader taking half the
+    samples: the last state it wrote resumes with the batches the whole run gave after it."""
+    import subprocess
+    import sys
+
+    from test_loader_ops import batch_digest, killed_loader
+
+    extra = {"subsample": 0.5}
+    with killed_loader(op_shards, reader, backend, **extra) as whole:
+        want = [batch_digest(b) for b in whole]
+    out = tmp_path / "killed.jsonl"
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "loader_killed.py"),
+                           str(op_shards), reader, backend, "2", str(out), json.dumps(extra)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["digest"] for line in lines] == want[:2]
+    with killed_loader(op_shards, reader, backend, **extra) as resumed:
+        resumed.load_state_dict(lines[-1]["state"])
+        assert [batch_digest(b) for b in resumed] == want[2:]
+    keys = [k for d in want for k in d[0].split(",") if k]
+    assert len(keys) == len(set(keys)) and 10 <= len(keys) <= 30  # about half of 40
