@@ -178,3 +178,27 @@ def test_a_subset_killed_mid_epoch_resumes_with_the_same_batches(op_shards, tmp_
         assert [batch_digest(b) for b in resumed] == want[2:]
     keys = [k for d in want for k in d[0].split(",") if k]
     assert len(keys) == len(set(keys)) and 10 <= len(keys) <= 30  # about half of 40
+
+
+def test_epoch_samples_cuts_and_wraps_the_sources_epochs_and_resumes_exactly(data):
+    every = _all_keys(data["image"])  # 60
+    common = {**IMAGE, "reader": "stream"}
+    with image_loader(data["image"], epoch_samples=24, **common) as cut:
+        assert len(cut) == 4
+        first, second = _keys(cut), _keys(cut)
+        assert len(first) == len(second) == 24
+        assert not set(first) & set(second)  # the next epoch goes on where the last stopped
+    with image_loader(data["image"], epoch_samples=90, **common) as wrap:
+        keys = _keys(wrap)
+        assert len(keys) == 90 and set(keys) == every  # all, then 30 of the next pass
+        assert len(set(keys[:60])) == 60
+
+    def make():
+        return image_loader(data["image"], epoch_samples=40, **common)
+
+    head, rest, again = resumed_run(make, after=3)
+    assert [b.keys for b in again] == [b.keys for b in rest] and len(head + rest) == 7
+    with pytest.raises(ValueError, match="epoch_samples and epoch_batches both"):
+        image_loader(data["image"], epoch_samples=10, epoch_batches=2, **common)
+    with pytest.raises(ValueError, match="epoch_samples=0: a whole number"):
+        image_loader(data["image"], epoch_samples=0, **common)

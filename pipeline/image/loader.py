@@ -56,8 +56,8 @@ def image_loader(source: str | Path | Sequence[str] | mix.Mixture, *, batch_size
     Choices left automatic (decode, reader, threads, prefetch, resize_on) come from the tuning
     file of `tools/bench_loader.py --tune` when one was measured on this machine (tuning.py).
     """
-    if mix.is_mixture(source):  # [(source, weight), ...]: batches drawn by weight (mix.py)
-        return mix.build_from(image_loader, source, {
+    if mix.is_mixture(source) or "epoch_samples" in options:  # by weight; mix.py
+        return mix.build_from(image_loader, mix.sources_of(source), {
             "batch_size": batch_size, "train": train, "seed": seed, "device": device,
             "on_error": on_error, "rank": rank, "world_size": world_size,
             "tuning_file": tuning_file, "use_tuning": use_tuning, **options})

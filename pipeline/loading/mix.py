@@ -10,10 +10,15 @@ the drawn source) and after a resume. A batch of one source keeps what its loade
 (its shuffling, augmentation, padding rules). Drawing per batch rather than per sample keeps
 each source's pipeline as it is; the mixture evens out over a few batches.
 
-An epoch of the mixture is `epoch_batches` batches; by default as many as the sources' own
-epochs hold together (a source drawn more often than its size starts its next epoch when it
-runs out: every source cycles through its own epochs, reshuffled each time). Packed text
-has no length known ahead: give `epoch_batches`.
+An epoch of the mixture is `epoch_batches` batches (or `epoch_samples` / batch_size, rounded
+up); by default as many as the sources' own epochs hold together (a source drawn more often
+than its size starts its next epoch when it runs out: every source cycles through its own
+epochs, reshuffled each time). Packed text has no length known ahead: give `epoch_batches`.
+
+`epoch_samples=N` on one source makes it a mixture of that one source: epochs of N samples
+(webdataset's `with_epoch`, Streaming's `epoch_size`) that cut the source's epochs, the next
+one going on where the last stopped, or wrap them, a longer one running into the source's
+next epoch. (A batch is counted as batch_size samples: one with skips counts the same.)
 
 `state_dict()` holds the mixture's epoch and batch and every source loader's own state, so a
 resume continues every source exactly; load it into a mixture built the same way.
@@ -41,12 +46,27 @@ def is_mixture(source: object) -> TypeGuard[Mixture]:
         and not isinstance(item[1], bool) for item in source)
 
 
+def sources_of(source: Any) -> Mixture:
+    """A mixture as it is, or one source as a mixture of itself (epoch_samples)."""
+    return source if is_mixture(source) else [(source, 1.0)]
+
+
 def build_from(loader_fn: Callable[..., Any], source: Sequence[tuple[Any, float]],
                kwargs: dict[str, Any]) -> MixedLoader:
     """What a `*_loader` function does with a mixture: one `loader_fn(source, **kwargs)` per
-    source (`epoch_batches` is the mixture's own option)."""
+    source (`epoch_batches` and `epoch_samples` are the mixture's own options)."""
     kwargs = dict(kwargs)
     epoch_batches = kwargs.pop("epoch_batches", None)
+    epoch_samples = kwargs.pop("epoch_samples", None)
+    if epoch_samples is not None:
+        if epoch_batches is not None:
+            raise ValueError("epoch_samples and epoch_batches both set an epoch's length: "
+                             "give one")
+        if isinstance(epoch_samples, bool) or not isinstance(epoch_samples, int) \
+                or epoch_samples < 1:
+            raise ValueError(f"epoch_samples={epoch_samples!r}: a whole number of samples, "
+                             "at least 1")
+        epoch_batches = -(-epoch_samples // int(kwargs["batch_size"]))
     return build(lambda one: loader_fn(one, **kwargs), source, seed=int(kwargs.get("seed", 0)),
                  epoch_batches=epoch_batches)
 

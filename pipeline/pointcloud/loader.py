@@ -51,8 +51,8 @@ def pointcloud_loader(source: str | Path | Sequence[str] | mix.Mixture, *, batch
     Choices left automatic that a tuning file measured (decode, reader, threads, prefetch)
     come from it (pipeline/loading/tuning.py).
     """
-    if mix.is_mixture(source):  # [(source, weight), ...]: batches drawn by weight (mix.py)
-        return mix.build_from(pointcloud_loader, source, {
+    if mix.is_mixture(source) or "epoch_samples" in options:  # by weight; mix.py
+        return mix.build_from(pointcloud_loader, mix.sources_of(source), {
             "batch_size": batch_size, "train": train, "seed": seed, "device": device,
             "on_error": on_error, "rank": rank, "world_size": world_size,
             "tuning_file": tuning_file, "use_tuning": use_tuning, **options})

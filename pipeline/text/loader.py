@@ -67,8 +67,8 @@ def text_loader(source: str | Path | Sequence[str] | mix.Mixture, *, batch_size:
     default to torch.distributed's. A tuning file's reader and prefetch apply where left
     automatic (pipeline/loading/tuning.py).
     """
-    if mix.is_mixture(source):  # [(source, weight), ...]: batches drawn by weight (mix.py)
-        return mix.build_from(text_loader, source, {
+    if mix.is_mixture(source) or "epoch_samples" in options:  # by weight; mix.py
+        return mix.build_from(text_loader, mix.sources_of(source), {
             "batch_size": batch_size, "seq_len": seq_len, "objective": objective,
             "tokenizer": tokenizer, "seed": seed, "rank": rank, "world_size": world_size,
             "tuning_file": tuning_file, "use_tuning": use_tuning, **options})
