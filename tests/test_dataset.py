@@ -191,3 +191,35 @@ def test_remote_shards_in_the_shard_cache_are_read_from_it(images, tmp_path):
     for i in (0, 17, 29):
         assert ds[i]["__key__"] == keys[i]
         assert np.array_equal(ds[i]["image"], local[i]["image"])
+
+
+def test_numpy_indexes_a_bounded_number_of_open_files_and_close(images, monkeypatch):
+    import os
+
+    from pipeline.access import dataset
+
+    monkeypatch.setattr(dataset, "OPEN_FILES", 2)
+    ds = ShardDataset(images)
+    before = len(os.listdir("/proc/self/fd"))
+    keys = [ds[np.int64(i)]["__key__"] for i in range(len(ds))]  # five shards
+    assert keys == ds.keys()
+    assert len(os.listdir("/proc/self/fd")) - before <= 2
+    ds.close()
+    assert len(os.listdir("/proc/self/fd")) <= before
+
+
+def test_stats_count_a_bad_label_apart(tmp_path):
+    from pipeline.access import stats
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    with tarfile.open(raw / "a.tar", "w", format=tarfile.GNU_FORMAT) as tar:
+        for key, label in (("k0", b"1"), ("k1", b"cat"), ("k2", b"2")):
+            for ext, blob in (("jpg", jpeg_bytes(3, (20, 16))), ("cls", label)):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(blob)
+                tar.addfile(info, io.BytesIO(blob))
+    run_tool("make_shards", "index", raw, check=True)
+    found = stats.gather(ShardDataset(raw))
+    assert found["bad"] == {"bad-label": 1} and found["classes"] == {"1": 1, "2": 1}
+    assert found["width"]["bins"][0][2] == 2  # the bad sample is counted nowhere else

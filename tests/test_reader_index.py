@@ -281,3 +281,44 @@ def test_a_holdout_split_of_stored_ids_takes_the_same_documents_on_every_reader(
     assert train and held and not set(train) & set(held)
     assert len(set(train) | set(held)) == 60
     assert documents("stream", "train") == train and documents("stream", "eval") == held
+
+
+def _open_shard_files(folder: Path) -> int:
+    """This process's open files among `folder`'s shards (maps hold their own descriptor)."""
+    import os
+
+    found = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        found += target.startswith(str(folder)) and target.endswith(".tar")
+    return found
+
+
+def test_a_pass_lets_go_of_the_shards_it_is_past(tmp_path, monkeypatch):
+    """Only the shards of the current read stay mapped (and the few the cache keeps), not
+    every shard of the pass: a rank with thousands of shards must not run out of files."""
+    texts = make_text_corpus(tmp_path / "docs", docs=80)
+    ids = tmp_path / "ids"
+    convert(ConvertConfig(kind="text", src=str(texts), out=ids, max_count=2, workers=1,
+                          text=TextOptions(tokenizer="bytes")))
+    monkeypatch.setattr(reader_index, "_MAPPED", reader_index._Mapped(3))
+    plan = plan_epoch(resolve_source(ids), epoch=0, seed=-1, rank=0, world_size=1,
+                      shuffle=True, batch_size=4, shuffle_buffer=8)  # a negative seed too
+    most, keys = 0, []
+    for batch in reader_index.batches(plan, None, ("tokens.u16",)):
+        keys += batch.keys
+        most = max(most, _open_shard_files(ids))
+    assert sorted(keys) == sorted(p.stem for p in texts.iterdir()) and len(plan.shards) == 40
+    assert most <= 3 + 8  # the cache's 3, and at most a window's shards
+
+
+def test_a_shard_cut_after_the_loader_was_built_is_named_not_misread(tmp_path):
+    ids = _ids(tmp_path)
+    with text_loader(ids, batch_size=4, seq_len=32, reader="index", device="cpu") as loader:
+        shard = sorted(ids.glob("*.tar"))[2]
+        shard.write_bytes(shard.read_bytes()[:2048])
+        with pytest.raises(DataError, match=f"truncated.*{shard.name}|{shard.name}.*truncated"):
+            list(loader)

@@ -202,3 +202,28 @@ def test_epoch_samples_cuts_and_wraps_the_sources_epochs_and_resumes_exactly(dat
         image_loader(data["image"], epoch_samples=10, epoch_batches=2, **common)
     with pytest.raises(ValueError, match="epoch_samples=0: a whole number"):
         image_loader(data["image"], epoch_samples=0, **common)
+
+
+def _label_three(key, members):
+    return members["cls"] == b"3"
+
+
+def _label_seven(key, members):
+    return members["cls"] == b"7"
+
+
+def test_a_named_predicate_is_checked_on_resume_and_a_partial_has_no_address(data):
+    import functools
+
+    from pipeline.loading.subset import Subset
+
+    with image_loader(data["image"], select=_label_three, **IMAGE) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    with image_loader(data["image"], select=_label_three, **IMAGE) as same:
+        same.load_state_dict(state)
+    with image_loader(data["image"], select=_label_seven, **IMAGE) as other, \
+            pytest.raises(ValueError, match="it differs in subset"):
+        other.load_state_dict(state)
+    named = Subset(0, select=functools.partial(_label_three, "k")).describe()["select"]
+    assert named == "partial(test_subset._label_three)" and "0x" not in named

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import bisect
 import logging
+import operator
 import os
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ from pipeline.urls import is_remote, redact
 
 log = logging.getLogger(__name__)
 Members = list[tuple[str, int, int, str]]  # ext, offset, size, member name
+OPEN_FILES = 64  # local shards held open per process
 
 
 class ShardDataset:
@@ -54,7 +57,8 @@ class ShardDataset:
         self._tables: dict[int, list[Members]] = {}
         self._keys: dict[str, tuple[int, int]] | None = None
         self._ends = self._counted()
-        self._files: dict[int, int] = {}  # shard -> fd, opened in this process
+        # shard -> fd, opened in this process, at most OPEN_FILES (least recently used closed)
+        self._files: OrderedDict[int, int] = OrderedDict()
         self._pid = os.getpid()
 
     # -- what is in it -------------------------------------------------------------------------
@@ -80,29 +84,40 @@ class ShardDataset:
 
     def __getitem__(self, i: int) -> dict[str, Any] | None:
         shard, row = self._locate(i)
-        return self._read(shard, row)
+        return self._read(shard, row, self.decode)
 
     def get(self, key: str) -> dict[str, Any] | None:
-        return self._read(*self._by_key(key))
+        return self._read(*self._by_key(key), self.decode)
 
     def raw(self, i: int) -> dict[str, Any] | None:
         """Sample `i`'s members as bytes, whatever `decode` says."""
-        decode, self.decode = self.decode, False
-        try:
-            return self[i]
-        finally:
-            self.decode = decode
+        return self._read(*self._locate(i), False)
+
+    def close(self) -> None:
+        """Close the shards this process opened (reads open them again as needed)."""
+        while self._files:
+            os.close(self._files.popitem()[1])
+
+    def __enter__(self) -> ShardDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if os.getpid() == getattr(self, "_pid", None):
+            self.close()
 
     def __iter__(self) -> Iterator[dict[str, Any] | None]:
         return (self[i] for i in range(len(self)))
 
-    def _read(self, shard: int, row: int) -> dict[str, Any] | None:
+    def _read(self, shard: int, row: int, decode: bool) -> dict[str, Any] | None:
         spec, members = self.source.shards[shard], self._table(shard)[row]
         key = split_name(members[0][3])[0]
         sample: dict[str, Any] = {"__key__": key, "__url__": redact(spec.url)}
         try:
             sample.update(self._members(shard, members))
-            if not self.decode:
+            if not decode:
                 return sample
             classes = len(self.source.classes) if self.source.classes else None
             return decoded(sample, self.source.modality, self.source.tokens, classes,
@@ -138,10 +153,13 @@ class ShardDataset:
                 found = found[start:end]
             return bytes(found)
         if os.getpid() != self._pid:  # a forked DataLoader worker: its own files
-            self._files, self._pid = {}, os.getpid()
+            self._files, self._pid = OrderedDict(), os.getpid()
         fd = self._files.get(shard)
         if fd is None:
             fd = self._files[shard] = os.open(local, os.O_RDONLY)
+            while len(self._files) > OPEN_FILES:
+                os.close(self._files.popitem(last=False)[1])
+        self._files.move_to_end(shard)
         return os.pread(fd, end - start, start)
 
     def _warn_no_ranges(self, spec: ShardSpec) -> None:
@@ -169,8 +187,12 @@ class ShardDataset:
 
     def _locate(self, i: int) -> tuple[int, int]:
         n = len(self)
-        if not isinstance(i, int) or isinstance(i, bool):
+        if isinstance(i, bool):
             raise TypeError(f"index {i!r}: an int (use get(key) for a key)")
+        try:
+            i = operator.index(i)  # numpy integers too (a sampler's indexes)
+        except TypeError:
+            raise TypeError(f"index {i!r}: an int (use get(key) for a key)") from None
         if not -n <= i < n:
             raise IndexError(f"index {i} is out of range: {self.source.describe()} holds {n} "
                              "samples")
@@ -196,7 +218,7 @@ class ShardDataset:
 
     def __getstate__(self) -> dict[str, Any]:
         # Open files stay with the process that opened them (DataLoader workers reopen).
-        return {**self.__dict__, "_files": {}}
+        return {**self.__dict__, "_files": OrderedDict()}
 
 
 def _read_index(spec: ShardSpec) -> list[Members]:

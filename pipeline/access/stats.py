@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from pipeline.access.dataset import ShardDataset
+from pipeline.access.decode import MAX_PIXELS
 from pipeline.errors import DataError
-from pipeline.samples import headers
+from pipeline.samples import checks, headers
 from pipeline.samples.checks import IMAGE_MEMBERS, POINTCLOUD_EXTS, TEXT_EXTS
 
 EDGES: dict[str, list[float]] = {"side": [0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1 << 30],
@@ -26,9 +28,9 @@ EDGES: dict[str, list[float]] = {"side": [0, 64, 128, 256, 512, 1024, 2048, 4096
 
 def gather(ds: ShardDataset, limit: int | None = None, seed: int = 0) -> dict[str, Any]:
     """The statistics of `ds` (raw members), JSON-able."""
-    indexes = list(range(len(ds)))
-    if limit is not None and len(indexes) > limit:
-        indexes = sorted(random.Random(seed).sample(indexes, limit))
+    indexes: Sequence[int] = range(len(ds))
+    if limit is not None and len(ds) > limit:
+        indexes = sorted(random.Random(seed).sample(range(len(ds)), limit))
     found: dict[str, list[float]] = {"width": [], "height": [], "aspect": [], "length": [],
                                      "tokens": [], "points": []}
     labels: Counter[int] = Counter()
@@ -47,28 +49,40 @@ def gather(ds: ShardDataset, limit: int | None = None, seed: int = 0) -> dict[st
 
 def _count(sample: dict[str, Any], ds: ShardDataset, found: dict[str, list[float]],
            labels: Counter[int]) -> None:
-    if "cls" in sample:
-        labels[int(bytes(sample["cls"]).strip() or b"-1")] += 1
+    """Add the sample's figures; a DataError (a bad label, header or cloud) before any is
+    added, so that a bad sample is counted in `bad` alone."""
+    label = checks.check_label(bytes(sample["cls"])) if "cls" in sample else None
     image = next((sample[e] for e in IMAGE_MEMBERS if e in sample), None)
-    if image is not None:
-        w, h = headers.read_header(bytes(image)).upright_size()
+    size = headers.check_header(bytes(image), MAX_PIXELS).upright_size() \
+        if image is not None else None
+    points = _points(sample)
+    if label is not None:
+        labels[label] += 1
+    if size is not None:
+        w, h = size
         found["width"].append(w)
         found["height"].append(h)
         found["aspect"].append(w / h)
+    if points is not None:
+        found["points"].append(points)
     text = next((sample[e] for e in TEXT_EXTS if e in sample), None)
     if text is not None:
         found["length"].append(len(bytes(text).decode("utf-8", "replace")))
     tokens = ds.source.tokens
     if tokens is not None and tokens.member in sample:
         found["tokens"].append(len(sample[tokens.member]) // (2 if tokens.dtype == "uint16" else 4))
-    cloud = next((e for e in POINTCLOUD_EXTS if e in sample), None)
-    if cloud is not None:
-        from pipeline.samples import pointcloud_io
 
-        try:
-            found["points"].append(len(pointcloud_io.read_points(bytes(sample[cloud]), cloud)))
-        except pointcloud_io.PointCloudFormatError as exc:
-            raise DataError("bad-points", str(exc)) from None
+
+def _points(sample: dict[str, Any]) -> int | None:
+    cloud = next((e for e in POINTCLOUD_EXTS if e in sample), None)
+    if cloud is None:
+        return None
+    from pipeline.samples import pointcloud_io
+
+    try:
+        return len(pointcloud_io.read_points(bytes(sample[cloud]), cloud))
+    except pointcloud_io.PointCloudFormatError as exc:
+        raise DataError("bad-points", str(exc)) from None
 
 
 def _summary(ds: ShardDataset, counted: int, found: dict[str, list[float]],

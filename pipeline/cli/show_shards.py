@@ -151,6 +151,8 @@ def _one(ds: Any, args: argparse.Namespace) -> int:
 
     i = args.index if args.index is not None else ds.index_of(args.key)
     raw = ds.raw(i)
+    if raw is None:
+        return 1  # its shard cut short: the reason was logged, naming shard and key
     print(f"index {i % len(ds)}, key {raw['__key__']!r}, shard {raw['__url__']}")
     for name, value in raw.items():
         if not name.startswith("__"):

@@ -373,6 +373,8 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         if state.get(field) != mine:
             what = "the shards (their names or counts)" if field == "source_fingerprint" \
                 else f"{field}: {state.get(field)!r} in the state, {mine!r} here"
+            if field == "reader":  # "auto" may choose another reader than it did then
+                what += f" (build it with reader={state.get(field)!r})"
             raise ValueError(f"loader state does not match this loader; it differs in "
                              f"{what}. Build the loader as it was when the state was saved")
 

@@ -23,7 +23,9 @@ The position is the number of samples emitted this epoch: resuming rebuilds the 
 (tables are cached; a window's order is drawn again from its seed) and skips that many, so
 it continues exactly. The rest of an epoch resumed on another number of ranks is streamed
 (readers.encoded), as for DALI's reader. Every member the tables point at lies within the
-shard: readers.check_local_shards checks each shard against its index before the epoch.
+shard: readers.check_local_shards checks each shard against its index when the loader is
+built, and a shard found shorter later (cut or replaced) is a `truncated` DataError naming it.
+(Cut while it is mapped, a shard can also end the process with SIGBUS, as with any mmap.)
 """
 
 from __future__ import annotations
@@ -115,15 +117,22 @@ def _parse(idx: str, columns: tuple[tuple[str, ...], ...]) -> _Table:
 
 
 class _Maps:
-    """The rank's shards mapped read-only (_MAPPED), each looked up once a pass."""
+    """The rank's shards mapped read-only (_MAPPED), each looked up once a pass and let go
+    once the stream is past it (a map holds an open file: a pass over thousands of shards
+    must not hold them all)."""
 
     def __init__(self, urls: list[str]) -> None:
         self.urls = urls
         self._maps: list[mmap.mmap | None] = [None] * len(urls)
+        self._low = 0  # shards before this one are done: windows only move forward
 
     def of(self, shards: np.ndarray) -> list[mmap.mmap]:
         """The maps of `shards` (plan positions), one per sample."""
-        for shard in np.unique(shards).tolist():
+        wanted = np.unique(shards).tolist()
+        for shard in range(self._low, wanted[0]):
+            self._maps[shard] = None
+        self._low = max(self._low, wanted[0])
+        for shard in wanted:
             if self._maps[shard] is None:
                 self._maps[shard] = _MAPPED.get(self.urls[shard])
         if len(shards) == 1:
@@ -180,7 +189,7 @@ def batches(plan: EpochPlan, state: dict[str, Any] | None, exts: tuple[str, ...]
         raise ValueError("the rest of an epoch resumed elsewhere is read by the streaming "
                          "reader")
     columns = (exts, ("cls",), *((e,) for e in extras))
-    tables = [_TABLES.get(s.index_url, columns) for s in plan.shards]
+    tables = (_TABLES.get(s.index_url, columns) for s in plan.shards)  # as the stream reaches them
     emitted = int(state["emitted"]) if state else 0
     maps = _Maps([s.url for s in plan.shards])
     urls = [redact(s.url) for s in plan.shards]
@@ -211,7 +220,7 @@ class _Rows:
                        for f in ("shards", "keys", "spans")))
 
 
-def _windows(plan: EpochPlan, tables: list[_Table]) -> Iterator[_Rows]:
+def _windows(plan: EpochPlan, tables: Iterator[_Table]) -> Iterator[_Rows]:
     """The rank's stream in windows of shuffle_buffer samples, each in its drawn order (the
     shards whole, in plan order, without shuffling). Memory: a window and a shard's table."""
     size = plan.shuffle_buffer if plan.shuffle_buffer > 1 else 0
@@ -234,7 +243,7 @@ def _windows(plan: EpochPlan, tables: list[_Table]) -> Iterator[_Rows]:
 
 
 def _drawn(rows: _Rows, plan: EpochPlan, window: int) -> _Rows:
-    rng = np.random.default_rng([plan.seed, plan.epoch, plan.rank, window, 0x77696E64])
+    rng = np.random.default_rng([plan.seed % 2**64, plan.epoch, plan.rank, window, 0x77696E64])
     return rows[rng.permutation(len(rows))]
 
 
@@ -267,9 +276,11 @@ def _encoded(read: _Rows, maps: _Maps, urls: list[str], extras: tuple[str, ...],
              state: dict[str, Any], views: bool) -> EncodedBatch:
     shards = read.shards.tolist()
     mapped = maps.of(read.shards)
+    flat = _gather(mapped, read.spans[:, 0])
+    if len(flat[0]) != int(flat[1].sum()):
+        _refuse_short(read, mapped, urls)
     batch = EncodedBatch(read.keys.tolist(), [urls[s] for s in shards], [],
-                         _members(mapped, read.spans[:, 1], least=1), state,
-                         flat=_gather(mapped, read.spans[:, 0]))
+                         _members(mapped, read.spans[:, 1], least=1), state, flat=flat)
     if views:
         batch.unpack()
     for c, ext in enumerate(extras, 2):
@@ -284,6 +295,17 @@ def _gather(mapped: list[mmap.mmap], spans: np.ndarray) -> tuple[np.ndarray, np.
     joined = b"".join([m[o: o + n] for m, o, n in zip(mapped, offsets, sizes.tolist(),
                                                        strict=True)])
     return np.frombuffer(joined, np.uint8), sizes
+
+
+def _refuse_short(read: _Rows, mapped: list[mmap.mmap], urls: list[str]) -> None:
+    """A member its index points past the end of its shard: the shard was cut or replaced
+    after the loader checked it (an mmap slice past the end is just short)."""
+    for m, shard, key, (off, size) in zip(mapped, read.shards.tolist(), read.keys.tolist(),
+                                          read.spans[:, 0].tolist(), strict=True):
+        if size > 0 and off + size > len(m):
+            raise DataError("truncated", f"the shard has {len(m)} bytes but its index points "
+                            f"up to byte {off + size}: it was cut or replaced after the "
+                            "loader was built", source=urls[shard], key=key)
 
 
 def _members(mapped: list[mmap.mmap], spans: np.ndarray, least: int = 0

@@ -72,8 +72,20 @@ class Subset:
             digest = hashlib.blake2b("\n".join(sorted(self.keys)).encode("utf-8",
                                      "surrogateescape"), digest_size=8).hexdigest()
             keys = {"count": len(self.keys), "blake2b": digest, "exclude": self.exclude}
-        select = getattr(self.select, "__qualname__", repr(self.select)) if self.select else None
+        select = _name_of(self.select) if self.select is not None else None
         return {"subsample": self.subsample, "keys": keys, "select": select}
+
+
+def _name_of(fn: Any) -> str:
+    """A predicate as a state records it: by its module and name (a lambda is `<lambda>`, so
+    two lambdas compare equal: name the function to have a resume check it), never a repr
+    with an address, which would differ in every process."""
+    import functools
+
+    if isinstance(fn, functools.partial):
+        return f"partial({_name_of(fn.func)})"
+    named = fn if hasattr(fn, "__qualname__") else type(fn)
+    return f"{getattr(named, '__module__', '?')}.{named.__qualname__}"
 
 
 def subset_of(seed: int, subsample: float | None, keys: str | Path | Iterable[str] | None,
