@@ -26,7 +26,7 @@ def __getattr__(name: str) -> object:
 
         return getattr(dataset, name)
     if name == "merge_states":
-        from pipeline.loading.elastic import merge_states
+        from pipeline.loading.mix import merge_states
 
         return merge_states
     raise AttributeError(f"module 'pipeline' has no attribute {name!r}")

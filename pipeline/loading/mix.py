@@ -1,14 +1,25 @@
-"""Mixing datasets by weight: batches drawn from several loaders, one source per batch.
+"""Mixing datasets by weight: batches drawn from several loaders.
 
     loader = image_loader([("shards/a", 0.7), ("shards/b", 0.3)], batch_size=64)
-    for batch in loader: ...              # 70% of the batches from a, 30% from b, on average
+    for batch in loader: ...              # each sample from a with chance 0.7, from b 0.3
     loader.counts                         # samples per source so far this epoch
 
-Each batch comes whole from one source, drawn by weight from (seed, epoch, batch index)
-alone: the same draws on every rank (so ranks stay in step, each reading its own shards of
-the drawn source) and after a resume. A batch of one source keeps what its loader gives
-(its shuffling, augmentation, padding rules). Drawing per batch rather than per sample keeps
-each source's pipeline as it is; the mixture evens out over a few batches.
+How a batch is drawn (`mixing=`), always from (seed, epoch, batch index) alone: the same
+draws on every rank (so ranks stay in step, each reading its own shards of the drawn
+sources) and after a resume.
+- "sample" (the default): each of the batch's batch_size places is drawn by weight, as
+  Streaming's `random` batching, LitData and webdataset's RandomMix do. Over an epoch a
+  source's share is within sampling error of its weight.
+- "stratified": each batch holds the weights' shares of its places, rounded (each source its
+  share rounded down or up, the rounding carried from batch to batch so that the epoch's
+  shares are the weights to within a place): Streaming's `stratified`.
+- "batch": each batch comes whole from one source drawn by weight, as its loader gives it;
+  for sources whose batches cannot share one (other image sizes, other fields).
+Per sample, a batch is made of rows of the sources' own batches (rows.py), which keep what
+their loaders give them (shuffling, augmentation, padding rules), rows of one source
+together, in the sources' order. A source's batch is taken in places, as many as its
+batch_size, whatever it holds (mixsource.py): a batch with skips, or a source epoch's short
+last one, leaves places empty, so a batch of the mixture can be short, as a loader's can.
 
 An epoch of the mixture is `epoch_batches` batches (or `epoch_samples` / batch_size, rounded
 up); by default as many as the sources' own epochs hold together (a source drawn more often
@@ -20,8 +31,11 @@ epochs, reshuffled each time). Packed text has no length known ahead: give `epoc
 one going on where the last stopped, or wrap them, a longer one running into the source's
 next epoch. (A batch is counted as batch_size samples: one with skips counts the same.)
 
-`state_dict()` holds the mixture's epoch and batch and every source loader's own state, so a
-resume continues every source exactly; load it into a mixture built the same way.
+`state_dict()` holds the mixture's epoch and batch and, for every source, its loader's own
+state from before the batch in hand and the places taken from it (mixsource.py): a resume
+continues every source exactly; load it into a mixture built the same way. Under
+torch.distributed it gathers every rank's (call it on every rank), and it resumes on
+another number of ranks too: each source goes on with the rest of its epoch (elastic.py).
 """
 
 from __future__ import annotations
@@ -35,8 +49,12 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from pipeline.loading import elastic, rows
+from pipeline.loading.mixsource import Source
+
 log = logging.getLogger(__name__)
 Mixture = Sequence[tuple[Any, float]]  # [(source, weight), ...]
+MIXING = ("sample", "stratified", "batch")
 
 
 def is_mixture(source: object) -> TypeGuard[Mixture]:
@@ -57,6 +75,7 @@ def build_from(loader_fn: Callable[..., Any], source: Sequence[tuple[Any, float]
     source (`epoch_batches` and `epoch_samples` are the mixture's own options)."""
     kwargs = dict(kwargs)
     epoch_batches = kwargs.pop("epoch_batches", None)
+    mixing = kwargs.pop("mixing", "sample")
     epoch_samples = kwargs.pop("epoch_samples", None)
     if epoch_samples is not None:
         if epoch_batches is not None:
@@ -68,12 +87,14 @@ def build_from(loader_fn: Callable[..., Any], source: Sequence[tuple[Any, float]
                              "at least 1")
         epoch_batches = -(-epoch_samples // int(kwargs["batch_size"]))
     return build(lambda one: loader_fn(one, **kwargs), source, seed=int(kwargs.get("seed", 0)),
-                 epoch_batches=epoch_batches)
+                 epoch_batches=epoch_batches, mixing=mixing)
 
 
 def build(make: Callable[[Any], Any], source: Sequence[tuple[Any, float]], *, seed: int,
-          epoch_batches: int | None = None) -> MixedLoader:
+          epoch_batches: int | None = None, mixing: str = "sample") -> MixedLoader:
     """A MixedLoader of `make(one_source)` for each (source, weight) of `source`."""
+    if mixing not in MIXING:
+        raise ValueError(f"mixing={mixing!r}: one of {', '.join(map(repr, MIXING))}")
     names = [_name(src) for src, _ in source]
     if len(set(names)) != len(names):
         raise ValueError(f"a mixture names a source twice: {names}")
@@ -81,12 +102,12 @@ def build(make: Callable[[Any], Any], source: Sequence[tuple[Any, float]], *, se
     try:
         for src, _ in source:
             loaders.append(make(src))
+        return MixedLoader(loaders, [w for _, w in source], names, seed=seed,
+                           epoch_batches=epoch_batches, mixing=mixing)
     except BaseException:
         for built in loaders:
             built.close()
         raise
-    return MixedLoader(loaders, [w for _, w in source], names, seed=seed,
-                       epoch_batches=epoch_batches)
 
 
 def _name(source: Any) -> str:
@@ -101,10 +122,15 @@ class MixedLoader:
     kind = "mixed"
 
     def __init__(self, loaders: list[Any], weights: list[float], names: list[str], *,
-                 seed: int, epoch_batches: int | None = None) -> None:
+                 seed: int, epoch_batches: int | None = None, mixing: str = "sample") -> None:
         if any(not math.isfinite(w) or w <= 0 for w in weights):
             raise ValueError(f"mixture weights {weights}: each must be a number above 0")
-        self.loaders, self.names, self.seed = loaders, names, seed
+        self.loaders, self.names, self.seed, self.mixing = loaders, names, seed, mixing
+        self._sources = [Source(loader, name) for loader, name in zip(loaders, names,
+                                                                      strict=True)]
+        self.batch_size = int(loaders[0].batch_size)
+        self.rank = int(getattr(loaders[0], "rank", 0))
+        self.world_size = int(getattr(loaders[0], "world_size", 1))
         total = sum(weights)
         self.weights = [w / total for w in weights]
         self._bounds = list(accumulate(self.weights))[:-1]
@@ -112,7 +138,8 @@ class MixedLoader:
         if self.epoch_batches < 1:
             raise ValueError(f"epoch_batches={self.epoch_batches}: need at least 1")
         self.epoch, self._batch = 0, 0
-        self._iters: list[Iterator[Any] | None] = [None] * len(loaders)
+        self._iterating = False
+        self._given = [0] * len(loaders)  # places given to each source this epoch
         self.counts = dict.fromkeys(names, 0)  # samples per source this epoch
         self.last_counts: dict[str, int] = {}  # ... in the last finished epoch
 
@@ -127,50 +154,92 @@ class MixedLoader:
     def __len__(self) -> int:
         return self.epoch_batches
 
+    # -- the draws -------------------------------------------------------------------------
+
     def source_of(self, index: int, epoch: int | None = None) -> int:
-        """Which source batch `index` of `epoch` (default: this one) is drawn from."""
-        draw = random.Random(f"mix/{self.seed}/{self.epoch if epoch is None else epoch}/"
-                             f"{index}").random()
-        return bisect.bisect_right(self._bounds, draw)
+        """mixing="batch": which source batch `index` of `epoch` (default: this one) is drawn
+        from."""
+        return bisect.bisect_right(self._bounds, self._rng(index, epoch).random())
+
+    def places_of(self, index: int, epoch: int | None = None) -> list[int]:
+        """mixing="sample": how many of batch `index`'s places each source has."""
+        rng, places = self._rng(index, epoch), [0] * len(self.weights)
+        for _ in range(self.batch_size):
+            places[bisect.bisect_right(self._bounds, rng.random())] += 1
+        return places
+
+    def _rng(self, index: int, epoch: int | None) -> random.Random:
+        return random.Random(f"mix/{self.seed}/{self.epoch if epoch is None else epoch}/"
+                             f"{index}")
+
+    def _stratified(self) -> list[int]:
+        """Each source's share of this batch's places rounded down, and the places left
+        over to those furthest behind their share of the epoch so far."""
+        size = self.batch_size
+        places = [math.floor(w * size) for w in self.weights]
+        behind = [w * size * (self._batch + 1) - given - p
+                  for w, given, p in zip(self.weights, self._given, places, strict=True)]
+        order = sorted(range(len(places)), key=lambda i: (-behind[i], i))
+        for i in order[:size - sum(places)]:
+            places[i] += 1
+        return places
+
+    # -- iterating -------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
-        while self._batch < self.epoch_batches:
-            which = self.source_of(self._batch)
-            batch = self._next(which)
-            self._batch += 1
-            self.counts[self.names[which]] += len(batch)
-            yield batch
+        self._iterating = True
+        try:
+            while self._batch < self.epoch_batches:
+                batch = self._draw()
+                self._batch += 1
+                yield batch
+        finally:
+            self._iterating = False
         log.info("mixed epoch %d: %s", self.epoch, ", ".join(
             f"{n} samples from {name}" for name, n in self.counts.items()))
-        self.epoch, self._batch = self.epoch + 1, 0
+        self.epoch, self._batch, self._given = self.epoch + 1, 0, [0] * len(self._given)
         self.last_counts, self.counts = self.counts, dict.fromkeys(self.names, 0)
 
-    def _next(self, which: int) -> Any:
-        """The next batch of source `which`; at the end of its epoch, from its next one."""
-        for _ in range(2):
-            if self._iters[which] is None:
-                self._iters[which] = iter(self.loaders[which])
-            try:
-                return next(self._iters[which])  # type: ignore[arg-type]
-            except StopIteration:
-                self._iters[which] = None
-        raise RuntimeError(f"mixture source {self.names[which]} gave no batch in a whole "
-                           "epoch")
+    def _draw(self) -> Any:
+        if self.mixing == "batch":
+            which = self.source_of(self._batch)
+            batch = self._sources[which].whole()
+            self.counts[self.names[which]] += len(batch)
+            return batch
+        places = self.places_of(self._batch) if self.mixing == "sample" \
+            else self._stratified()
+        pieces = []
+        for i, (source, n) in enumerate(zip(self._sources, places, strict=True)):
+            if n:
+                taken = source.take(n)
+                self.counts[self.names[i]] += sum(len(piece) for piece in taken)
+                self._given[i] += n
+                pieces.extend(taken)
+        return rows.join(pieces)
 
     # -- state ------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "epoch": self.epoch, "batches": self._batch,
-                "seed": self.seed, "names": list(self.names),
-                "weights": list(self.weights), "epoch_batches": self.epoch_batches,
-                "counts": dict(self.counts),
-                "sources": [loader.state_dict() for loader in self.loaders]}
+    def state_dict(self, gather: bool = True) -> dict[str, Any]:
+        """The position after the last batch handed out (see the module docstring). Under
+        torch.distributed it is gathered from every rank: call it on every rank;
+        `gather=False` gives this rank's own, which resumes on this rank alone."""
+        local = {"sources": [source.state() for source in self._sources],
+                 "counts": dict(self.counts)}
+        common = {"kind": self.kind, "mixing": self.mixing, "epoch": self.epoch,
+                  "batches": self._batch, "seed": self.seed, "names": list(self.names),
+                  "weights": list(self.weights), "epoch_batches": self.epoch_batches,
+                  "given": list(self._given), "world_size": self.world_size}
+        ranks = elastic.gather(local, self.world_size) if gather else None
+        if ranks is None:
+            return {**common, "rank": self.rank, **local}
+        return {**common, "ranks": [{k: entry[k] for k in ("sources", "counts")}
+                                    for entry in ranks]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`; ValueError naming what differs from this mixture."""
-        if any(it is not None for it in self._iters):
+        if self._iterating:
             raise RuntimeError("load_state_dict() while the mixture is being iterated")
-        for field in ("kind", "seed", "names", "epoch_batches"):
+        for field in ("kind", "mixing", "seed", "names", "epoch_batches"):
             if state.get(field) != getattr(self, field):
                 raise ValueError(f"mixture state does not match this mixture; it differs in "
                                  f"{field}: {state.get(field)!r} in the state, "
@@ -179,10 +248,34 @@ class MixedLoader:
                                                       strict=True)):
             raise ValueError(f"mixture state has weights {state['weights']}, this mixture "
                              f"{self.weights}")
-        for loader, saved in zip(self.loaders, state["sources"], strict=True):
-            loader.load_state_dict(saved)
+        mine = self._load_sources(state)
         self.epoch, self._batch = int(state["epoch"]), int(state["batches"])
-        self.counts = {**dict.fromkeys(self.names, 0), **state["counts"]}
+        self._given = [int(n) for n in state.get("given") or [0] * len(self._sources)]
+        self.counts = {**dict.fromkeys(self.names, 0), **mine["counts"]}
+
+    def _load_sources(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Load each source's part of `state`; returns this rank's entry (or the nearest)."""
+        if "ranks" not in state:
+            for field in ("world_size", "rank"):
+                if int(state[field]) != getattr(self, field):
+                    raise ValueError(f"mixture state of rank {state['rank']} of "
+                                     f"{state['world_size']} (saved with gather=False) loads "
+                                     f"only there; this is rank {self.rank} of "
+                                     f"{self.world_size}")
+            for source, part in zip(self._sources, state["sources"], strict=True):
+                source.load(part["state"], part["taken"], part["taken_keys"], part["drop"])
+            return state
+        ranks, same = state["ranks"], int(state["world_size"]) == self.world_size
+        for i, source in enumerate(self._sources):
+            parts = [entry["sources"][i] for entry in ranks]
+            whole = elastic.merge_states([part["state"] for part in parts])
+            if same:
+                part = parts[self.rank]
+                source.load(whole, part["taken"], part["taken_keys"], part["drop"])
+            else:
+                source.load(whole, drop=sorted({k for part in parts
+                                                for k in part["taken_keys"] + part["drop"]}))
+        return ranks[min(self.rank, len(ranks) - 1)]
 
     # -- what the source loaders report --------------------------------------------------
 
@@ -198,10 +291,8 @@ class MixedLoader:
         return total
 
     def close(self) -> None:
-        for i, it in enumerate(self._iters):
-            if it is not None:
-                getattr(it, "close", lambda: None)()  # ends the source's pass: its stages stop
-                self._iters[i] = None
+        for source in self._sources:
+            source.close()  # ends the source's pass: its stages stop
         for loader in self.loaders:
             loader.close()
 
@@ -210,3 +301,27 @@ class MixedLoader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """One whole state from every rank's own (`state_dict(gather=False)`, in any order), of
+    a mixture or a loader (elastic.merge_states): what `state_dict()` gathers under
+    torch.distributed. This is `pipeline.merge_states`."""
+    if not states or states[0].get("kind") != MixedLoader.kind or "ranks" in states[0]:
+        return elastic.merge_states(states)
+    world = int(states[0]["world_size"])
+    by_rank = {int(s["rank"]): s for s in states}
+    if sorted(by_rank) != list(range(world)) or len(states) != world:
+        raise ValueError(f"merge_states needs one mixture state of each of ranks "
+                         f"0..{world - 1}; got ranks {sorted(int(s['rank']) for s in states)}")
+    common = {k: v for k, v in states[0].items() if k not in _RANK_FIELDS}
+    for s in states[1:]:
+        for k, v in common.items():
+            if s.get(k) != v:
+                raise ValueError(f"merge_states: ranks differ in {k}: {s.get(k)!r} against "
+                                 f"{v!r}")
+    return {**common, "ranks": [{k: by_rank[r][k] for k in ("sources", "counts")}
+                                for r in range(world)]}
+
+
+_RANK_FIELDS = ("rank", "sources", "counts")
