@@ -2,25 +2,23 @@
 
 torchrun sets RANK, WORLD_SIZE and LOCAL_RANK for each process; only the command-line tool
 reads them (`from_torchrun_env`), and passes the result down explicitly. Backend: NCCL on
-GPUs, gloo on the CPU. Gradient compression uses torch's own DDP communication hooks.
+GPUs, gloo on the CPU. Gradient compression: trainers/compression.py.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 log = logging.getLogger(__name__)
-Compression = Literal["none", "fp16", "bf16"]
 # How long a rank waits at the evaluation barrier for the slowest rank's share.
 EVAL_WAIT = timedelta(hours=2)
 
@@ -59,42 +57,34 @@ def init(info: DistInfo, use_cuda: bool) -> None:
 
 
 def wrap(model: nn.Module, info: DistInfo, device: torch.device,
-         compression: Compression) -> nn.Module:
-    """DDP around `model` (unchanged for one process), with optional gradient compression."""
+         compression: str) -> nn.Module:
+    """DDP around `model` (unchanged for one process), with its gradient compression
+    (trainers/compression.py; `compression_of` finds it again)."""
     if not info.active:
         return model
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
+
+    from trainers.compression import Compression
 
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
                                   else None)
     if compression == "bf16" and device.type != "cuda":
         raise ValueError("--grad-compression bf16 needs CUDA with NCCL (torch's bf16 hook); "
-                         "on the CPU (gloo) use fp16 or none")
-    hooks = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
-    if compression in hooks:
-        ddp.register_comm_hook(None, _announced(hooks[compression], compression))
+                         "on the CPU (gloo) use fp16, int8, powersgd or none")
+    comp = Compression(compression, model)
+    comp.register(ddp)
+    ddp.shardflow_compression = comp  # type: ignore[assignment]
     return ddp
 
 
-def _announced(hook: Any, compression: str) -> Any:
-    """`hook`, logging at INFO the first time it runs: the run's proof that its gradients
-    really travel compressed (a hook that is never called changes nothing, silently)."""
-    first = [True]
-
-    @functools.wraps(hook)  # DDP reads the hook's name and signature
-    def compressed(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        if first[0]:
-            first[0] = False
-            log.info("DDP gradients all-reduced in %s (compression hook running; first "
-                     "bucket: %d values)", compression, bucket.buffer().numel())
-        return hook(state, bucket)
-
-    return compressed
+def compression_of(model: nn.Module) -> Any:
+    """The Compression of a model `wrap` made (compiled or not), None for one process."""
+    inner = _compiled(model) or model
+    return getattr(inner, "shardflow_compression", None)
 
 
 def wrap_then_compile(model: nn.Module, info: DistInfo, device: torch.device,
-                      compression: Compression, backend: str | None = None) -> nn.Module:
+                      compression: str, backend: str | None = None) -> nn.Module:
     """DDP first, then torch.compile (with `backend`; None: no compiling). This order lets
     dynamo's DDPOptimizer split the compiled graph at DDP's bucket boundaries, so each
     bucket's all-reduce overlaps the rest of backward; compiling first hides the graph from

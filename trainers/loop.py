@@ -37,6 +37,7 @@ from pipeline.loading.agreement import rank_vote
 from trainers import checkpoint
 from trainers.distributed import (
     DistInfo,
+    compression_of,
     distributed_module,
     eval_barrier,
     gather,
@@ -215,7 +216,26 @@ class Trainer:
                 "loader": self.loader.state_dict(), "world_size": self.dist.world_size,
                 "rng": gather(rng_state(), self.dist), "fingerprint": self.fingerprint,
                 "nonfinite_skipped_steps": self.bad_steps,
-                "train_config": json.dumps(asdict(self.cfg), default=str)}
+                "train_config": json.dumps(asdict(self.cfg), default=str),
+                # every rank's: the error feedback of int8 and PowerSGD is a rank's own
+                "compression": self._compression_states()}
+
+    def _compression_states(self) -> list[dict[str, Any]] | None:
+        comp = compression_of(self.task.model)
+        return None if comp is None else gather(comp.state_dict(), self.dist)
+
+    def _resume_compression(self, saved: list[dict[str, Any]] | None, saved_world: int) -> None:
+        """The gradient compression's state (its error feedback) as this rank saved it; on
+        another number of ranks it starts afresh, which the log says."""
+        comp = compression_of(self.task.model)
+        if comp is None or not saved:
+            return
+        if saved_world == self.dist.world_size:
+            comp.load_state_dict(saved[self.dist.rank])
+        elif self.dist.is_main:
+            log.warning("resuming on %d ranks a checkpoint of %d: the gradient compression's "
+                        "error feedback (each rank's own) starts afresh", self.dist.world_size,
+                        saved_world)
 
     def resume(self) -> bool:
         state = checkpoint.load_newest(self.cfg.run_dir, self.fingerprint)
@@ -235,6 +255,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.precision.load_state_dict(state["precision"])
         saved_world = int(state.get("world_size", len(state["rng"])))
+        self._resume_compression(state.get("compression"), saved_world)
         if saved_world == self.dist.world_size:
             set_rng_state(state["rng"][self.dist.rank])
         elif self.dist.is_main:  # the ranks' RNGs stay as seeded for this world size

@@ -201,6 +201,14 @@ def _after_step(trainer: Trainer, window: _Window, progress: Progress | None) ->
     return _Window()
 
 
+def _traffic(trainer: Trainer) -> dict[str, Any] | None:
+    """The gradients' bytes per step (trainers/compression.py), None for one process."""
+    from trainers.distributed import compression_of
+
+    comp = compression_of(trainer.task.model)
+    return None if comp is None else comp.bytes_per_step()
+
+
 def _finish(trainer: Trainer, eval_loader: Any, held_out: str, last_loss: Any,
             started: float, resumed_at: int | None, board: curves.Board | None
             ) -> dict[str, Any]:
@@ -229,6 +237,7 @@ def _finish(trainer: Trainer, eval_loader: Any, held_out: str, last_loss: Any,
         "fp16_skipped_steps": trainer.precision.skipped_steps,
         "setup": trainer.setup(),
         "world_size": trainer.dist.world_size, "parameter_digests": digests,
+        "grad_compression": _traffic(trainer),
         "bottleneck": bottleneck.report(trainer.wait_s, trainer.compute_s, trainer.loader),
     }
     if trainer.dist.is_main:

@@ -101,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute activations in backward instead of storing them")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--grad-compression", choices=("none", "fp16", "bf16"), default="none",
-                   help="compress DDP gradients with torch's communication hooks")
+    p.add_argument("--grad-compression", type=_compression, default="none",
+                   metavar="{none,fp16,bf16,int8,powersgd[:RANK]}",
+                   help="compress DDP gradients (trainers/compression.py; bytes in summary)")
     p.add_argument("--log-keys", action="store_true", help="write each step's keys to keys.jsonl")
     p.add_argument("--quiet", action="store_true")
     add_storage_options(p, "URLs of --data and --eval-data")
@@ -258,7 +259,9 @@ def make_trainer(args: argparse.Namespace, built: Built, split: EvalSplit, info:
     # With a held-out slice by key, an epoch has the same batches, each without that slice.
     steps = args.steps or args.epochs * epoch_length(built.loader) // args.grad_accum
     if args.grad_compression != "none" and not info.active:
-        raise ValueError("--grad-compression applies to DDP runs: start the run with torchrun")
+        raise ValueError(f"--grad-compression {args.grad_compression} compresses what DDP's "
+                         "ranks exchange, and this run has one process: start it with "
+                         "torchrun, or leave the flag out")
     cfg = TrainConfig(run_dir=args.out, steps=steps, lr=args.lr, optimizer=args.optimizer,
                       weight_decay=args.weight_decay, momentum=args.momentum,
                       warmup=args.warmup, grad_accum=args.grad_accum, clip=args.clip or None,
@@ -275,6 +278,16 @@ def make_trainer(args: argparse.Namespace, built: Built, split: EvalSplit, info:
     data = {"data": split.train.fingerprint(),
             **({"held_out_by_key": f"{split.by_key}%"} if split.by_key else {})}
     return Trainer(task, built.loader, cfg, device, data, info), steps
+
+
+def _compression(spec: str) -> str:
+    from trainers.compression import parse
+
+    try:
+        parse(spec)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return spec
 
 
 def epoch_length(loader: Any) -> int:
