@@ -46,18 +46,35 @@ def _train(shards: Path, out: Path, mode: str, world: int = 2, *extra: str) -> d
 def test_int8_round_trip_keeps_each_chunks_error_within_half_a_step():
     sizes = [3000, 10, 2000]  # chunks of one parameter each: 3 + 1 + 2
     values = torch.randn(5010) * torch.linspace(0.001, 100, 5010)  # scales far apart
-    ids, chunks = compression.chunk_ids(sizes)
-    assert chunks == 6 and ids[3000] == 3 and ids[3010] == 4 and ids[-1] == 5
-    packed, seen = compression.quantize(values, ids, chunks)
+    lengths = compression.chunk_lengths(sizes)
+    assert lengths.tolist() == [1024, 1024, 952, 10, 1024, 976]
+    packed, seen = compression.quantize(values, lengths)
     assert packed.dtype == torch.uint8 and packed.numel() == 6 * 4 + 5010
-    back = compression.dequantize(packed, ids, chunks)
+    back = compression.dequantize(packed, lengths)
     assert torch.equal(back, seen)
-    for chunk in range(chunks):  # within half a step of its own chunk's scale
-        part = ids == chunk
-        step = values[part].abs().max() / 127
-        assert (values[part] - back[part]).abs().max() <= step / 2 * 1.001
+    at = 0
+    for length in lengths.tolist():  # within half a step of its own chunk's scale
+        part = values[at: at + length]
+        step = part.abs().max() / 127
+        assert (part - back[at: at + length]).abs().max() <= step / 2 * 1.001
+        at += length
     zeros = torch.zeros(10)
-    assert torch.equal(compression.quantize(zeros, *compression.chunk_ids([10]))[1], zeros)
+    assert torch.equal(compression.quantize(zeros, compression.chunk_lengths([10]))[1], zeros)
+
+
+def test_a_chunk_that_is_not_finite_arrives_as_nan_and_the_others_intact():
+    lengths = compression.chunk_lengths([2048, 5])
+    values = torch.randn(2053)
+    values[100] = float("inf")
+    values[2050] = float("nan")
+    packed, seen = compression.quantize(values, lengths)
+    back = compression.dequantize(packed, lengths)
+    # the first and last chunks are not finite on arrival (the step is skipped, as for any
+    # non-finite gradient), never zeros; the middle one arrives as it was
+    assert back[:1024].isnan().all() and back[2048:].isnan().all()
+    middle = values[1024:2048]
+    assert torch.allclose(back[1024:2048], middle, atol=float(middle.abs().max()) / 127)
+    assert torch.equal(back.isnan(), seen.isnan())
 
 
 @pytest.mark.parametrize("spec", ["int9", "powersgd:0", "int8:2", "powersgd:x"])

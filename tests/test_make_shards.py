@@ -382,3 +382,27 @@ def test_verify_finds_a_key_in_two_shards(tmp_path):
     both = str(tmp_path / "{a/train,b/copy}-000000.tar")
     proc = run_tool("verify_shards", both)
     assert proc.returncode == 1 and "duplicate-key" in proc.stdout
+
+
+def test_an_image_sent_by_its_path_is_written_as_its_bytes_and_refused_once_changed(tmp_path):
+    """With several workers, an image kept as stored travels as a FileRef (its path and
+    stamp), read again by the process writing shards: the same tar bytes as the image's
+    bytes, and a file changed after its check is bad input (on_error), never written."""
+    from pipeline.errors import DataError
+    from pipeline.shards.writer import FileRef, pack
+
+    path = tmp_path / "a.jpg"
+    path.write_bytes(jpeg_bytes(1))
+    st = path.stat()
+    ref = pack({"__key__": "a", "jpg": FileRef(str(path), (st.st_size, st.st_mtime_ns,
+                                                          st.st_ino)), "cls": b"1"})
+    inline = pack({"__key__": "a", "jpg": path.read_bytes(), "cls": b"1"})
+    assert ref.size == inline.size and ref.members == inline.members
+    assert b"".join(bytes(p) for p in ref.resolved().parts) == b"".join(inline.parts)
+    path.write_bytes(jpeg_bytes(2))
+    with pytest.raises(DataError, match="changed after it was checked") as err:
+        ref.resolved()
+    assert err.value.reason == "file-changed" and str(path) in str(err.value)
+    path.unlink()
+    with pytest.raises(DataError, match="went away"):
+        ref.resolved()

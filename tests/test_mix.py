@@ -186,6 +186,45 @@ def test_a_default_epoch_is_the_sources_epochs_together_and_resume_is_exact(sour
     assert seen + rest == batches
 
 
+def test_a_state_saved_before_mixing_per_sample_resumes_whole_batches(sources):
+    a, b = sources
+    make = functools.partial(image_loader, [(a, 0.5), (b, 0.5)], seed=1, mixing="batch",
+                             **OPTS)
+    with make() as whole:
+        batches = [batch.keys for batch in whole]
+    with make() as first:
+        it = iter(first)
+        seen = [next(it).keys for _ in range(4)]
+        new = first.state_dict()
+        # as the version before wrote it: no "mixing", each source's own whole state
+        old = {k: new[k] for k in ("kind", "epoch", "batches", "seed", "names", "weights",
+                                   "epoch_batches")}
+        old["counts"] = new["ranks"][0]["counts"]
+        old["sources"] = [loader.state_dict() for loader in first.loaders]
+    with make() as resumed:
+        resumed.load_state_dict(json.loads(json.dumps(old)))
+        assert seen + [batch.keys for batch in resumed] == batches
+    with image_loader([(a, 0.5), (b, 0.5)], seed=1, **OPTS) as per_sample, \
+            pytest.raises(ValueError, match="mixing: 'batch' in the state, 'sample' here"):
+        per_sample.load_state_dict(old)
+
+
+def test_stratified_resume_is_exact(sources):
+    a, b = sources
+    make = functools.partial(image_loader, [(a, 0.7), (b, 0.3)], seed=8, mixing="stratified",
+                             epoch_batches=15, **OPTS)
+    with make() as whole:
+        batches = [batch.keys for batch in whole]
+    with make() as first:
+        it = iter(first)
+        seen = [next(it).keys for _ in range(6)]
+        state = json.loads(json.dumps(first.state_dict()))
+    assert state["given"] != [0, 0]
+    with make() as resumed:
+        resumed.load_state_dict(state)
+        assert seen + [batch.keys for batch in resumed] == batches
+
+
 def test_text_sources_mix_too_and_packed_text_needs_an_epoch_length(tmp_path):
     shards = []
     for name in ("x", "y"):

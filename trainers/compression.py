@@ -68,7 +68,7 @@ class Compression:
         self._residual: dict[str, torch.Tensor] = {}  # int8's and PowerSGD's error feedback
         self._memories: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # PowerSGD P, Q
         self._powersgd: Any = None
-        self._chunks: dict[tuple[str, ...], tuple[torch.Tensor, int]] = {}  # by layout
+        self._chunks: dict[int, tuple[tuple[str, ...], torch.Tensor]] = {}  # by bucket
         self._process_steps = 0
         self._first = True
 
@@ -157,13 +157,16 @@ class Compression:
                  for n, p in zip(names, bucket.parameters(), strict=True)]
         return torch.cat(parts)
 
-    def chunks_of(self, bucket: dist.GradBucket) -> tuple[torch.Tensor, int]:
-        """int8's chunk of each value of the bucket (chunk_ids), made once per layout."""
-        key = tuple(self._names_of(bucket))
-        if key not in self._chunks:
+    def chunks_of(self, bucket: dist.GradBucket) -> torch.Tensor:
+        """int8's chunk lengths for the bucket (chunk_lengths), kept for its current layout
+        only: DDP's rebuilt buckets replace the first step's."""
+        names = tuple(self._names_of(bucket))
+        kept = self._chunks.get(bucket.index())
+        if kept is None or kept[0] != names:
             sizes = [p.numel() for p in bucket.parameters()]
-            self._chunks[key] = chunk_ids(sizes, bucket.buffer().device)
-        return self._chunks[key]
+            kept = self._chunks[bucket.index()] = (names, chunk_lengths(
+                sizes, bucket.buffer().device))
+        return kept[1]
 
     def keep_residual(self, bucket: dist.GradBucket, flat: torch.Tensor) -> None:
         at = 0
@@ -252,9 +255,12 @@ def _int8(state: Compression, bucket: dist.GradBucket) -> torch.futures.Future[t
     residual = state.residual_of(bucket)
     if residual is not None:
         grad = grad + residual
-    ids, chunks = state.chunks_of(bucket)
-    packed, quantized = quantize(grad, ids, chunks)
-    state.keep_residual(bucket, grad - quantized)
+    lengths = state.chunks_of(bucket)
+    packed, quantized = quantize(grad, lengths)
+    # What rounding lost, sent later; nothing of a chunk that was not finite (its step is
+    # skipped, and a NaN kept would poison every step after).
+    lost = grad - quantized
+    state.keep_residual(bucket, torch.where(torch.isfinite(lost), lost, torch.zeros_like(lost)))
     state._account(bucket, packed.numel())
     world = dist.get_world_size()
     gathered = [torch.empty_like(packed) for _ in range(world)]
@@ -263,40 +269,46 @@ def _int8(state: Compression, bucket: dist.GradBucket) -> torch.futures.Future[t
     def summed(_: Any) -> torch.Tensor:
         total = torch.zeros_like(grad)
         for part in gathered:  # in rank order on every rank: the same sums everywhere
-            total += dequantize(part, ids, chunks)
+            total += dequantize(part, lengths)
         buffer.copy_(total / world)
         return buffer
 
     return fut.then(summed)
 
 
-def chunk_ids(sizes: list[int], device: torch.device | str = "cpu") -> tuple[torch.Tensor, int]:
-    """Each value's chunk for a flat tensor of parameters of `sizes`, and the chunk count: a
-    parameter's values in runs of CHUNK, its last run shorter. Chunks never straddle two
-    parameters, so a value's rounding does not depend on how DDP bucketed it (a resumed
-    process buckets its first step otherwise)."""
-    ids, first = [], 0
+def chunk_lengths(sizes: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """The lengths of the chunks of a flat tensor of parameters of `sizes`: a parameter's
+    values in runs of CHUNK, its last run shorter. Chunks never straddle two parameters, so
+    a value's rounding does not depend on how DDP bucketed it (a resumed process buckets its
+    first step otherwise). One length a chunk: 1/1024 of a value a parameter to keep."""
+    lengths = []
     for size in sizes:
-        ids.append(torch.arange(size, device=device) // CHUNK + first)
-        first += -(-size // CHUNK)
-    return torch.cat(ids), first
+        lengths += [CHUNK] * (size // CHUNK) + ([size % CHUNK] if size % CHUNK else [])
+    return torch.tensor(lengths, dtype=torch.int64, device=device)
 
 
-def quantize(values: torch.Tensor, ids: torch.Tensor, chunks: int
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(values: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(one uint8 tensor: the chunks' fp32 scales, then the int8 values; the values as the
-    receivers will read them)."""
-    peak = torch.zeros(chunks, dtype=torch.float32, device=values.device)
-    peak = peak.scatter_reduce(0, ids, values.abs(), "amax")
+    receivers will read them). A chunk holding an inf or a NaN is sent with a NaN scale:
+    every rank's sum of it is NaN, so the step is skipped as any non-finite step is (not
+    sent as zeros, which would hide it); no host sync is needed to find it."""
+    finite = torch.isfinite(values)
+    safe = torch.where(finite, values, torch.zeros_like(values))
+    peak = torch.segment_reduce(safe.abs(), "max", lengths=lengths)
+    bad = torch.segment_reduce((~finite).float(), "max", lengths=lengths) > 0
     scale = torch.where(peak > 0, peak / 127, torch.ones_like(peak))  # all-zero chunk: 1
-    q = torch.round(values / scale[ids]).clamp_(-127, 127).to(torch.int8)
+    scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
+    each = torch.repeat_interleave(scale, lengths)
+    q = torch.round(safe / torch.where(finite, each, torch.ones_like(each)))
+    q = q.clamp_(-127, 127).to(torch.int8)
     packed = torch.cat([scale.view(torch.uint8), q.view(torch.uint8)])
-    return packed, q.float() * scale[ids]
+    return packed, q.float() * each
 
 
-def dequantize(packed: torch.Tensor, ids: torch.Tensor, chunks: int) -> torch.Tensor:
+def dequantize(packed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    chunks = lengths.numel()
     scale = packed[: 4 * chunks].view(torch.float32)
-    return packed[4 * chunks:].view(torch.int8).float() * scale[ids]
+    return packed[4 * chunks:].view(torch.int8).float() * torch.repeat_interleave(scale, lengths)
 
 
 def _powersgd(state: Compression, bucket: dist.GradBucket
@@ -311,7 +323,7 @@ def _powersgd(state: Compression, bucket: dist.GradBucket
     before = psgd.total_numel_after_compression
     fut = powerSGD_hook.powerSGD_hook(psgd, bucket)
     after = psgd.total_numel_after_compression
-    state._account(bucket, (after - before) * 4)
+    state._account(bucket, (after - before) * bucket.buffer().element_size())
     if not bucket.buffer().is_cuda:
         # torch's hook starts its second and third collectives from callbacks. Gloo pairs
         # collectives by order, and callbacks of two buckets race, so ranks would pair

@@ -165,6 +165,17 @@ def gather(obj: Any, info: DistInfo) -> list[Any]:
     return out
 
 
+def gather_to_main(obj: Any, info: DistInfo) -> list[Any] | None:
+    """`obj` of every rank, in rank order, on rank 0 (None on the others): for what only the
+    checkpoint's one writer needs, and is too large to hand every rank (a model's size per
+    rank, as gradient compression's error feedback is)."""
+    if not info.active:
+        return [obj]
+    out: list[Any] | None = [None] * info.world_size if info.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
 def sum_over_ranks(values: list[float], info: DistInfo) -> list[float]:
     """Element-wise sums over ranks (NCCL reduces only GPU tensors: the tensor goes there)."""
     if not info.active:

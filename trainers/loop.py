@@ -41,6 +41,7 @@ from trainers.distributed import (
     distributed_module,
     eval_barrier,
     gather,
+    gather_to_main,
     is_compiled,
     sum_over_ranks,
     unwrap,
@@ -222,7 +223,7 @@ class Trainer:
 
     def _compression_states(self) -> list[dict[str, Any]] | None:
         comp = compression_of(self.task.model)
-        return None if comp is None else gather(comp.state_dict(), self.dist)
+        return None if comp is None else gather_to_main(comp.state_dict(), self.dist)
 
     def _resume_compression(self, saved: list[dict[str, Any]] | None, saved_world: int) -> None:
         """The gradient compression's state (its error feedback) as this rank saved it; on

@@ -27,6 +27,7 @@ from PIL import Image
 from pipeline.errors import DataError
 from pipeline.samples import checks, masks
 from pipeline.shards.listing import regular_file
+from pipeline.shards.writer import FileRef
 
 log = logging.getLogger(__name__)
 Sample = dict[str, object]
@@ -314,31 +315,48 @@ def _no_repeats(src: Path, paths: list[str]) -> None:
 # -- the worker side: one task -> samples --------------------------------------------------
 
 def build_samples(task: InputItem, limits: checks.CheckLimits, text: TextOptions,
-                  max_file_bytes: int, storage_options: Mapping[str, Any] | None = None
-                  ) -> list[Sample | DataError]:
+                  max_file_bytes: int, storage_options: Mapping[str, Any] | None = None,
+                  refs: bool = False) -> list[Sample | DataError]:
     """Read and check one task's file (a URL opened with `storage_options`); data errors are
-    returned, not raised, per sample."""
+    returned, not raised, per sample. With `refs`, a local image kept as stored is given as
+    a FileRef (writer.py), for a worker process to send its path instead of its bytes."""
     try:
         if task.mode in ("lines", "jsonl"):
             return list(_text_samples(task, limits, text))
-        data = _read_file(task.path, max_file_bytes, storage_options or {})
+        stamp: list[tuple[int, int, int]] = []
+        data = _read_file(task.path, max_file_bytes, storage_options or {}, stamp)
         sample = _one_sample(task, data, limits)
         if task.mask is not None:
             sample[masks.MASK_EXT] = _mask_member(task.mask, sample, max_file_bytes,
                                                   storage_options or {})
+        if refs and stamp and task.mode == "image":
+            _refer(sample, data, FileRef(task.path, stamp[0]))
         return [sample]
     except DataError as err:
         return [err.located(source=task.path, key=task.key)]
 
 
-def _read_file(path: str, max_bytes: int, storage_options: Mapping[str, Any]) -> bytes:
-    """The whole file, refusing more than max_bytes without reading past the limit."""
+def _refer(sample: Sample, data: bytes, ref: FileRef) -> None:
+    """The image member that is the file's bytes unchanged, as `ref`."""
+    for ext, value in sample.items():
+        if value is data and len(data) == ref.size:
+            sample[ext] = ref
+            return
+
+
+def _read_file(path: str, max_bytes: int, storage_options: Mapping[str, Any],
+               stamp: list[tuple[int, int, int]] | None = None) -> bytes:
+    """The whole file, refusing more than max_bytes without reading past the limit; a local
+    file's (size, mtime_ns, inode) appended to `stamp`."""
     regular_file(path)
     try:
         # A local path opens directly: fsspec's URL parsing cost a tenth of the read.
         if "://" not in path:
             with open(path, "rb") as f:
                 data = _read_local(f, max_bytes)
+                if stamp is not None:
+                    st = os.fstat(f.fileno())
+                    stamp.append((st.st_size, st.st_mtime_ns, st.st_ino))
         else:
             with fsspec.open(path, "rb", **storage_options) as f:
                 data = f.read(max_bytes + 1)

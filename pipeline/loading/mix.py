@@ -239,6 +239,7 @@ class MixedLoader:
         """Continue from `state`; ValueError naming what differs from this mixture."""
         if self._iterating:
             raise RuntimeError("load_state_dict() while the mixture is being iterated")
+        state = _upgrade(state)
         for field in ("kind", "mixing", "seed", "names", "epoch_batches"):
             if state.get(field) != getattr(self, field):
                 raise ValueError(f"mixture state does not match this mixture; it differs in "
@@ -325,3 +326,15 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 _RANK_FIELDS = ("rank", "sources", "counts")
+
+
+def _upgrade(state: dict[str, Any]) -> dict[str, Any]:
+    """A state saved before mixtures drew per sample (no "mixing"): whole batches, and each
+    source's own state_dict() as it was (whole, every rank's: merge_states keeps it)."""
+    if "mixing" in state:
+        return state
+    world = int(state["sources"][0].get("world_size", 1))
+    parts = [{"state": s, "taken": 0, "taken_keys": [], "drop": []} for s in state["sources"]]
+    rest = {k: v for k, v in state.items() if k not in ("sources", "counts")}
+    return {**rest, "mixing": "batch", "world_size": world,
+            "ranks": [{"sources": parts, "counts": state.get("counts", {})}] * world}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 import os
 import tarfile
 from collections.abc import Mapping
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from pipeline.atomic import fsync_dir, write_atomic
+from pipeline.errors import DataError
 from pipeline.shards import daliindex
 from pipeline.shards.manifest import ShardInfo
 
@@ -45,15 +47,52 @@ class _HashingFile:
 
 
 @dataclass(frozen=True)
+class FileRef:
+    """A member's bytes as a local file holds them: what a conversion worker checked and
+    kept unchanged, sent as a path, which the one process writing shards reads again. With
+    several workers, reading a file from the page cache costs that process less than taking
+    the bytes out of a pipe (and the worker less than putting them in). `stamp` is the
+    file's (size, mtime_ns, inode) when the worker read it: a file changed since is bad
+    input, not what was checked."""
+
+    path: str
+    stamp: tuple[int, int, int]
+
+    @property
+    def size(self) -> int:
+        return self.stamp[0]
+
+    def read(self) -> memoryview:
+        """The file's bytes, mapped (hashed and written from the page cache, not copied out
+        of it first)."""
+        try:
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if (st.st_size, st.st_mtime_ns, st.st_ino) != self.stamp:
+                    raise DataError("file-changed", "the file changed after it was checked; "
+                                    "convert again", source=self.path)
+                return memoryview(mmap.mmap(f.fileno(), self.size, access=mmap.ACCESS_READ))
+        except OSError as err:
+            raise DataError("file-changed", f"the file went away after it was checked "
+                            f"({err.strerror}); convert again", source=self.path) from None
+
+
+Part = bytes | FileRef
+
+
+@dataclass(frozen=True)
 class Packed:
     """A sample as the bytes its members take in a shard (headers, data, padding), built
     where the sample was checked: a conversion's workers pack in parallel what the one
     process writing shards would otherwise pack in turn. Wherever it lies in a shard, a
-    sample's tar bytes are the same, so packed or not, the shards are byte-identical."""
+    sample's tar bytes are the same, so packed or not, the shards are byte-identical.
+    `parts` are those bytes in order, a member's data possibly a FileRef (`resolved()`
+    reads it)."""
 
     key: str
-    blob: bytes
-    members: tuple[tuple[str, int, int, str], ...]  # ext, data offset in blob, size, name
+    parts: tuple[Part, ...]
+    size: int  # the bytes of all parts
+    members: tuple[tuple[str, int, int, str], ...]  # ext, data offset in the parts, size, name
     fields: Mapping[str, object]  # "__" fields and small members (a label): what is tallied
 
     def get(self, name: str, default: object = None) -> object:
@@ -65,6 +104,14 @@ class Packed:
     def __getitem__(self, name: str) -> object:
         return self.fields[name]
 
+    def resolved(self) -> Packed:
+        """This sample with every FileRef read (DataError "file-changed" for a file that is
+        no longer what was checked): all of it, before any of it is written."""
+        if not any(isinstance(part, FileRef) for part in self.parts):
+            return self
+        parts = tuple(p.read() if isinstance(p, FileRef) else p for p in self.parts)
+        return Packed(self.key, parts, self.size, self.members, self.fields)  # type: ignore[arg-type]
+
 
 SMALL_MEMBER = 256  # members up to this size stay readable in Packed.fields (labels)
 
@@ -74,20 +121,38 @@ def pack(sample: Sample | Packed) -> Packed:
     if isinstance(sample, Packed):
         return sample
     key = str(sample["__key__"])
-    parts: list[bytes] = []
+    parts: list[Part] = []
     members = []
     at = 0
     for ext, data in _members(sample):
         name = f"{key}.{ext}"
-        header = _tarinfo(name, len(data)).tobuf(tarfile.GNU_FORMAT, tarfile.ENCODING,
-                                                 "surrogateescape")
-        pad = -len(data) % BLOCK
+        size = data.size if isinstance(data, FileRef) else len(data)
+        header = _tarinfo(name, size).tobuf(tarfile.GNU_FORMAT, tarfile.ENCODING,
+                                            "surrogateescape")
+        pad = -size % BLOCK
         parts += [header, data, bytes(pad)] if pad else [header, data]
-        members.append((ext, at + len(header), len(data), name))
-        at += len(header) + len(data) + pad
+        members.append((ext, at + len(header), size, name))
+        at += len(header) + size + pad
     fields = {k: v for k, v in sample.items()
               if k.startswith("__") or (isinstance(v, bytes) and len(v) <= SMALL_MEMBER)}
-    return Packed(key, b"".join(parts), tuple(members), fields)
+    return Packed(key, _joined(parts), at, tuple(members), fields)
+
+
+def _joined(parts: list[Part]) -> tuple[Part, ...]:
+    """Runs of bytes joined into one: fewer writes, and one part for a sample of bytes."""
+    out: list[Part] = []
+    run: list[bytes] = []
+    for part in parts:
+        if isinstance(part, bytes):
+            run.append(part)
+        else:
+            if run:
+                out.append(b"".join(run))
+                run = []
+            out.append(part)
+    if run:
+        out.append(b"".join(run))
+    return tuple(out)
 
 
 def member_bytes(name: str, size: int) -> int:
@@ -100,12 +165,13 @@ def member_bytes(name: str, size: int) -> int:
 
 def sample_bytes(sample: Sample | Packed) -> int:
     if isinstance(sample, Packed):
-        return len(sample.blob)
+        return sample.size
     key = str(sample["__key__"])
-    return sum(member_bytes(f"{key}.{ext}", len(v)) for ext, v in _members(sample))
+    return sum(member_bytes(f"{key}.{ext}", v.size if isinstance(v, FileRef) else len(v))
+               for ext, v in _members(sample))
 
 
-def _members(sample: Sample) -> list[tuple[str, bytes]]:
+def _members(sample: Sample) -> list[tuple[str, Part]]:
     # A fixed member order (sorted extensions) keeps shards byte-identical across runs.
     return sorted((k, v) for k, v in sample.items() if not k.startswith("__"))  # type: ignore[misc]
 
@@ -155,15 +221,17 @@ class ShardWriter:
         return self._hashing.pos + sample_bytes(sample) + END_OF_ARCHIVE <= self.max_size
 
     def write(self, sample: Sample | Packed) -> None:
+        """Append `sample` (a Packed with file parts: resolve it first)."""
         packed = pack(sample)
         if self._hashing is None:
             self._open()
         assert self._hashing is not None
-        if len(packed.blob) + END_OF_ARCHIVE > self.max_size:
+        if packed.size + END_OF_ARCHIVE > self.max_size:
             log.warning("sample %r (%d bytes) is larger than max_size=%d; it gets a shard of "
-                        "its own", packed.key, len(packed.blob), self.max_size)
+                        "its own", packed.key, packed.size, self.max_size)
         at = self._hashing.pos
-        self._hashing.write(packed.blob)
+        for part in packed.resolved().parts:
+            self._hashing.write(part)  # type: ignore[arg-type]
         self._entries.append([(ext, at + offset, size, name)
                               for ext, offset, size, name in packed.members])
 
