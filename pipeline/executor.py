@@ -7,10 +7,13 @@ most `window` chunks are in flight, so a long or endless input never piles up in
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import os
+import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
@@ -56,12 +59,15 @@ def ordered_map(fn: Callable[[T, Any], R], items: Iterable[T], extra: Any, worke
     pool = ProcessPoolExecutor(workers, mp_context=ctx)
     _widen_result_pipe(pool)
     pending: deque[tuple[Future[list[R]], list[T]]] = deque()
-    finished = False
+    finished, started = False, False
     try:
         while True:
             try:
-                while len(pending) < window and (batch := list(islice(source, chunk))):
-                    pending.append((pool.submit(_run_chunk, fn, batch, extra), batch))
+                # The first window's submits start the workers (one a submit).
+                with contextlib.nullcontext() if started else _main_as_a_file():
+                    while len(pending) < window and (batch := list(islice(source, chunk))):
+                        pending.append((pool.submit(_run_chunk, fn, batch, extra), batch))
+                started = True
                 if not pending:
                     finished = True
                     return
@@ -77,6 +83,24 @@ def ordered_map(fn: Callable[[T, Any], R], items: Iterable[T], extra: Any, worke
         if not finished:  # an error, a hung or dead worker, or an early close
             _terminate(pool)
         pool.shutdown(wait=finished, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def _main_as_a_file() -> Iterator[None]:
+    """While the workers start: they run the main script again from `__main__.__file__`
+    (spawn's rule, which the fork server follows), and a script read from stdin (`python -`)
+    names "<stdin>", which is no file: every worker died of it. Hidden while they start, the
+    main is skipped, as for `python -c` and notebooks, which have none."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or path is None or os.path.isfile(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 def _widen_result_pipe(pool: ProcessPoolExecutor) -> None:

@@ -406,3 +406,23 @@ def test_an_image_sent_by_its_path_is_written_as_its_bytes_and_refused_once_chan
     path.unlink()
     with pytest.raises(DataError, match="went away"):
         ref.resolved()
+
+
+def test_a_script_read_from_stdin_converts_with_worker_processes(tmp_path):
+    """Workers run the main script again from its file; `python -` names "<stdin>", which is
+    no file (every worker died of it)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    src = make_image_folder(tmp_path / "src", classes=2, per_class=6)
+    script = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+              "from pipeline.convert import ConvertConfig, convert\n"
+              f"m = convert(ConvertConfig(kind='imagefolder', src={str(src)!r}, "
+              f"out={str(tmp_path / 'out')!r}, max_count=4, workers=2))\n"
+              "print('samples', sum(s.samples for s in m.shards))\n")
+    done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "samples 12" in done.stdout
