@@ -6,6 +6,7 @@ resume without it does not), and one process refuses the flag."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -75,6 +76,24 @@ def test_a_chunk_that_is_not_finite_arrives_as_nan_and_the_others_intact():
     middle = values[1024:2048]
     assert torch.allclose(back[1024:2048], middle, atol=float(middle.abs().max()) / 127)
     assert torch.equal(back.isnan(), seen.isnan())
+
+
+@pytest.mark.parametrize("mode", ["int8", "powersgd:1"])
+def test_the_error_feedback_is_kept_by_parameter_whatever_the_buckets(mode):
+    """Real DDP (one gloo process, tests/compression_layouts.py): a state saved from one
+    bucket layout loads into another with each parameter's residual as it was."""
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "compression_layouts.py"),
+                           mode], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT),
+                               "PORT": str(29561 + (mode == "int8"))})
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["sizes"] == found["params"]  # every parameter's, whole
+    weights = sorted(k for k in found["params"] if k.endswith("weight"))
+    # int8 rounds every value; PowerSGD approximates the matrices and sends vectors exactly
+    assert found["nonzero"] == (sorted(found["params"]) if mode == "int8" else weights)
+    assert found["loaded_equal"] and found["after"] == sorted(found["params"])
+    assert found["buckets"][0] != found["buckets"][1]  # the layouts did differ
 
 
 @pytest.mark.parametrize("spec", ["int9", "powersgd:0", "int8:2", "powersgd:x"])

@@ -114,11 +114,12 @@ class Compression:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, CPU tensors only (the checkpoint gathers every rank's)."""
+        if self._powersgd is not None:
+            self._collect_powersgd()  # its error feedback, kept by bucket, into _residual
         state: dict[str, Any] = {"mode": self.spec, "bytes_sent": self.bytes_sent,
                                  "steps": self.steps,
                                  "residual": {k: v.cpu() for k, v in self._residual.items()}}
         if self._powersgd is not None:
-            self._collect_powersgd()
             rng = self._powersgd.rng.get_state()
             state["powersgd"] = {
                 "iter": int(self._powersgd.iter),
