@@ -336,3 +336,37 @@ def test_a_packed_text_mixture_on_two_gloo_ranks_gathers_its_state_and_resumes(t
         assert rank["again"] == rank["rest"]  # resumed on the same ranks: the same rows
         assert sum(rank["counts"].values()) > 0
     assert ranks[0]["first"] != ranks[1]["first"]  # each rank reads its own shards
+
+
+def test_bad_samples_in_a_source_are_counted_and_the_rest_read_once(sources, tmp_path):
+    """Per sample, a source batch with skips leaves its places empty: the mixture's batch is
+    shorter, the skips are reported with the shard and key, and every good sample of the
+    source's epoch comes out once."""
+    from conftest import jpeg_bytes
+
+    from pipeline.shards.manifest import Manifest
+    from pipeline.shards.writer import ShardWriter
+
+    a, _ = sources
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    writer = ShardWriter(bad, "train", max_count=100, max_size=10**8)
+    for i in range(12):
+        data = jpeg_bytes(i, size=(20, 20))
+        writer.write({"__key__": f"c{i:02d}", "jpg": data[: len(data) // 3] if i in (3, 8)
+                      else data, "cls": b"0"})
+    info = writer.finish()
+    assert info is not None
+    Manifest([info], "image", {"x": 0, "y": 1}).save(bad / "manifest.json")
+    with image_loader([(a, 1.0), (bad, 1.0)], seed=3, epoch_batches=6, on_error="skip",
+                      **OPTS) as mixed:
+        batches = list(mixed)
+        skips = mixed.skip_counts()
+        skipped = mixed.skipped
+    from_bad = [k for b in batches for k in b.keys if k.startswith("c")]
+    taken = sum(mixed.places_of(i, epoch=0)[1] for i in range(6))
+    assert taken >= 12  # the bad source's whole epoch was drawn
+    assert sorted(from_bad[:10]) == [f"c{i:02d}" for i in range(12) if i not in (3, 8)]
+    assert sum(skips.values()) >= 2 and {e["key"] for e in skipped} >= {"c03", "c08"}
+    assert any(len(b) < 4 for b in batches)  # the places of the bad samples stay empty
+    assert sum(len(b) for b in batches) == sum(mixed.last_counts.values())
