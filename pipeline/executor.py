@@ -59,15 +59,16 @@ def ordered_map(fn: Callable[[T, Any], R], items: Iterable[T], extra: Any, worke
     pool = ProcessPoolExecutor(workers, mp_context=ctx)
     _widen_result_pipe(pool)
     pending: deque[tuple[Future[list[R]], list[T]]] = deque()
-    finished, started = False, False
+    finished = False
+    hide = _main_is_no_file()
     try:
         while True:
             try:
-                # The first window's submits start the workers (one a submit).
-                with contextlib.nullcontext() if started else _main_as_a_file():
-                    while len(pending) < window and (batch := list(islice(source, chunk))):
-                        pending.append((pool.submit(_run_chunk, fn, batch, extra), batch))
-                started = True
+                while len(pending) < window and (batch := list(islice(source, chunk))):
+                    # A submit may start a worker (one a submit, up to `workers`).
+                    with _main_hidden() if hide else contextlib.nullcontext():
+                        future = pool.submit(_run_chunk, fn, batch, extra)
+                    pending.append((future, batch))
                 if not pending:
                     finished = True
                     return
@@ -85,22 +86,33 @@ def ordered_map(fn: Callable[[T, Any], R], items: Iterable[T], extra: Any, worke
         pool.shutdown(wait=finished, cancel_futures=True)
 
 
+def _main_is_no_file() -> bool:
+    """Whether the main script names a file that is not there: read from stdin (`python -`),
+    it names "<stdin>"."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return path is not None and not os.path.isfile(path)
+
+
+_HIDING = threading.Lock()  # one map at a time takes __main__.__file__ away and back
+
+
 @contextlib.contextmanager
-def _main_as_a_file() -> Iterator[None]:
-    """While the workers start: they run the main script again from `__main__.__file__`
-    (spawn's rule, which the fork server follows), and a script read from stdin (`python -`)
-    names "<stdin>", which is no file: every worker died of it. Hidden while they start, the
-    main is skipped, as for `python -c` and notebooks, which have none."""
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if main is None or path is None or os.path.isfile(path):
-        yield
-        return
-    del main.__file__
-    try:
-        yield
-    finally:
-        main.__file__ = path
+def _main_hidden() -> Iterator[None]:
+    """While a submit starts a worker: it runs the main script again from
+    `__main__.__file__` (spawn's rule, which the fork server follows), and every worker died
+    of "<stdin>". Hidden, the main is skipped, as for `python -c` and notebooks, which have
+    none."""
+    with _HIDING:
+        main = sys.modules["__main__"]
+        path = getattr(main, "__file__", None)
+        if path is None:
+            yield
+            return
+        del main.__file__
+        try:
+            yield
+        finally:
+            main.__file__ = path
 
 
 def _widen_result_pipe(pool: ProcessPoolExecutor) -> None:

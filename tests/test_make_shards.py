@@ -149,9 +149,10 @@ def test_reshard_existing_shards_to_new_limits(tmp_path):
 
 
 def test_same_input_gives_byte_identical_shards(tmp_path):
-    src = make_image_folder(tmp_path / "src", classes=2, per_class=5)
+    # 40 images: 3 chunks of 16, so both workers send images by their path (FileRef)
+    src = make_image_folder(tmp_path / "src", classes=2, per_class=20)
     for name, workers in (("x", 1), ("y", 2)):
-        run_tool("make_shards", "imagefolder", src, tmp_path / name, "--max-count", 3,
+        run_tool("make_shards", "imagefolder", src, tmp_path / name, "--max-count", 7,
                  "--workers", workers, check=True)
     for a, b in zip(shard_paths(tmp_path / "x"), shard_paths(tmp_path / "y"), strict=True):
         assert a.read_bytes() == b.read_bytes()
@@ -388,18 +389,37 @@ def test_an_image_sent_by_its_path_is_written_as_its_bytes_and_refused_once_chan
     """With several workers, an image kept as stored travels as a FileRef (its path and
     stamp), read again by the process writing shards: the same tar bytes as the image's
     bytes, and a file changed after its check is bad input (on_error), never written."""
+    import os
+
+    from pipeline.convert.sources import InputItem, TextOptions, build_samples
     from pipeline.errors import DataError
+    from pipeline.samples.checks import CheckLimits
+    from pipeline.samples.downsize import Downsize
     from pipeline.shards.writer import FileRef, pack
 
     path = tmp_path / "a.jpg"
     path.write_bytes(jpeg_bytes(1))
-    st = path.stat()
-    ref = pack({"__key__": "a", "jpg": FileRef(str(path), (st.st_size, st.st_mtime_ns,
-                                                          st.st_ino)), "cls": b"1"})
-    inline = pack({"__key__": "a", "jpg": path.read_bytes(), "cls": b"1"})
+    item = InputItem("a", str(path), "image", 1)
+
+    def built(refs: bool, limits: CheckLimits | None = None) -> dict:
+        (sample,) = build_samples(item, limits or CheckLimits(), TextOptions(), 10**8,
+                                  refs=refs)
+        return sample
+
+    # A worker of a conversion with several makes one; one worker, or a resized image, not.
+    assert isinstance(built(True)["jpg"], FileRef)
+    assert built(False)["jpg"] == path.read_bytes()
+    assert isinstance(built(True, CheckLimits(downsize=Downsize(8)))["jpg"], bytes)
+    ref = pack(built(True))
+    inline = pack(built(False))
     assert ref.size == inline.size and ref.members == inline.members
     assert b"".join(bytes(p) for p in ref.resolved().parts) == b"".join(inline.parts)
-    path.write_bytes(jpeg_bytes(2))
+    # The same size and the old mtime back (cp -p, rsync -t): the ctime still moved.
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     with pytest.raises(DataError, match="changed after it was checked") as err:
         ref.resolved()
     assert err.value.reason == "file-changed" and str(path) in str(err.value)
@@ -416,7 +436,7 @@ def test_a_script_read_from_stdin_converts_with_worker_processes(tmp_path):
 
     from conftest import ROOT
 
-    src = make_image_folder(tmp_path / "src", classes=2, per_class=6)
+    src = make_image_folder(tmp_path / "src", classes=2, per_class=20)  # 3 chunks: 2 workers
     script = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
               "from pipeline.convert import ConvertConfig, convert\n"
               f"m = convert(ConvertConfig(kind='imagefolder', src={str(src)!r}, "
@@ -425,4 +445,4 @@ def test_a_script_read_from_stdin_converts_with_worker_processes(tmp_path):
     done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True,
                           timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "samples 12" in done.stdout
+    assert "samples 40" in done.stdout

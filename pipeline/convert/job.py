@@ -235,7 +235,7 @@ def convert(cfg: ConvertConfig, progress: Progress | None = None) -> Manifest:
             else _expected_samples(tasks)
         try:
             work = _Work(cfg.limits, cfg.text, cfg.max_file_bytes, cfg.storage_options,
-                         refs=cfg.workers > 1 and cfg.engine != "ray")
+                         refs=_refs(cfg))
             job.run(tasks, work, ahead)
         except BaseException:
             writer.abort()
@@ -264,8 +264,9 @@ class _Job:
         # A parquet task is a chunk of rows (up to a few MB): one per submit bounds what waits.
         chunk = 1 if self.cfg.kind in ("parquet", "tabular") else executor.CHUNK
         window = None
-        if work.refs and chunk > 1:
-            # Results that name files are small: larger chunks (fewer messages and wake-ups
+        if work.refs and self.cfg.kind == "imagefolder" and not self.cfg.limits.downsize:
+            # Every result names a file (its images are local and kept as stored, unless
+            # repaired), so results are small: larger chunks (fewer messages and wake-ups
             # for this process), and workers that run further ahead, through this process's
             # pauses to sync a finished shard.
             chunk, window = 2 * chunk, 8 * self.cfg.workers
@@ -402,6 +403,13 @@ def _expected_samples(tasks: Iterable[object]) -> int | None:
     if all(isinstance(t, InputItem) and t.mode in ("image", "points", "text") for t in tasks):
         return len(tasks)
     return None
+
+
+def _refs(cfg: ConvertConfig) -> bool:
+    """Whether workers send local images kept as stored by their path (writer.FileRef): with
+    worker processes on this machine (not Ray's, which may run elsewhere), for the kinds
+    whose images can be local files."""
+    return cfg.workers > 1 and cfg.engine != "ray" and cfg.kind in ("imagefolder", "manifest")
 
 
 def _ordered_map(cfg: ConvertConfig

@@ -27,7 +27,7 @@ from PIL import Image
 from pipeline.errors import DataError
 from pipeline.samples import checks, masks
 from pipeline.shards.listing import regular_file
-from pipeline.shards.writer import FileRef
+from pipeline.shards.writer import FileRef, stamp_of
 
 log = logging.getLogger(__name__)
 Sample = dict[str, object]
@@ -323,7 +323,7 @@ def build_samples(task: InputItem, limits: checks.CheckLimits, text: TextOptions
     try:
         if task.mode in ("lines", "jsonl"):
             return list(_text_samples(task, limits, text))
-        stamp: list[tuple[int, int, int]] = []
+        stamp: list[tuple[int, int, int, int]] = []
         data = _read_file(task.path, max_file_bytes, storage_options or {}, stamp)
         sample = _one_sample(task, data, limits)
         if task.mask is not None:
@@ -345,18 +345,18 @@ def _refer(sample: Sample, data: bytes, ref: FileRef) -> None:
 
 
 def _read_file(path: str, max_bytes: int, storage_options: Mapping[str, Any],
-               stamp: list[tuple[int, int, int]] | None = None) -> bytes:
+               stamp: list[tuple[int, int, int, int]] | None = None) -> bytes:
     """The whole file, refusing more than max_bytes without reading past the limit; a local
-    file's (size, mtime_ns, inode) appended to `stamp`."""
+    file's stamp (writer.FileRef) appended to `stamp` when it held still during the read."""
     regular_file(path)
     try:
         # A local path opens directly: fsspec's URL parsing cost a tenth of the read.
         if "://" not in path:
             with open(path, "rb") as f:
+                before = stamp_of(f.fileno()) if stamp is not None else None
                 data = _read_local(f, max_bytes)
-                if stamp is not None:
-                    st = os.fstat(f.fileno())
-                    stamp.append((st.st_size, st.st_mtime_ns, st.st_ino))
+                if before is not None and stamp_of(f.fileno()) == before:
+                    stamp.append(before)  # type: ignore[union-attr]
         else:
             with fsspec.open(path, "rb", **storage_options) as f:
                 data = f.read(max_bytes + 1)

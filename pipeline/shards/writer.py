@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import mmap
 import os
 import tarfile
 from collections.abc import Mapping
@@ -52,32 +51,45 @@ class FileRef:
     kept unchanged, sent as a path, which the one process writing shards reads again. With
     several workers, reading a file from the page cache costs that process less than taking
     the bytes out of a pipe (and the worker less than putting them in). `stamp` is the
-    file's (size, mtime_ns, inode) when the worker read it: a file changed since is bad
-    input, not what was checked."""
+    file's (size, mtime_ns, ctime_ns, device) when the worker read it, the same before and
+    after its read; a file whose stamp differs when read again was changed, and its bytes
+    are not what was checked. (Any write sets ctime, which no tool can set back; the inode is
+    left out: some network and FUSE mounts renumber unchanged files.)"""
 
     path: str
-    stamp: tuple[int, int, int]
+    stamp: tuple[int, int, int, int]
 
     @property
     def size(self) -> int:
         return self.stamp[0]
 
-    def read(self) -> memoryview:
-        """The file's bytes, mapped (hashed and written from the page cache, not copied out
-        of it first)."""
+    def read(self) -> bytearray:
+        """The file's bytes, or DataError "file-changed" when it is not the file that was
+        checked (gone, or its stamp moved before or during this read). Other errors
+        reading it (EIO, too many open files) are raised as they are: not bad input."""
+        buffer = bytearray(self.size)
         try:
-            with open(self.path, "rb") as f:
-                st = os.fstat(f.fileno())
-                if (st.st_size, st.st_mtime_ns, st.st_ino) != self.stamp:
-                    raise DataError("file-changed", "the file changed after it was checked; "
-                                    "convert again", source=self.path)
-                return memoryview(mmap.mmap(f.fileno(), self.size, access=mmap.ACCESS_READ))
-        except OSError as err:
-            raise DataError("file-changed", f"the file went away after it was checked "
-                            f"({err.strerror}); convert again", source=self.path) from None
+            with open(self.path, "rb", buffering=0) as f:
+                before = stamp_of(f.fileno())
+                n = f.readinto(buffer)
+                more = f.read(1)  # a file that grew
+                after = stamp_of(f.fileno())
+        except FileNotFoundError:
+            raise DataError("file-changed", "the file went away after it was checked; "
+                            "convert again", source=self.path) from None
+        if before != self.stamp or after != self.stamp or n != self.size or more:
+            raise DataError("file-changed", "the file changed after it was checked; convert "
+                            "again", source=self.path)
+        return buffer
 
 
-Part = bytes | FileRef
+def stamp_of(fd: int) -> tuple[int, int, int, int]:
+    """FileRef's stamp of an open file."""
+    st = os.fstat(fd)
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_dev
+
+
+Part = bytes | bytearray | FileRef  # bytearray: a FileRef read (resolved)
 
 
 @dataclass(frozen=True)
@@ -110,7 +122,7 @@ class Packed:
         if not any(isinstance(part, FileRef) for part in self.parts):
             return self
         parts = tuple(p.read() if isinstance(p, FileRef) else p for p in self.parts)
-        return Packed(self.key, parts, self.size, self.members, self.fields)  # type: ignore[arg-type]
+        return Packed(self.key, parts, self.size, self.members, self.fields)
 
 
 SMALL_MEMBER = 256  # members up to this size stay readable in Packed.fields (labels)
@@ -141,9 +153,9 @@ def pack(sample: Sample | Packed) -> Packed:
 def _joined(parts: list[Part]) -> tuple[Part, ...]:
     """Runs of bytes joined into one: fewer writes, and one part for a sample of bytes."""
     out: list[Part] = []
-    run: list[bytes] = []
+    run: list[bytes | bytearray] = []
     for part in parts:
-        if isinstance(part, bytes):
+        if isinstance(part, (bytes, bytearray)):
             run.append(part)
         else:
             if run:
