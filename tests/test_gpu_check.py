@@ -72,6 +72,9 @@ def test_dry_run_records_every_part_and_the_header(tmp_path: Path) -> None:
         assert set(report["parts"]["dali"]["stage_seconds"]) >= {"corpus_and_conversion"}
     parts = report["parts"]
     assert parts["amp_step"]["model"] == "resnet50-local"  # the torchvision-free ResNet-50
+    ddp = parts["ddp"]["runs"]  # every mode's hook on every step; int8 a quarter of fp32
+    assert ddp["int8"]["hook_steps"] == ddp["powersgd:1"]["hook_steps"] == ddp["fp16"][
+        "hook_steps"] == 3 and ddp["int8"]["ratio_to_fp32"] < 0.26
     # the new parts ran their CPU equivalents through the same code: two gloo ranks, a
     # compiled DDP model, Trainer steps (host syncs are counted by CUDA only)
     assert parts["ranks"]["key"] == {**parts["ranks"]["key"], "ranks_agree": True,

@@ -18,8 +18,9 @@ at once and ranks in seconds, so the worst case there is about 6.5 minutes):
   offload          trainers.loop.Trainer steps with the offloaded optimizer (master weights and
                    AdamW state in host memory) vs on the device, fp16 and bf16: loss trajectories
                    and steps/s.
-  ddp              DDP over NCCL with one process, through trainers.distributed.wrap with the
-                   fp16 and bf16 compression hooks: the hooks run (counted) and steps complete.
+  ddp              DDP over NCCL with one process, through trainers.distributed.wrap with
+                   every compression mode (fp16, bf16, int8, powersgd:1): each hook runs on
+                   every step, its payload against fp32's, gradients against no compression.
   checkpointing    peak CUDA memory of the small ResNet with and without activation
                    checkpointing, same batch; gradients and BatchNorm statistics compared.
   text_pointcloud  GPT-style (clm) and BERT-style (mlm) steps of trainers.text_task fed by the

@@ -1,6 +1,7 @@
 """The trainers' features on the GPU, one part each: the offloaded optimizer (master weights and
 AdamW state in host memory) against the on-device one through trainers.loop.Trainer; one-process
-DDP through trainers.distributed.wrap with the fp16 and bf16 compression hooks (counted); and
+DDP through trainers.distributed.wrap with every compression mode (fp16, bf16, int8, PowerSGD;
+their payload counted by trainers/compression.py); and
 peak memory with and without activation checkpointing, gradients and BatchNorm statistics
 compared.
 """
@@ -8,7 +9,6 @@ compared.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -141,45 +141,16 @@ def one_process_ddp() -> Any:
     return OneProcessDDP()
 
 
-HOOKS = {"fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook"}
-
-
-@contextlib.contextmanager
-def counted_hook(compression: str, calls: list[int]) -> Iterator[None]:
-    """torch's hook for `compression`, replaced by a counting wrapper while wrap() reads it
-    (DDP checks the hook's signature: functools.wraps hands it the original's)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    name = HOOKS.get(compression)
-    if name is None:
-        yield
-        return
-    original = getattr(default_hooks, name)
-
-    @functools.wraps(original)
-    def counting(state: Any, bucket: Any) -> Any:
-        calls[0] += 1
-        return original(state, bucket)
-
-    setattr(default_hooks, name, counting)
-    try:
-        yield
-    finally:
-        setattr(default_hooks, name, original)
-
-
 def ddp_run(ctx: Ctx, compression: str) -> dict[str, Any]:
     import torch
     from torch import nn
 
-    from trainers.distributed import wrap
+    from trainers.distributed import compression_of, wrap
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)).to(ctx.device)
-    calls = [0]
     try:
-        with counted_hook(compression, calls):
-            ddp = wrap(model, one_process_ddp(), ctx.device, compression)  # type: ignore[arg-type]
+        ddp = wrap(model, one_process_ddp(), ctx.device, compression)
     except ValueError as exc:
         return {"refused": str(exc)}
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
@@ -194,8 +165,9 @@ def ddp_run(ctx: Ctx, compression: str) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     sync(ctx)
-    return {"ddp": type(ddp).__name__, "hook_calls": calls[0], "steps": 3,
-            "loss": float(loss.detach()), "grads": grads}
+    comp = compression_of(ddp)  # its counters: steps whose gradients went through the hook
+    return {"ddp": type(ddp).__name__, "hook_steps": comp.steps, "steps": 3,
+            **comp.bytes_per_step(), "loss": float(loss.detach()), "grads": grads}
 
 
 @contextlib.contextmanager
@@ -225,18 +197,19 @@ def part_ddp(ctx: Ctx) -> dict[str, Any]:
     with one_process_group(ctx) as backend:
         bare = nn.Linear(2, 2).to(ctx.device)
         noop = wrap(bare, DistInfo(), ctx.device, "fp16") is bare
-        runs = {c: ddp_run(ctx, c) for c in ("none", "fp16", "bf16")}
+        runs = {c: ddp_run(ctx, c) for c in ("none", "fp16", "bf16", "int8", "powersgd:1")}
     reference = runs["none"].pop("grads")
     for run in runs.values():
         if "grads" in run:
             run["grad_max_abs_diff_vs_none"] = float((run.pop("grads") - reference).abs().max())
     refused_ok = not ctx.cuda  # wrap refuses bf16 without CUDA, by design
-    hooked = all(r.get("hook_calls", 0) > 0 or ("refused" in r and refused_ok)
+    # Every hook ran on every step ("none" keeps DDP's own all-reduce, no hook).
+    hooked = all(r.get("hook_steps") == 3 or ("refused" in r and c == "bf16" and refused_ok)
                  for c, r in runs.items() if c != "none")
     finite = all(r.get("loss", 0.0) == r.get("loss", 0.0) for r in runs.values())
     return {"status": "ok" if hooked and finite else "failed", "backend": backend,
             "world_size": 1, "wrap_is_noop_for_one_process": noop, "runs": runs,
-            "key": {c: r.get("hook_calls", "refused") for c, r in runs.items() if c != "none"}}
+            "key": {c: r.get("ratio_to_fp32", "refused") for c, r in runs.items()}}
 
 
 # -- checkpointing -------------------------------------------------------------------------------
