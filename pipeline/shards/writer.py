@@ -63,24 +63,35 @@ class FileRef:
     def size(self) -> int:
         return self.stamp[0]
 
-    def read(self) -> bytearray:
+    def read(self) -> bytes:
         """The file's bytes, or DataError "file-changed" when it is not the file that was
         checked (gone, or its stamp moved before or during this read). Other errors
         reading it (EIO, too many open files) are raised as they are: not bad input."""
-        buffer = bytearray(self.size)
         try:
-            with open(self.path, "rb", buffering=0) as f:
-                before = stamp_of(f.fileno())
-                n = f.readinto(buffer)
-                more = f.read(1)  # a file that grew
-                after = stamp_of(f.fileno())
+            fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
             raise DataError("file-changed", "the file went away after it was checked; "
                             "convert again", source=self.path) from None
-        if before != self.stamp or after != self.stamp or n != self.size or more:
+        try:  # os calls, not a file object: a tenth of this process's time per image
+            before = stamp_of(fd)
+            data = _read_all(fd, self.size + 1)  # one more: a file that grew
+            after = stamp_of(fd)
+        finally:
+            os.close(fd)
+        if before != self.stamp or after != self.stamp or len(data) != self.size:
             raise DataError("file-changed", "the file changed after it was checked; convert "
                             "again", source=self.path)
-        return buffer
+        return data
+
+
+def _read_all(fd: int, limit: int) -> bytes:
+    """Up to `limit` bytes, reading on after a short read (network and FUSE mounts give
+    them); one read for a local file."""
+    pieces, got = [], 0
+    while got < limit and (piece := os.read(fd, limit - got)):
+        pieces.append(piece)
+        got += len(piece)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def stamp_of(fd: int) -> tuple[int, int, int, int]:
@@ -89,7 +100,7 @@ def stamp_of(fd: int) -> tuple[int, int, int, int]:
     return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_dev
 
 
-Part = bytes | bytearray | FileRef  # bytearray: a FileRef read (resolved)
+Part = bytes | FileRef
 
 
 @dataclass(frozen=True)
@@ -153,9 +164,9 @@ def pack(sample: Sample | Packed) -> Packed:
 def _joined(parts: list[Part]) -> tuple[Part, ...]:
     """Runs of bytes joined into one: fewer writes, and one part for a sample of bytes."""
     out: list[Part] = []
-    run: list[bytes | bytearray] = []
+    run: list[bytes] = []
     for part in parts:
-        if isinstance(part, (bytes, bytearray)):
+        if isinstance(part, bytes):
             run.append(part)
         else:
             if run:
