@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -35,15 +36,22 @@ def _run_chunk(fn: Callable[[T, Any], R], chunk: list[T], extra: Any) -> list[R]
 
 def ordered_map(fn: Callable[[T, Any], R], items: Iterable[T], extra: Any, workers: int,
                 *, chunk: int = CHUNK, window: int | None = None,
-                timeout_s: float | None = None, describe: Callable[[T], str] = str
-                ) -> Generator[R, None, None]:
+                timeout_s: float | None = None, describe: Callable[[T], str] = str,
+                helping: bool = False, own_extra: Any = None) -> Generator[R, None, None]:
     """`fn(item, extra)` for each item, in order; inline when workers == 1.
 
     With worker processes, a chunk whose result has not come `timeout_s` after it became the
     oldest in flight is declared hung, and a dead worker is reported: both as WorkerError
     naming the inputs (by `describe`). Unless the map runs to its end, the workers are
-    terminated, not waited for (one may be hung). Inline work has no timeout."""
-    if workers <= 1:
+    terminated, not waited for (one may be hung). Inline work has no timeout.
+
+    `helping`: this process is one of the `workers` (workers - 1 processes beside it): it
+    takes the next chunk itself whenever the oldest is not back yet, instead of waiting. A
+    consumer with work of its own per result (a conversion writes and hashes every sample)
+    then shares the cores with the workers rather than competing with one more process.
+    Its own chunks get `own_extra` when given (what suits work done in this process)."""
+    procs = workers - 1 if helping else workers
+    if procs < 1:
         yield from (fn(item, extra) for item in items)
         return
     if timeout_s is not None and timeout_s >= threading.TIMEOUT_MAX:
@@ -56,23 +64,37 @@ def ordered_map(fn: Callable[[T, Any], R], items: Iterable[T], extra: Any, worke
     # (the first map's), not in each worker: a conversion's imports took a quarter of a
     # second of CPU per worker.
     ctx.set_forkserver_preload(["__main__", fn.__module__])
-    pool = ProcessPoolExecutor(workers, mp_context=ctx)
+    pool = ProcessPoolExecutor(procs, mp_context=ctx)
     _widen_result_pipe(pool)
     pending: deque[tuple[Future[list[R]], list[T]]] = deque()
     finished = False
     hide = _main_is_no_file()
+    oldest: tuple[Future[list[R]] | None, float] = (None, 0.0)  # and since when
     try:
         while True:
             try:
                 while len(pending) < window and (batch := list(islice(source, chunk))):
-                    # A submit may start a worker (one a submit, up to `workers`).
+                    # A submit may start a worker (one a submit, up to `procs`).
                     with _main_hidden() if hide else contextlib.nullcontext():
                         future = pool.submit(_run_chunk, fn, batch, extra)
                     pending.append((future, batch))
                 if not pending:
                     finished = True
                     return
-                results = pending[0][0].result(timeout=timeout_s)
+                head = pending[0][0]
+                if head is not oldest[0]:
+                    oldest = (head, time.monotonic())
+                # Helping: the next chunk done here, at the end of the line (in order), while
+                # the oldest is not back; at most a window ahead, so a hung worker cannot
+                # make this process read the rest of the input into memory.
+                if helping and not head.done() and len(pending) < 2 * window \
+                        and (batch := list(islice(source, chunk))):
+                    mine = extra if own_extra is None else own_extra
+                    pending.append((_done(_run_chunk(fn, batch, mine)), batch))
+                    continue
+                left = None if timeout_s is None else \
+                    max(0.0, timeout_s - (time.monotonic() - oldest[1]))
+                results = head.result(timeout=left)
             except FutureTimeout:
                 raise _hung(pending[0][1], timeout_s, describe) from None
             except BrokenProcessPool:
@@ -84,6 +106,13 @@ def ordered_map(fn: Callable[[T, Any], R], items: Iterable[T], extra: Any, worke
         if not finished:  # an error, a hung or dead worker, or an early close
             _terminate(pool)
         pool.shutdown(wait=finished, cancel_futures=True)
+
+
+def _done(value: R) -> Future[R]:
+    """A future already holding `value` (a chunk the consumer converted itself)."""
+    future: Future[R] = Future()
+    future.set_result(value)
+    return future
 
 
 def _main_is_no_file() -> bool:

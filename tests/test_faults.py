@@ -136,6 +136,20 @@ def _die_on(item: int, die: int) -> int:
     return item
 
 
+def _pid_of(item: int, pause: float) -> tuple[int, int]:
+    time.sleep(pause)  # work that takes time, so that the consumer has a chance to help
+    return item, os.getpid()
+
+
+def test_a_helping_consumer_takes_chunks_itself_and_the_order_holds():
+    """helping: the calling process is one of the workers: it converts the next chunk while
+    the oldest is not back, and the results still come in input order."""
+    got = list(ordered_map(_pid_of, range(40), 0.01, 2, chunk=2, helping=True))
+    assert [item for item, _ in got] == list(range(40))
+    pids = {pid for _, pid in got}
+    assert os.getpid() in pids and len(pids) == 2  # this process and one worker
+
+
 def test_closing_the_map_early_terminates_a_hung_worker():
     """A consumer that stops early (a data error under raise) must not wait on a hung
     worker: the map's close terminates the workers."""

@@ -105,7 +105,8 @@ def _common_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shuffle-seed", type=int, default=None,
                    help="spread inputs randomly (but reproducibly) across shards")
     p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1,
-                   help="processes that read and check inputs (default: all cores)")
+                   help="processes that read and check inputs, for an image folder this "
+                        "one included (default: all cores)")
     p.add_argument("--worker-timeout", type=positive_seconds, default=900.0, metavar="SECONDS",
                    help="a worker with no result this long is hung: stop with an error naming "
                         "its inputs (default 900; with --workers 1 work runs inline, untimed)")

@@ -10,6 +10,7 @@ after a kill are in outdir.py; the manifest, written last, marks a finished job.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import random
@@ -263,16 +264,23 @@ class _Job:
         self.end = (start_task, start_result)
         # A parquet task is a chunk of rows (up to a few MB): one per submit bounds what waits.
         chunk = 1 if self.cfg.kind in ("parquet", "tabular") else executor.CHUNK
-        window = None
+        window: int | None = None
+        helping: dict[str, Any] = {}
         if work.refs and self.cfg.kind == "imagefolder" and not self.cfg.limits.downsize:
             # Every result names a file (its images are local and kept as stored, unless
             # repaired), so results are small: larger chunks (fewer messages and wake-ups
             # for this process), and workers that run further ahead, through this process's
-            # pauses to sync a finished shard.
+            # pauses to sync a finished shard. And this process, which writes every sample,
+            # converts too while it would wait (executor.ordered_map's helping): --workers N
+            # is N - 1 processes beside it. (Its own chunks have no timeout, as with one
+            # worker: local files, not a server that may stall.)
             chunk, window = 2 * chunk, 8 * self.cfg.workers
+            # its own images are in hand: no file to read again
+            helping = {"helping": True, "own_extra": dataclasses.replace(work, refs=False)}
         results = _ordered_map(self.cfg)(run_task, _skip(tasks, start_task - ahead), work,
                                        self.cfg.workers, chunk=chunk, window=window,
-                                       timeout_s=self.cfg.worker_timeout_s, describe=_describe)
+                                       timeout_s=self.cfg.worker_timeout_s, describe=_describe,
+                                       **helping)
         with contextlib.closing(results):  # stop the workers here, also on an error
             for n, outputs in enumerate(results, start_task):
                 first = start_result if n == start_task else 0
