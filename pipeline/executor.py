@@ -51,7 +51,7 @@ def ordered_map(fn: Callable[[T, Any], R], items: Iterable[T], extra: Any, worke
     then shares the cores with the workers rather than competing with one more process.
     Its own chunks get `own_extra` when given (what suits work done in this process)."""
     procs = workers - 1 if helping else workers
-    if procs < 1:
+    if workers <= 1 or procs < 1:
         yield from (fn(item, extra) for item in items)
         return
     if timeout_s is not None and timeout_s >= threading.TIMEOUT_MAX:
