@@ -148,6 +148,10 @@ def test_a_helping_consumer_takes_chunks_itself_and_the_order_holds():
     assert [item for item, _ in got] == list(range(40))
     pids = {pid for _, pid in got}
     assert os.getpid() in pids and len(pids) == 2  # this process and one worker
+    # one worker is this process, helping or not: no pool at all
+    for helping in (False, True):
+        assert {pid for _, pid in ordered_map(_pid_of, range(4), 0, 1, helping=helping)} \
+            == {os.getpid()}
 
 
 def test_closing_the_map_early_terminates_a_hung_worker():
