@@ -3,6 +3,12 @@
 Results come back in input order (so shards are deterministic whatever the scheduling) and at
 most `window` chunks are in flight, so a long or endless input never piles up in memory
 (`multiprocessing.Pool.imap` would read its whole input ahead).
+
+Helping (`helping=True`): the calling process is one of the `workers` (workers - 1 processes
+beside it): it takes the next chunk itself whenever the oldest is not back yet, instead of
+waiting, with `own_extra` when given (what suits work done in this process). A consumer
+with work of its own per result (a conversion writes and hashes every sample) then shares
+the cores with the workers rather than competing with one more process.
 """
 
 from __future__ import annotations
@@ -43,13 +49,8 @@ def ordered_map(fn: Callable[[T, Any], R], items: Iterable[T], extra: Any, worke
     With worker processes, a chunk whose result has not come `timeout_s` after it became the
     oldest in flight is declared hung, and a dead worker is reported: both as WorkerError
     naming the inputs (by `describe`). Unless the map runs to its end, the workers are
-    terminated, not waited for (one may be hung). Inline work has no timeout.
-
-    `helping`: this process is one of the `workers` (workers - 1 processes beside it): it
-    takes the next chunk itself whenever the oldest is not back yet, instead of waiting. A
-    consumer with work of its own per result (a conversion writes and hashes every sample)
-    then shares the cores with the workers rather than competing with one more process.
-    Its own chunks get `own_extra` when given (what suits work done in this process)."""
+    terminated, not waited for (one may be hung). Inline work has no timeout. `helping` and
+    `own_extra`: see the module docstring."""
     procs = workers - 1 if helping else workers
     if workers <= 1 or procs < 1:
         yield from (fn(item, extra) for item in items)
@@ -58,14 +59,7 @@ def ordered_map(fn: Callable[[T, Any], R], items: Iterable[T], extra: Any, worke
         timeout_s = None  # beyond what a wait can take: no limit
     window = window or 4 * workers
     source = iter(items)
-    # forkserver: workers do not inherit the parent's threads (progress bars, loggers).
-    ctx = multiprocessing.get_context("forkserver")
-    # The main script and the worker function's module are imported once, in the fork server
-    # (the first map's), not in each worker: a conversion's imports took a quarter of a
-    # second of CPU per worker.
-    ctx.set_forkserver_preload(["__main__", fn.__module__])
-    pool = ProcessPoolExecutor(procs, mp_context=ctx)
-    _widen_result_pipe(pool)
+    pool = _pool(fn, procs)
     pending: deque[tuple[Future[list[R]], list[T]]] = deque()
     finished = False
     hide = _main_is_no_file()
@@ -92,9 +86,7 @@ def ordered_map(fn: Callable[[T, Any], R], items: Iterable[T], extra: Any, worke
                     mine = extra if own_extra is None else own_extra
                     pending.append((_done(_run_chunk(fn, batch, mine)), batch))
                     continue
-                left = None if timeout_s is None else \
-                    max(0.0, timeout_s - (time.monotonic() - oldest[1]))
-                results = head.result(timeout=left)
+                results = head.result(timeout=_left(timeout_s, oldest[1]))
             except FutureTimeout:
                 raise _hung(pending[0][1], timeout_s, describe) from None
             except BrokenProcessPool:
@@ -106,6 +98,23 @@ def ordered_map(fn: Callable[[T, Any], R], items: Iterable[T], extra: Any, worke
         if not finished:  # an error, a hung or dead worker, or an early close
             _terminate(pool)
         pool.shutdown(wait=finished, cancel_futures=True)
+
+
+def _left(timeout_s: float | None, since: float) -> float | None:
+    """What is left of `timeout_s` counted from `since` (time.monotonic)."""
+    return None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - since))
+
+
+def _pool(fn: Callable[..., Any], procs: int) -> ProcessPoolExecutor:
+    # forkserver: workers do not inherit the parent's threads (progress bars, loggers).
+    ctx = multiprocessing.get_context("forkserver")
+    # The main script and the worker function's module are imported once, in the fork server
+    # (the first map's), not in each worker: a conversion's imports took a quarter of a
+    # second of CPU per worker.
+    ctx.set_forkserver_preload(["__main__", fn.__module__])
+    pool = ProcessPoolExecutor(procs, mp_context=ctx)
+    _widen_result_pipe(pool)
+    return pool
 
 
 def _done(value: R) -> Future[R]:
