@@ -125,6 +125,39 @@ class PointBatch:
 
 
 @dataclass
+class ScanBatch:
+    """Scenes with a label per point (LiDAR segmentation: pointcloud_loader(...,
+    per_point_labels=True)), ragged: frames differ in size, so their points are concatenated.
+
+    - `points` float32 (P, 3): x, y, z in metres of every frame's points, frame after frame;
+      `offsets` int64 (B + 1,): frame b is rows offsets[b]:offsets[b + 1].
+    - `labels` int64 (P,): each point's class; `ignore_label` marks unlabelled points.
+    - With a voxel grid (the loader's `voxel_size`): `voxel_coords` int64 (V, 4) of
+      (frame, ix, iy, iz) per occupied voxel, `voxel_labels` int64 (V,) (the majority of its
+      labelled points; ignore_label when none is), `voxel_counts` int64 (V,) points per
+      voxel, `point_voxel` int64 (P,) each point's voxel row, -1 for a point outside the
+      grid: logits per voxel projected back to the points are `logits[point_voxel]`.
+      `grid` is (X, Y, Z), cells per axis. All None without a grid.
+    - `offset` float64 (B, 3): make_shards's offset of each frame (zeros for most).
+    """
+
+    points: Any  # torch.Tensor
+    offsets: Any
+    labels: Any
+    keys: list[str]
+    ignore_label: int = 255
+    voxel_coords: Any = None
+    voxel_labels: Any = None
+    voxel_counts: Any = None
+    point_voxel: Any = None
+    grid: tuple[int, int, int] | None = None
+    offset: Any = None
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+@dataclass
 class TabularBatch:
     """Rows of tabular (click-through-rate) data on the target device: `dense` float32 (N, D),
     the numeric fields after the loader's transforms (missing filled, log1p, clipped);
