@@ -4,6 +4,8 @@
 - ``make_photo_corpus``: photo-like JPEGs with ImageNet's size statistics, for benchmarks;
 - ``make_text_corpus``: grammar-generated UTF-8 documents for language-model tests;
 - ``make_pointcloud_folder``: surface samples of geometric primitives, ``.npy`` and ``.xyz``;
+- ``make_lidar_scans``: ray-cast street scenes as SemanticKITTI LiDAR scans, labels and yaml
+  (it needs only the sequence folder new or empty, so sequences can share a root);
 - ``make_ctr_dataset``: Criteo-style click logs (TSV) with a planted signal and its achievable
   AUC in ``planted.json``.
 
@@ -13,9 +15,10 @@ for the same arguments: every item draws from ``numpy.random.default_rng([seed, 
 
 from .ctr import make_ctr_dataset
 from .images import make_image_folder
+from .lidar import make_lidar_scans
 from .photos import make_photo_corpus
 from .pointclouds import make_pointcloud_folder
 from .text import make_text_corpus
 
-__all__ = ["make_ctr_dataset", "make_image_folder", "make_photo_corpus",
+__all__ = ["make_ctr_dataset", "make_image_folder", "make_lidar_scans", "make_photo_corpus",
            "make_pointcloud_folder", "make_text_corpus"]
