@@ -46,6 +46,7 @@ from pipeline.errors import DataError
 from pipeline.executor import WorkerError
 from pipeline.samples.checks import CheckLimits
 from pipeline.samples.downsize import Downsize
+from pipeline.samples.scans import ScanOptions, with_learning_map
 from pipeline.shards.manifest import Manifest, load_manifest, merge_parts
 from pipeline.urls import redact
 
@@ -57,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     helps = {"imagefolder": "one subfolder per class of images (ImageNet layout)",
              "manifest": "a CSV or JSONL file of path[,label]",
              "text": ".txt files (one document each, or one per line) or JSONL",
-             "pointcloud": "one subfolder per class of .npy/.ply/.off/.xyz files",
+             "pointcloud": "one subfolder per class of .npy/.ply/.off/.xyz files, or scenes "
+                           "labelled per point (--layout scans|kitti: LiDAR segmentation)",
              "shards": "existing tar shards (folder, glob, brace pattern or URL)",
              "parquet": "a Parquet file, a folder of them, or a quoted glob pattern "
                         "(one split of a Hugging Face dataset: 'data/train-*.parquet')",
@@ -150,6 +152,8 @@ def _kind_options(p: argparse.ArgumentParser, kind: str) -> None:
         p.add_argument("--classes-from", default=None, metavar="MANIFEST",
                        help="number classes as in this earlier manifest.json (e.g. the "
                        "training split's), so that splits agree")
+    if kind == "pointcloud":
+        _scan_options(p)
     if kind == "manifest":
         p.add_argument("--path-column", default="path", help="CSV column / JSON field of paths")
         p.add_argument("--label-column", default="label",
@@ -172,6 +176,34 @@ def _kind_options(p: argparse.ArgumentParser, kind: str) -> None:
     if kind == "shards":
         p.add_argument("--max-member-size", type=parse_size, default=parse_size("256MiB"),
                        help="refuse tar members declaring more bytes than this")
+
+
+def _scan_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layout", choices=("classes", "scans", "kitti"), default="classes",
+                   help="classes: one subfolder per class (a label per cloud); scans: every "
+                   ".bin/.npy/.ply/.xyz/.off under SRC is a scene labelled per point (its "
+                   "--label-column, or a <stem>.label beside it); kitti: SemanticKITTI, "
+                   "sequences/NN/velodyne/*.bin with labels/*.label")
+    p.add_argument("--point-dims", type=int, choices=range(3, 65), default=4, metavar="N",
+                   help=".bin scans: float32 values per point (KITTI 4: x y z remission; "
+                   "nuScenes 5)")
+    p.add_argument("--label-column", dest="scan_label", default=None, metavar="NAME|INDEX",
+                   help="scans: the per-point label column, by PLY property name or by "
+                   "index (negative from the end); taken out of the stored points")
+    p.add_argument("--learning-map", default=None, metavar="YAML",
+                   help="scans: map raw classes to training classes with a SemanticKITTI "
+                   "config (learning_map; labels and learning_map_inv name the classes)")
+    p.add_argument("--ignore-label", type=int, default=None, metavar="CLASS",
+                   help="scans: the class of unlabelled points (default 0 with "
+                   "--learning-map, as SemanticKITTI; none otherwise)")
+
+
+def _scan(args: argparse.Namespace) -> ScanOptions:
+    if args.kind != "pointcloud":
+        return ScanOptions()
+    opts = ScanOptions(args.layout, args.point_dims, args.scan_label,
+                       ignore_label=args.ignore_label)
+    return with_learning_map(opts, args.learning_map) if args.learning_map else opts
 
 
 def _parquet_options(p: argparse.ArgumentParser) -> None:
@@ -264,7 +296,7 @@ def config_from_args(args: argparse.Namespace) -> ConvertConfig:
                                getattr(args, "text_column", None),
                                getattr(args, "parquet_label", None),
                                getattr(args, "key_column", None)),
-        tabular=_tabular(args),
+        tabular=_tabular(args), scan=_scan(args),
         max_member_bytes=getattr(args, "max_member_size", 256 * 2**20),
         workers=args.workers, overwrite=args.overwrite, worker_timeout_s=args.worker_timeout,
         storage_options=args.storage_options, engine=args.engine, ray_address=args.ray_address)
@@ -281,6 +313,12 @@ def print_summary(m: Manifest, out: str, seconds: float) -> None:
               f"{m.labels.ranges[0][0]}..{m.labels.ranges[-1][1]}")
     if m.tabular:
         print(f"rows: {m.tabular['rows']} in {m.tabular['blocks']} blocks")
+    if m.segmentation:
+        seg = m.segmentation
+        print(f"scans: {seg['frames']} frames, {seg['points']} points "
+              f"({seg['points_per_frame']['min']}-{seg['points_per_frame']['max']} a frame), "
+              f"{len(seg['label_counts'])} classes present of {seg['num_classes']}, ignore "
+              f"label {seg['ignore_label']}")
     if m.reencoded:
         print("repaired images the loaders would refuse: " + ", ".join(
             f"{reason}={n}" for reason, n in m.reencoded.items())

@@ -18,6 +18,7 @@ from pipeline.convert.sources import SOURCE_KINDS, TextOptions
 from pipeline.convert.tabular import TabularOptions
 from pipeline.errors import OnError, check_on_error
 from pipeline.samples.checks import CheckLimits
+from pipeline.samples.scans import ScanOptions
 from pipeline.shards.manifest import MANIFEST, part_manifest_name
 from pipeline.storage import Store, check_storage_options
 from pipeline.urls import is_remote, redact
@@ -44,6 +45,7 @@ class ConvertConfig:
     classes: dict[str, int] | None = None  # reuse an earlier conversion's class map
     parquet: ParquetOptions = field(default_factory=ParquetOptions)  # the parquet kind's columns
     tabular: TabularOptions = field(default_factory=TabularOptions)  # the tabular kind's
+    scan: ScanOptions = field(default_factory=ScanOptions)  # point clouds: layout, labels
     max_file_bytes: int = 1024 * 1024 * 1024
     max_member_bytes: int = 256 * 1024 * 1024
     workers: int = field(default=os.cpu_count() or 1, compare=False)
@@ -79,6 +81,9 @@ class ConvertConfig:
             raise ValueError(f"part={index}/{count}: expected i/n with 0 <= i < n (0-based)")
         self._check_engine()
         self._check_tokenizer()
+        if self.scan != ScanOptions() and self.kind != "pointcloud":
+            raise ValueError(f"scan options ({self.scan.layout} layout, labels per point) "
+                             "are for the pointcloud kind")
         if self.kind == "tabular":  # a preset fills in what the flags leave unset
             object.__setattr__(self, "tabular", self.tabular.resolved())
             self.tabular.validate()
@@ -126,6 +131,8 @@ class ConvertConfig:
             args.pop("parquet")
         if self.kind != "tabular":
             args.pop("tabular")
+        if not self.scan.per_point:  # a label per cloud: the arguments as they were
+            args.pop("scan")
         if self.text.tokenizer is None:  # as recorded before documents could be tokenized
             for name in ("tokenizer", "tokenizer_sha256"):
                 args["text"].pop(name)

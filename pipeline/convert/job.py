@@ -25,6 +25,7 @@ from pipeline.convert.config import ConvertConfig
 from pipeline.convert.outdir import JOURNAL, Journal
 from pipeline.convert.parquet import ParquetPlan, plan_parquet
 from pipeline.convert.parquet_rows import RowChunk, build_rows, row_tasks
+from pipeline.convert.scan_plan import plan_scans
 from pipeline.convert.sources import (
     InputItem,
     Plan,
@@ -45,6 +46,8 @@ from pipeline.samples.checks import (
     modality_of,
     repair_sample,
 )
+from pipeline.samples.scans import LABEL_COUNTS, ScanOptions
+from pipeline.shards import segstats
 from pipeline.shards.listing import list_shards, preflight
 from pipeline.shards.manifest import (
     MANIFEST,
@@ -73,6 +76,8 @@ def make_plan(cfg: ConvertConfig) -> Plan:
     src = Path(cfg.src)
     if cfg.kind == "imagefolder":
         return plan_imagefolder(src, cfg.classes)
+    if cfg.kind == "pointcloud" and cfg.scan.per_point:
+        return plan_scans(src, cfg.scan)
     if cfg.kind == "pointcloud":
         return plan_pointcloud(src, cfg.classes)
     if cfg.kind == "text":
@@ -165,6 +170,7 @@ class _Work:
     # Worker processes on this machine send a local image kept as stored by its path
     # (writer.FileRef): the parent reads it from the page cache, cheaper than a pipe.
     refs: bool = False
+    scan: ScanOptions = field(default_factory=ScanOptions)  # scans labelled per point
 
 
 Task = InputItem | RowChunk | RowBlock | dict[str, object] | DataError
@@ -201,7 +207,7 @@ def _built(task: Task, work: _Work) -> list[dict[str, object] | DataError]:
         except DataError as err:
             return [err]
     return build_samples(task, work.limits, work.text, work.max_file_bytes,
-                         work.storage_options, work.refs)
+                         work.storage_options, work.refs, work.scan)
 
 
 # -- the job ---------------------------------------------------------------------------------------
@@ -236,7 +242,7 @@ def convert(cfg: ConvertConfig, progress: Progress | None = None) -> Manifest:
             else _expected_samples(tasks)
         try:
             work = _Work(cfg.limits, cfg.text, cfg.max_file_bytes, cfg.storage_options,
-                         refs=_refs(cfg))
+                         refs=_refs(cfg), scan=cfg.scan)
             job.run(tasks, work, ahead)
         except BaseException:
             writer.abort()
@@ -328,6 +334,11 @@ class _Job:
                             plan.ignored, self.cfg.job_args(), reencoded=self.tally.reencoded,
                             offset_clouds=self.tally.offset_clouds,
                             labels=self.tally.label_stats(), tokens=self._tokens())
+        if self.cfg.kind == "pointcloud" and self.cfg.scan.per_point:
+            opts = self.cfg.scan
+            manifest.segmentation = segstats.section(
+                self.tally.scans, opts.num_classes, opts.ignore_label,
+                list(opts.class_names) if opts.class_names else None)
         if isinstance(plan, TabularPlan):  # rows, blocks and the schema the loader reads
             manifest.tabular = {"schema": plan.schema.to_json(), "rows": self.tally.rows,
                                 "blocks": manifest.total_samples,
@@ -371,9 +382,11 @@ class _Tally:
     per reason, clouds stored with an offset, and the distinct labels."""
 
     def __init__(self, reencoded: dict[str, int], offset_clouds: int,
-                 labels: set[int] | None, rows: int = 0) -> None:
+                 labels: set[int] | None, rows: int = 0,
+                 scans: segstats.Stats | None = None) -> None:
         self.reencoded, self.offset_clouds = reencoded, offset_clouds
         self.rows = rows  # tabular rows written (a block sample holds many)
+        self.scans = scans or segstats.empty()  # points per class of scans (segstats.py)
         self.labels = labels  # None: unknown (resumed from a journal that did not record them)
 
     @classmethod
@@ -383,19 +396,23 @@ class _Tally:
                 (a, b) for a, b in journal.labels)).values())
         else:
             labels = None if journal.shards else set()
-        return cls(dict(journal.reencoded), journal.offset_clouds, labels, journal.rows)
+        return cls(dict(journal.reencoded), journal.offset_clouds, labels, journal.rows,
+                   journal.scans)
 
     def add(self, sample: Packed) -> None:
         for reason in sample.get("__repairs__", ()):  # type: ignore[attr-defined]
             self.reencoded[reason] = self.reencoded.get(reason, 0) + 1
         self.offset_clouds += OFFSET_EXT in sample
         self.rows += int(sample.get("__rows__", 0))  # type: ignore[call-overload]
+        if (counts := sample.get(LABEL_COUNTS)) is not None:
+            segstats.add(self.scans, counts)  # type: ignore[arg-type]
         if self.labels is not None and isinstance(label := sample.get("cls"), bytes):
             self.labels.add(int(label))  # checked: an ASCII integer >= 0
 
     def save(self, journal: Journal) -> None:
         journal.reencoded, journal.offset_clouds = dict(self.reencoded), self.offset_clouds
         journal.rows = self.rows
+        journal.scans = self.scans
         stats = self.label_stats()
         journal.labels = None if self.labels is None else \
             [list(r) for r in stats.ranges] if stats else []
@@ -408,7 +425,8 @@ def _expected_samples(tasks: Iterable[object]) -> int | None:
     """Samples to expect when every task is one file holding one sample (for an ETA)."""
     if not isinstance(tasks, list):
         return None
-    if all(isinstance(t, InputItem) and t.mode in ("image", "points", "text") for t in tasks):
+    if all(isinstance(t, InputItem) and t.mode in ("image", "points", "scan", "text")
+           for t in tasks):
         return len(tasks)
     return None
 

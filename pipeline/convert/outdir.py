@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from pipeline.convert.config import ConvertConfig
 from pipeline.shards.listing import list_shards
@@ -36,6 +37,7 @@ class Journal:
     offset_clouds: int = 0
     labels: list[list[int]] | None = None
     rows: int = 0  # tabular rows in the finished shards
+    scans: dict[str, Any] | None = None  # scans' points per class (shards/segstats.py)
 
     def save(self, out: Store) -> None:
         out.write_bytes(JOURNAL, json.dumps(asdict(self)).encode())

@@ -25,7 +25,7 @@ import fsspec
 from PIL import Image
 
 from pipeline.errors import DataError
-from pipeline.samples import checks, masks
+from pipeline.samples import checks, masks, scans
 from pipeline.shards.listing import regular_file
 from pipeline.shards.writer import FileRef, stamp_of
 
@@ -316,15 +316,20 @@ def _no_repeats(src: Path, paths: list[str]) -> None:
 
 def build_samples(task: InputItem, limits: checks.CheckLimits, text: TextOptions,
                   max_file_bytes: int, storage_options: Mapping[str, Any] | None = None,
-                  refs: bool = False) -> list[Sample | DataError]:
+                  refs: bool = False, scan: scans.ScanOptions | None = None
+                  ) -> list[Sample | DataError]:
     """Read and check one task's file (a URL opened with `storage_options`); data errors are
     returned, not raised, per sample. With `refs`, a local image kept as stored is given as
-    a FileRef (writer.py), for a worker process to send its path instead of its bytes."""
+    a FileRef (writer.py), for a worker process to send its path instead of its bytes.
+    `scan`: how a scan labelled per point is read (mode "scan": samples/scans.py)."""
     try:
         if task.mode in ("lines", "jsonl"):
             return list(_text_samples(task, limits, text))
         stamp: list[tuple[int, int, int, int]] = []
         data = _read_file(task.path, max_file_bytes, storage_options or {}, stamp)
+        if task.mode == "scan":
+            return [_scan_sample(task, data, limits, scan or scans.ScanOptions("scans"),
+                                 max_file_bytes, storage_options or {})]
         sample = _one_sample(task, data, limits)
         if task.mask is not None:
             sample[masks.MASK_EXT] = _mask_member(task.mask, sample, max_file_bytes,
@@ -391,6 +396,21 @@ def _mask_member(path: str, sample: Sample, max_file_bytes: int,
         return masks.prepare_mask(_read_file(path, max_file_bytes, storage_options), size)
     except DataError as err:
         raise DataError(err.reason, f"{err.detail} (mask {path})") from None
+
+
+def _scan_sample(task: InputItem, data: bytes, limits: checks.CheckLimits,
+                 opts: scans.ScanOptions, max_file_bytes: int,
+                 storage_options: Mapping[str, Any]) -> Sample:
+    """A scan and its labels (from `task.mask`, its labels file, when they are apart)."""
+    labels = None
+    if task.mask is not None:
+        try:
+            labels = _read_file(task.mask, max_file_bytes, storage_options)
+        except DataError as err:
+            raise DataError("missing-labels" if err.reason == "missing-file" else err.reason,
+                            f"labels {task.mask}: {err.detail}") from None
+    members = scans.scan_members(data, _ext(task.path), labels, opts, limits.max_points)
+    return {"__key__": task.key, **members}
 
 
 def _one_sample(task: InputItem, data: bytes, limits: checks.CheckLimits) -> Sample:

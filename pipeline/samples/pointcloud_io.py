@@ -65,6 +65,27 @@ def read_points(data: bytes, ext: str, *, max_points: int = DEFAULT_MAX_POINTS) 
     return check_points(_parse(data, ext, max_points), max_points=max_points)
 
 
+def read_raw(data: bytes, ext: str, *, max_points: int = DEFAULT_MAX_POINTS) -> np.ndarray:
+    """The file's table in its own dtype, not checked yet (check_points does that): for a
+    caller that takes columns out first, as a scan's label column."""
+    return _parse(data, ext, max_points)
+
+
+def read_bin(data: bytes, dims: int, *, max_points: int = DEFAULT_MAX_POINTS) -> np.ndarray:
+    """A headerless `.bin` scan (SemanticKITTI's velodyne, nuScenes' lidar): little-endian
+    float32, `dims` values per point, row after row; not checked yet."""
+    _check_max_points(max_points)
+    if len(data) % (4 * dims):
+        raise PointCloudFormatError(
+            "truncated", f".bin of {len(data)} bytes is not whole points of {dims} float32 "
+            f"values ({4 * dims} bytes each): is --point-dims right?")
+    if len(data) // (4 * dims) > max_points:
+        raise PointCloudFormatError(
+            "too-many-points", f".bin holds {len(data) // (4 * dims)} points, more than "
+            f"max_points={max_points}")
+    return np.frombuffer(data, dtype="<f4").reshape(-1, dims)
+
+
 def _parse(data: bytes, ext: str, max_points: int) -> np.ndarray:
     """The parser's array, in the file's own dtype (not checked yet)."""
     _check_max_points(max_points)
@@ -364,6 +385,17 @@ def _check_ply_vertex(vertex: _PlyElement, max_points: int) -> None:
             "too-many-points",
             f"PLY header declares {vertex.count} vertices, more than max_points={max_points}",
         )
+
+
+def ply_columns(data: bytes) -> list[str]:
+    """The names of read_points's columns for a PLY file: x, y, z, then the other vertex
+    properties in file order (a scan's label column is found among them by name)."""
+    header, _ = _split_ply_header(data)
+    _, elements = _parse_ply_header(header)
+    vertex = next((e for e in elements if e.name == "vertex"), None)
+    if vertex is None:
+        raise PointCloudFormatError("bad-format", "PLY header has no 'element vertex'")
+    return _ply_channel_order(vertex)
 
 
 def _ply_channel_order(vertex: _PlyElement) -> list[str]:

@@ -17,6 +17,7 @@ from typing import Any
 import fsspec
 
 from pipeline.atomic import write_atomic
+from pipeline.shards import segstats
 from pipeline.storage import Store
 from pipeline.urls import redact
 
@@ -135,6 +136,8 @@ class Manifest:
     # The tabular kind's: {"schema": {...}, "rows": N, "blocks": N, "rows_per_block": N}
     tabular: dict[str, Any] | None = None
     tokens: TokenForm | None = None  # text stored as token ids (make_shards --tokenizer)
+    # scenes labelled per point (make_shards pointcloud --layout scans|kitti): segstats.py
+    segmentation: dict[str, Any] | None = None
 
     @property
     def total_samples(self) -> int:
@@ -144,6 +147,8 @@ class Manifest:
         extra: dict[str, object] = {"tabular": self.tabular} if self.tabular is not None else {}
         if self.tokens is not None:
             extra["tokens"] = self.tokens.to_json()
+        if self.segmentation is not None:
+            extra["segmentation"] = self.segmentation
         return {
             "format_version": FORMAT_VERSION, "tool": TOOL, "tool_version": self.tool_version,
             "modality": self.modality, "total_samples": self.total_samples,
@@ -167,7 +172,8 @@ class Manifest:
                        int(doc.get("offset_clouds") or 0),  # type: ignore[call-overload]
                        LabelStats.from_json(doc.get("labels")),
                        dict(doc["tabular"]) if doc.get("tabular") else None,  # type: ignore[call-overload]
-                       TokenForm.from_json(doc.get("tokens")))
+                       TokenForm.from_json(doc.get("tokens")),
+                       dict(doc["segmentation"]) if doc.get("segmentation") else None)  # type: ignore[call-overload]
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: not a shardflow manifest ({exc!r})") from None
 
@@ -247,6 +253,8 @@ def _merge(manifests: list[Manifest], out: Store) -> Manifest:
         labels=_merged_labels(manifests),
         tabular=_merged_tabular(manifests),
         tokens=first.tokens,  # the same tokenizer in every part: its sha256 is in the args
+        segmentation=segstats.merged([m.segmentation for m in manifests if m.segmentation])
+        if first.segmentation else None,
     )
 
 

@@ -1,0 +1,68 @@
+"""What to convert of scenes labelled per point (make_shards pointcloud --layout scans|kitti):
+one task per scan, its labels file (if apart) carried in the task's second path.
+
+    --layout kitti SRC: SemanticKITTI, SRC the dataset root (`sequences/NN/`), one sequence,
+        or any folder of them: each `velodyne/NNNNNN.bin` with `labels/NNNNNN.label` beside
+        its folder; key `<sequence>_<NNNNNN>`
+    --layout scans SRC: every .bin/.npy/.ply/.xyz/.off under SRC is a scan; its labels are
+        its --label-column, or a `<stem>.label` file beside it; key from the path
+
+A scan whose labels file is missing is a task all the same: converting it fails with a
+`missing-labels` error naming it (raised or skipped by --on-error), so nothing is dropped
+unseen.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.convert.sources import InputItem, Plan, _ext, _walk, make_keys
+from pipeline.samples.scans import SCAN_EXTS, ScanOptions
+
+
+def plan_scans(src: Path, opts: ScanOptions) -> Plan:
+    """The tasks of a scan folder or of SemanticKITTI sequences (see the module docstring)."""
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src}: not a folder of scans")
+    rels, ignored = _walk(src)
+    if opts.layout == "kitti":
+        found, labels = _kitti(rels)
+        keys = make_keys([_kitti_name(r) for r in found])
+    else:
+        found = [r for r in rels if _ext(r) in SCAN_EXTS and not r.endswith(".labels.npy")]
+        names = set(rels)
+        labels = [None if opts.label_column else _beside(r, names) for r in found]
+        keys = make_keys(found)
+    if not found:
+        what = "velodyne/*.bin" if opts.layout == "kitti" else f"scans ({', '.join(SCAN_EXTS)})"
+        raise ValueError(f"{src}: no {what} to convert")
+    used = set(found) | {lab for lab in labels if lab}
+    ignored += [{"source": str(src / r), "reason": "not-a-scan"} for r in rels if r not in used]
+    tasks = [InputItem(k, str(src / r), "scan", mask=str(src / lab) if lab else None)
+             for k, r, lab in zip(keys, found, labels, strict=True)]
+    return Plan("pointcloud", tasks, None, ignored)
+
+
+def _kitti(rels: list[str]) -> tuple[list[str], list[str | None]]:
+    """Each `.../velodyne/X.bin` and its `.../labels/X.label` (None when there is none)."""
+    scans = [r for r in rels if _ext(r) == "bin" and r.rpartition("/")[0].endswith("velodyne")]
+    labels: list[str | None] = []
+    for r in scans:
+        folder, _, name = r.rpartition("/")
+        label = f"{folder[: -len('velodyne')]}labels/{name[:-4]}.label"
+        labels.append(label)  # missing: its conversion says so (missing-labels)
+    return scans, labels
+
+
+def _kitti_name(rel: str) -> str:
+    """`sequences/08/velodyne/000123.bin` -> `08_000123.bin`, the key's source (the
+    sequence's folder name and the scan's)."""
+    parts = rel.split("/")
+    sequence = parts[-3] if len(parts) >= 3 else "scan"
+    return f"{sequence}_{parts[-1]}"
+
+
+def _beside(rel: str, names: set[str]) -> str | None:
+    """A SemanticKITTI-style `<stem>.label` next to a scan, if there is one."""
+    stem = rel.rsplit(".", 1)[0]
+    return f"{stem}.label" if f"{stem}.label" in names else None
