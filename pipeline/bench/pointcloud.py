@@ -104,7 +104,7 @@ class PlainLoop:
         done, batch = 0, []
         for key, cloud in self.clouds():
             params = sample_params(self.cfg.augment_spec(), len(cloud), key, self.epochs)
-            batch.append(augment_numpy(cloud, params, self.cfg.normalize))
+            batch.append(augment_numpy(cloud, params, bool(self.cfg.normalize)))
             if len(batch) == self.c.batch_size:
                 done += self._finish(torch.from_numpy(np.stack(batch)))
                 batch = []

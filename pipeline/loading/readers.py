@@ -154,7 +154,8 @@ def check_local_shards(source: Source, on_error: OnError, skips: SkipLog) -> Sou
             lost = f"; its {shard.samples} samples are lost" if shard.samples else ""
             handle(DataError(err.reason, err.detail + lost, source=err.source,
                              samples=shard.samples), on_error, skips)
-    return Source(tuple(good), source.classes, source.modality, source.tokens)
+    return Source(tuple(good), source.classes, source.modality, source.tokens,
+                  source.segmentation)
 
 
 def distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -31,6 +31,7 @@ def take(batch: Any, start: int, stop: int) -> Any:
     start, stop = min(start, n), min(stop, n)
     if start == 0 and stop == n:
         return batch
+    _not_ragged(batch)
     cut = {f.name: _cut(getattr(batch, f.name), start, stop) for f in fields(batch)}
     if not keyed_by_row(batch):
         cut["keys"] = list(batch.keys) if start == 0 else []
@@ -39,6 +40,7 @@ def take(batch: Any, start: int, stop: int) -> Any:
 
 def pick(batch: Any, index: list[int]) -> Any:
     """The rows of `batch` at `index`, in that order."""
+    _not_ragged(batch)
     out = {f.name: _pick(getattr(batch, f.name), index) for f in fields(batch)}
     return replace(batch, **out)
 
@@ -48,11 +50,22 @@ def join(pieces: list[Any]) -> Any:
     together (other image sizes, a field one source has and another not)."""
     if len(pieces) == 1:
         return pieces[0]
+    _not_ragged(pieces[0])
     first = pieces[0]
     out = {}
     for f in fields(first):
         out[f.name] = _join([getattr(piece, f.name) for piece in pieces], f.name)
     return replace(first, **out)
+
+
+def _not_ragged(batch: Any) -> None:
+    """A batch of scenes (batch.ScanBatch) has rows per point, not per sample: refused."""
+    from pipeline.loading.batch import ScanBatch
+
+    if isinstance(batch, ScanBatch):
+        raise ValueError("mixing per sample: batches of scenes labelled per point are ragged "
+                         "(points, not samples, are their rows); mix them with "
+                         "mixing='batch'")
 
 
 def _is_rows(value: Any) -> bool:

@@ -56,6 +56,8 @@ class Source:
     classes: dict[str, int] | None = None
     modality: str | None = None
     tokens: TokenForm | None = None  # text stored as token ids (pipeline/text/pretokenized.py)
+    # scenes labelled per point: the manifest's classes, ignore label, counts (segstats.py)
+    segmentation: dict[str, Any] | None = None
 
     @property
     def total(self) -> int | None:
@@ -118,7 +120,7 @@ def _from_manifest(text: str, options: Mapping[str, Any]) -> Source | None:
     shards = tuple(ShardSpec(f"{base}/{s.name}", s.samples, s.sha256, options)
                    for s in m.shards)
     preflight([s.url for s in shards], text, options)
-    return Source(shards, m.classes, m.modality, m.tokens)
+    return Source(shards, m.classes, m.modality, m.tokens, m.segmentation)
 
 
 def _from_index_dir(source: str | Path | Sequence[str], index: str,
@@ -130,7 +132,7 @@ def _from_index_dir(source: str | Path | Sequence[str], index: str,
     for s in shards:
         check_scheme(s.url)
     preflight([s.url for s in shards], str(source), options)
-    return Source(shards, m.classes, m.modality, m.tokens)
+    return Source(shards, m.classes, m.modality, m.tokens, m.segmentation)
 
 
 def epoch_order(shards: Iterable[T], seed: int, epoch: int, shuffle: bool) -> list[T]:

@@ -27,7 +27,7 @@ from pipeline.loading.graphstage import BackendStage, GraphStage
 from pipeline.loading.loader import Produced
 from pipeline.loading.readers import Placement
 from pipeline.pointcloud import graph as pointcloud_graph
-from pipeline.pointcloud import voxelize
+from pipeline.pointcloud import scene, voxelize
 from pipeline.pointcloud.config import PointCloudConfig
 from pipeline.pointcloud.sample import SampleParams
 from pipeline.samples import pointcloud_io
@@ -52,6 +52,7 @@ class CloudStage(BackendStage):
 
     what = "bad-cloud"
     cfg: PointCloudConfig
+    ignore_label = scene.NO_IGNORE  # a scene loader's (set by the loader)
 
     def _check(self, data: bytes) -> None:
         try:
@@ -65,6 +66,8 @@ class CloudStage(BackendStage):
                 ) -> Produced:
         import torch
 
+        if self.cfg.per_point_labels:
+            return scene.finish(self, item, fetched)
         enc, labels, _params = item
         gpu = self.decode == "gpu"
         # Decoded on a GPU, the points are there already and what follows is queued on the
@@ -153,8 +156,10 @@ class DecodeStage(CloudStage, GraphStage):
 
     def __init__(self, cfg: PointCloudConfig, placement: Placement) -> None:
         self.cfg = cfg
-        self.spec = pointcloud_graph.GraphSpec(placement.decode, cfg.normalize,
-                                               cfg.train and cfg.augment_spec().jitter > 0)
+        spec = cfg.augment_spec()
+        self.spec = pointcloud_graph.GraphSpec(
+            placement.decode, bool(cfg.normalize), cfg.train and spec.jitter > 0,
+            shift=cfg.train and spec.translate > 0, ragged=cfg.per_point_labels)
         super().__init__(placement, cfg.on_error, cfg.prefetch)
 
     # -- the graph -------------------------------------------------------------------------
@@ -170,7 +175,9 @@ class DecodeStage(CloudStage, GraphStage):
         graph.feed_input("encoded", enc.data)
         graph.feed_input("index", [p.index for p in params])
         graph.feed_input("angle", [np.array(p.angle, np.float32) for p in params])
-        graph.feed_input("scale", [np.full(3, p.scale, np.float32) for p in params])
+        graph.feed_input("scale", [p.scales() for p in params])
+        if self.spec.shift:
+            graph.feed_input("shift", [p.shift for p in params])
         if self.spec.jitter:
             graph.feed_input("noise", [p.noise for p in params])
 
@@ -185,6 +192,8 @@ class DecodeStage(CloudStage, GraphStage):
                                   self.copier.stream, self.runner.fence)
         else:
             tensor = torch.from_numpy(np.array(points.as_tensor()))
+        if self.spec.ragged:  # each scene cut back to its own rows (views of the copy)
+            tensor = [tensor[i, : len(p.index)] for i, p in enumerate(item[2])]
         return tensor, np.array(finite.as_tensor()), np.array(extent.as_tensor())
 
 

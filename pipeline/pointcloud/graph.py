@@ -6,7 +6,9 @@ are not returned); the device is a parameter.
       -> transforms.translation + scale (normalize: box centre to the origin, the farthest
          point to radius 1) -> transforms.scale (s) -> transforms.rotation (angle about z)
       -> sequence_rearrange(new_order=index): sample or pad to num_points (CPU)
-      -> coord_transform with that matrix -> + jitter          (CPU, or GPU for device="gpu")
+      -> coord_transform with that matrix (+ a scene's shift) -> + jitter
+                                                          (CPU, or GPU for device="gpu")
+      -> scenes (ragged): padded to the batch's largest
 
 Nothing here is random: every parameter is drawn in numpy before the graph
 (pointcloud_sample.py), so a rebuilt graph computes the same values. Besides the points the
@@ -31,6 +33,11 @@ class GraphSpec:
     device: Literal["cpu", "gpu"]
     normalize: bool
     jitter: bool
+    shift: bool = False  # a scene's translation, fed per sample ("shift")
+    # scenes keep every point (or frame_points): clouds of several sizes, padded with zeros
+    # to the largest of the batch, so that the output is one dense tensor on either device
+    # (the decode stage cuts each back to its length, which it knows from its index)
+    ragged: bool = False
 
 
 def build(spec: GraphSpec, **options: Any) -> Any:
@@ -55,6 +62,9 @@ def _graph(spec: GraphSpec) -> Any:
     transform = _normalization(xyz, high, low) if spec.normalize else None
     transform = _then(fn.transforms.scale, transform, scale=scale)
     transform = fn.transforms.rotation(transform, angle=angle, axis=list(UP))
+    if spec.shift:
+        shift = fn.external_source(name="shift", dtype=types.FLOAT, ndim=1)
+        transform = fn.transforms.translation(transform, offset=shift)
     points = fn.sequence_rearrange(xyz, new_order=index)  # on the CPU: fewer bytes to move
     if spec.device == "gpu":
         points = points.gpu()
@@ -62,6 +72,8 @@ def _graph(spec: GraphSpec) -> Any:
     if spec.jitter:
         noise = fn.external_source(name="noise", dtype=types.FLOAT, ndim=2)
         points = points + (noise.gpu() if spec.device == "gpu" else noise)
+    if spec.ragged:
+        points = fn.pad(points, axes=(0,), fill_value=0.0)
     return points, finite, high - low
 
 

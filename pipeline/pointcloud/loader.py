@@ -21,17 +21,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pipeline.errors import DataError, OnError
 from pipeline.loading import mix, readers, tuning
 from pipeline.loading.batch import EncodedBatch
 from pipeline.loading.graphstage import GraphLoader
 from pipeline.loading.options import Device
 from pipeline.loading.shardlist import Source
+from pipeline.pointcloud import scene
 from pipeline.pointcloud.config import PointCloudConfig, split_augment
 from pipeline.pointcloud.decode import CloudStage, DecodeStage
 from pipeline.pointcloud.portable import PortableCloudStage
 from pipeline.pointcloud.sample import SampleParams, check_npy, sample_params
 from pipeline.samples.checks import OFFSET_EXT, check_label, check_offset
+from pipeline.samples.scans import LABELS_EXT
 
 log = logging.getLogger(__name__)
 MEMBERS = ("npy",)  # what the loader reads: make_shards stores every cloud as .npy
@@ -77,7 +81,27 @@ class PointCloudLoader(GraphLoader):
                  ) -> None:
         self.cfg = cfg
         self._augment = cfg.augment_spec()
+        if cfg.per_point_labels:  # a scene's labels member too (samples/scans.py)
+            self.extras = (LABELS_EXT, OFFSET_EXT)
+        self._scene_classes(source, cfg)
         super().__init__(source, cfg, rank, world_size)
+        if cfg.per_point_labels:
+            self.num_classes = cfg.num_classes or self._seg.get("num_classes")
+            self._decoder.ignore_label = self.ignore_label
+
+    def _scene_classes(self, source: Source, cfg: PointCloudConfig) -> None:
+        """A scene loader's ignore label and class names: the options', else the manifest's
+        `segmentation` (make_shards --layout kitti|scans), else none (NO_IGNORE)."""
+        self._seg = source.segmentation or {}
+        ignore = cfg.ignore_label if cfg.ignore_label is not None else \
+            self._seg.get("ignore_label")
+        self.ignore_label: int = scene.NO_IGNORE if ignore is None else int(ignore)
+        self.class_names: list[str] | None = self._seg.get("class_names")
+        if cfg.per_point_labels and source.modality == "pointcloud" and not self._seg and \
+                source.shards and source.classes:
+            raise ValueError(f"{source.describe()}: these clouds have a label each (class "
+                             "folders), not per point: per_point_labels is for scenes "
+                             "converted with make_shards --layout kitti|scans")
 
     def _decode_stage(self) -> CloudStage:
         if self.backend == "portable":
@@ -99,7 +123,9 @@ class PointCloudLoader(GraphLoader):
 
     # -- the reader stage ------------------------------------------------------------------
 
-    def _check_one(self, enc: EncodedBatch, i: int, epoch: int) -> tuple[int, SampleParams]:
+    def _check_one(self, enc: EncodedBatch, i: int, epoch: int) -> tuple[Any, SampleParams]:
+        if self.cfg.per_point_labels:
+            return self._check_scene(enc, i, epoch)
         if enc.labels[i] is None:
             raise DataError("missing-field", "no .cls member")
         label = check_label(enc.labels[i] or b"", self.num_classes)
@@ -108,3 +134,13 @@ class PointCloudLoader(GraphLoader):
         if offsets is not None and offsets[i] is not None:
             offsets[i] = check_offset(offsets[i])  # the column drops with its sample
         return label, sample_params(self._augment, rows, enc.keys[i], epoch)
+
+    def _check_scene(self, enc: EncodedBatch, i: int, epoch: int
+                     ) -> tuple[np.ndarray, SampleParams]:
+        enc.data[i], rows = check_npy(enc.data[i], self.cfg.max_points)
+        labels = scene.check_labels(enc.extras[LABELS_EXT][i], rows, self.num_classes,
+                                    self.ignore_label)
+        offsets = enc.extras.get(OFFSET_EXT)
+        if offsets is not None and offsets[i] is not None:
+            offsets[i] = check_offset(offsets[i])
+        return labels, sample_params(self._augment, rows, enc.keys[i], epoch)

@@ -46,11 +46,14 @@ class PortableCloudStage(CloudStage, PortableStage):
         except (ValueError, DataError) as exc:
             self._check(data.tobytes())  # numpy's full read names the reason, as on DALI
             raise DataError(self.what, f"numpy cannot decode it: {exc}") from None
-        return transform(xyz, params, self.cfg.normalize)
+        return transform(xyz, params, bool(self.cfg.normalize))
 
     def _assemble(self, item: Item, decoded: list[Decoded]) -> Any:
         import torch
 
+        if self.cfg.per_point_labels:  # ragged: a tensor per scene
+            return [torch.from_numpy(d[0]) for d in decoded], \
+                np.array([d[1] for d in decoded]), np.stack([d[2] for d in decoded])
         points = torch.from_numpy(np.stack([d[0] for d in decoded]))
         return points, np.array([d[1] for d in decoded]), np.stack([d[2] for d in decoded])
 
@@ -72,6 +75,8 @@ def transform(xyz: np.ndarray, params: SampleParams, normalize: bool) -> Decoded
         high, low = xyz.max(axis=0), xyz.min(axis=0)
         matrix, shift = _affine(xyz, high, low, params, normalize)
         points = xyz[params.index] @ matrix.T + shift
+        if params.shift is not None:
+            points = points + params.shift
         if params.noise is not None:
             points = points + params.noise
     return points.astype(np.float32, copy=False), finite, high - low
@@ -88,7 +93,7 @@ def _affine(xyz: np.ndarray, high: np.ndarray, low: np.ndarray, params: SamplePa
         radius = np.sqrt((offset * offset).sum(axis=1, dtype=np.float32).max())
         inverse = np.float32(1.0) / radius
         linear, shift = linear * inverse, -centre * inverse
-    scale = np.float32(params.scale)
+    scale = params.scales()  # per axis: a column each of the (diagonal) linear map
     radians = math.radians(params.angle)
     cos, sin = math.cos(radians), math.sin(radians)
     rotation = np.array([[cos, -sin, 0.0], [sin, cos, 0.0], [0.0, 0.0, 1.0]], np.float32)

@@ -119,17 +119,27 @@ def _repacked(data: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class SampleParams:
     """What the graph does to one cloud: keep rows `index` (int32, num_points; repeats pad a
-    small cloud), scale by `scale`, turn by `angle` degrees about z, add `noise` (or None)."""
+    small cloud), scale by `scale` (a factor, or one per axis: a negative one mirrors), turn
+    by `angle` degrees about z, move by `shift` (or None), add `noise` (or None). A scene's
+    crop box is centred on its kept row `centre` (or None: no box)."""
 
     index: np.ndarray
     angle: float = 0.0
-    scale: float = 1.0
+    scale: float | np.ndarray = 1.0
     noise: np.ndarray | None = None
+    shift: np.ndarray | None = None
+    centre: int | None = None
+
+    def scales(self) -> np.ndarray:
+        """float32 (3,): the factor of each axis."""
+        return np.broadcast_to(np.asarray(self.scale, np.float32), (3,)).copy()
 
 
 def sample_params(cfg: AugmentSpec, points: int, key: str, epoch: int) -> SampleParams:
     """The parameters of the cloud `key` (with `points` rows) in `epoch`: drawn from
     (seed, epoch, key) when training; evenly spaced rows and no augmentation otherwise."""
+    if cfg.scene:
+        return scene_params(cfg, points, key, epoch)
     if not cfg.train:
         return SampleParams(eval_index(points, cfg.num_points))
     rng = np.random.default_rng(sample_rng(cfg.seed, epoch, key).getrandbits(64))
@@ -157,3 +167,29 @@ def eval_index(points: int, wanted: int) -> np.ndarray:
     if points >= wanted:
         return (np.arange(wanted, dtype=np.int64) * points // wanted).astype(np.int32)
     return (np.arange(wanted) % points).astype(np.int32)
+
+
+def scene_params(cfg: AugmentSpec, points: int, key: str, epoch: int) -> SampleParams:
+    """A scene's parameters: every row (or `frame_points` drawn, in file order, training
+    only) and, training, a turn about z, a scale (each of x and y mirrored with probability
+    1/2 when flipping), a shift (x and y with std `translate`, z a quarter of it), jitter,
+    and the row a crop box centres on. Evaluation keeps every row, unaugmented."""
+    if not cfg.train:
+        return SampleParams(np.arange(points, dtype=np.int32))
+    rng = np.random.default_rng(sample_rng(cfg.seed, epoch, key).getrandbits(64))
+    index = np.arange(points, dtype=np.int32)
+    if cfg.frame_points is not None and points > cfg.frame_points:
+        index = np.sort(rng.choice(points, cfg.frame_points, replace=False)).astype(np.int32)
+    angle = float(rng.uniform(-cfg.rotate, cfg.rotate))
+    scale = np.full(3, rng.uniform(*cfg.scale), np.float32)
+    if cfg.flip:
+        scale[:2] *= np.where(rng.random(2) < 0.5, -1, 1).astype(np.float32)
+    shift = None
+    if cfg.translate:
+        shift = (rng.standard_normal(3) * [1.0, 1.0, 0.25] * cfg.translate).astype(np.float32)
+    noise = None
+    if cfg.jitter:
+        noise = rng.standard_normal((len(index), 3), dtype=np.float32) * np.float32(
+            cfg.jitter)
+    centre = int(rng.integers(len(index))) if cfg.crop_box else None
+    return SampleParams(index, angle, scale, noise, shift, centre)

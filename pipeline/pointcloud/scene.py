@@ -1,0 +1,146 @@
+"""Scenes labelled per point (pointcloud_loader per_point_labels=True): the labels' check in
+the reader stage, and the decode stage's last step to a ragged `ScanBatch`.
+
+    reader stage: KEY.labels.npy -> header: 1-D, integer, one label per point of KEY.npy
+      -> values: each a class in [0, num_classes) or the ignore label -> kept as read
+    decode stage (either backend): each scene's points (augmented: sample.scene_params)
+      -> bad values found as for clouds (NaN, Inf, one position) -> raised or skipped
+      -> labels of the kept rows -> training: the crop (range, box) on points and labels alike
+      -> concatenated, offsets -> sparse voxels with majority labels (segvoxels.py)
+      -> moved to the device -> ScanBatch
+
+Ragged, not padded: a scene of 120,000 points beside one of 60,000 would carry 60,000 padded
+points (and a mask) through every step; concatenated rows with offsets are what point and
+sparse-voxel networks take. Everything here runs in the loader's decode thread, so the
+voxelization overlaps the training step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from typing import Any
+
+import numpy as np
+
+from pipeline.errors import DataError
+from pipeline.loading.batch import ScanBatch
+from pipeline.loading.loader import Produced
+from pipeline.pointcloud import segvoxels
+from pipeline.pointcloud.sample import SampleParams
+
+NO_IGNORE = -100  # the ignore label when the shards name none (torch's cross-entropy default)
+
+
+def check_labels(data: Any, rows: int, num_classes: int | None, ignore_label: int
+                 ) -> np.ndarray:
+    """A scene's labels member (uint8 bytes) as an integer array of `rows` labels;
+    DataError when it is missing, not one whole label per point, or out of range."""
+    if data is None:
+        raise DataError("missing-labels", "no .labels.npy member (convert with make_shards "
+                        "--layout kitti|scans)")
+    raw = data.tobytes() if hasattr(data, "tobytes") else bytes(data)
+    try:
+        array = np.lib.format.read_array(io.BytesIO(raw), allow_pickle=False)
+    except (ValueError, EOFError, OSError) as exc:
+        raise DataError("bad-labels", f"labels are not a readable .npy: {exc}") from None
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise DataError("bad-labels", f"labels of shape {array.shape} and dtype {array.dtype}; "
+                        "expected one integer per point")
+    if len(array) != rows:
+        raise DataError("label-count", f"{len(array)} labels for {rows} points")
+    if num_classes is not None and len(array):
+        wrong = (array >= num_classes) & (array != ignore_label)
+        if array.min() < 0 or wrong.any():
+            first = array[(array < 0) | wrong][0]
+            raise DataError("bad-label", f"label {first} is outside [0, {num_classes}) and not "
+                            f"the ignore label {ignore_label}")
+    return array
+
+
+def finish(stage: Any, item: tuple[Any, list[np.ndarray], list[SampleParams]],
+           fetched: tuple[list[Any], np.ndarray, np.ndarray] | None) -> Produced:
+    """The ScanBatch of `item` from the graph's (or the portable stage's) points."""
+    import torch
+
+    from pipeline.pointcloud.decode import offsets as offsets_of
+
+    enc, labels, params = item
+    pieces = [] if fetched is None else _good(stage, item, *fetched)
+    gpu = stage.decode == "gpu"
+    with torch.cuda.stream(stage.copier.stream) if gpu else contextlib.nullcontext():
+        device = pieces[0].device if pieces else torch.device("cpu")
+        frames = [_frame(stage.cfg, p, lab, par, device)
+                  for p, lab, par in zip(pieces, labels, params, strict=True)]
+        points, point_labels, offsets, frame = _joined(frames, device)
+        rows = None
+        grid = stage.cfg.voxel_grid()
+        if grid is not None:
+            rows = segvoxels.voxel_rows(points, frame, point_labels, grid, stage.ignore_label)
+    moved, ready = stage.copier.move(
+        points, offsets, point_labels, *(_rows(rows) if rows else (None,) * 4), offsets_of(enc))
+    batch = ScanBatch(points=moved[0], offsets=moved[1], labels=moved[2], keys=list(enc.keys),
+                      ignore_label=stage.ignore_label, voxel_coords=moved[3],
+                      voxel_labels=moved[4], voxel_counts=moved[5], point_voxel=moved[6],
+                      grid=grid.dims if grid else None, offset=moved[7])
+    return batch, enc.state, ready, enc.skips
+
+
+def _good(stage: Any, item: tuple[Any, ...], pieces: list[Any], finite: np.ndarray,
+          extent: np.ndarray) -> list[Any]:
+    """The scenes whose points are finite and have an extent; the others raised or
+    recorded, and removed from every column of `item`."""
+    enc = item[0]
+    bad: dict[int, DataError] = {}
+    for i in range(len(enc)):
+        if finite[i] != 0:
+            bad[i] = DataError("non-finite", "x, y or z values are NaN or Inf")
+        elif not extent[i].any():
+            bad[i] = DataError("degenerate", "all points are at one position: zero extent")
+    for i, err in bad.items():
+        stage._handle(err, enc, i)
+    for i in sorted(bad, reverse=True):
+        enc.drop(i)
+        for column in item[1:]:
+            del column[i]
+        del pieces[i]
+    return pieces
+
+
+def _frame(cfg: Any, points: Any, labels: np.ndarray, params: SampleParams, device: Any
+           ) -> tuple[Any, Any]:
+    """One scene's (points, int64 labels) of its kept rows, cropped when training."""
+    import torch
+
+    kept = torch.from_numpy(labels[params.index].astype(np.int64))
+    kept = kept.to(device, non_blocking=True) if device.type == "cuda" else kept
+    if not cfg.train:
+        return points, kept
+    keep = None
+    if cfg.crop_range is not None:
+        keep = points[:, 0] ** 2 + points[:, 1] ** 2 <= cfg.crop_range**2
+    if cfg.crop_box is not None and params.centre is not None:
+        centre = points[params.centre, :2]
+        half = torch.tensor(cfg.crop_box, device=points.device) / 2
+        inside = ((points[:, :2] - centre).abs() <= half).all(dim=1)
+        keep = inside if keep is None else keep & inside
+    return (points, kept) if keep is None else (points[keep], kept[keep])
+
+
+def _joined(frames: list[tuple[Any, Any]], device: Any) -> tuple[Any, Any, Any, Any]:
+    """(points (P, 3), labels (P,), offsets (B + 1,), each point's frame (P,))."""
+    import torch
+
+    lengths = [len(p) for p, _ in frames]
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
+    if not frames:
+        return torch.zeros((0, 3)), torch.zeros(0, dtype=torch.int64), offsets, \
+            torch.zeros(0, dtype=torch.int64)
+    frame = torch.repeat_interleave(torch.arange(len(frames)), torch.tensor(lengths))
+    points = torch.cat([p for p, _ in frames]).contiguous()
+    labels = torch.cat([lab for _, lab in frames])
+    return points, labels, offsets, frame.to(device)
+
+
+def _rows(rows: segvoxels.VoxelRows) -> tuple[Any, Any, Any, Any]:
+    return rows.coords, rows.labels, rows.counts, rows.point_voxel
