@@ -375,3 +375,21 @@ def test_bench_convert_shardwriter_checks_and_writes_every_photo(bench_tools, ti
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     with pytest.raises(OSError, match="truncated"):
         bench_tools[1].write_shardwriter(cut, tmp_path / "wds-cut")
+
+
+def test_bench_loader_lidar_frame_figures(tmp_path):
+    """Per frame: preparation, the step, both serialised and overlapped; the same work in
+    each, so the overlapped frame can be no faster than its slower stage alone."""
+    out = tmp_path / "lidar.json"
+    proc = run_tool("bench_loader", "--modality", "lidar", "--frames", 4, "--repeats", 1,
+                    "--batch-size", 2, "--work", tmp_path / "work", "--json", out,
+                    check=True)
+    r = json.loads(out.read_text())
+    t = r["per_frame_ms"]
+    assert t["prepare"] > 0 and t["step"] > 0
+    assert t["serialised"] == pytest.approx(t["prepare"] + t["step"], abs=0.2)
+    assert t["overlapped"] >= 0.9 * max(t["prepare"], t["step"])
+    assert r["voxelize"]["points_per_s_per_core"] > 0 and r["voxelize"]["frames"] == 2
+    assert r["voxelize"]["points"] > 2 * 50_000  # real-size frames
+    assert out.with_suffix(".md").read_text().strip() in proc.stdout
+    assert not (tmp_path / "work").exists()

@@ -210,3 +210,21 @@ def test_scan_options_are_checked(tmp_path: Path) -> None:
     (tmp_path / "evil.yaml").write_text("learning_map: !!python/object/apply:os.system [ls]\n")
     with pytest.raises(ValueError, match="not a learning map"):
         with_learning_map(ScanOptions("kitti"), tmp_path / "evil.yaml")
+
+
+def test_verify_checks_the_labels_member(tmp_path: Path) -> None:
+    from pipeline.samples.checks import CheckLimits, check_member
+
+    good = io.BytesIO()
+    np.save(good, np.arange(10, dtype=np.uint16))
+    check_member("labels.npy", good.getvalue(), CheckLimits(), None)
+    for bad, reason in ((np.zeros((10, 3), np.float32), "bad-labels"),
+                        (np.zeros(10, np.float32), "bad-labels")):
+        out = io.BytesIO()
+        np.save(out, bad)
+        with pytest.raises(DataError) as err:
+            check_member("labels.npy", out.getvalue(), CheckLimits(), None)
+        assert err.value.reason == reason
+    with pytest.raises(DataError) as err:
+        check_member("labels.npy", good.getvalue()[:-4], CheckLimits(), None)
+    assert err.value.reason == "truncated"

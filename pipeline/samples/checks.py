@@ -16,7 +16,7 @@ import numpy as np
 from PIL import Image
 
 from pipeline.errors import DataError
-from pipeline.samples import headers, jpegscan, masks, pointcloud_io
+from pipeline.samples import headers, jpegscan, masks, pointcloud_io, scans
 from pipeline.samples.downsize import Downsize, downsized
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif", "ppm", "pgm")
@@ -352,6 +352,8 @@ def check_member(ext: str, data: bytes, limits: CheckLimits, num_classes: int | 
         check_text(data, limits)
     elif ext.lower() == OFFSET_EXT:
         check_offset(data)
+    elif ext.lower() == scans.LABELS_EXT:
+        scans.check_labels_member(data, limits.max_points)
     elif last == "npy":
         check_points(data, "npy", limits)
     elif last == "cls":

@@ -213,6 +213,30 @@ def _mapped(values: np.ndarray, learning_map: tuple[tuple[int, int], ...] | None
     return out
 
 
+def check_labels_member(data: bytes, max_points: int) -> None:
+    """A stored KEY.labels.npy on its own (verify_shards): a readable .npy of at most
+    max_points whole labels, never unpickled. The loader checks it against the points."""
+    try:
+        fp = io.BytesIO(data)
+        version = np.lib.format.read_magic(fp)
+        read = {(1, 0): np.lib.format.read_array_header_1_0,
+                (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+        if read is None:
+            raise ValueError(f"format version {version}")
+        shape, _, dtype = read(fp)  # the header only: nothing allocated yet
+    except (ValueError, EOFError) as exc:
+        raise DataError("bad-labels", f"labels are not a readable .npy: {exc}") from None
+    if len(shape) != 1 or dtype.kind not in "iu" or dtype.hasobject:
+        raise DataError("bad-labels", f"labels of shape {shape} and dtype {dtype}; expected "
+                        "one integer per point")
+    if shape[0] > max_points:
+        raise DataError("too-many-points", f"{shape[0]} labels, more than max_points="
+                        f"{max_points}")
+    if len(data) - fp.tell() < shape[0] * dtype.itemsize:
+        raise DataError("truncated", f"labels header declares {shape[0]} labels of {dtype}, "
+                        "but fewer bytes follow")
+
+
 def _npy(array: np.ndarray) -> bytes:
     out = io.BytesIO()
     np.save(out, array, allow_pickle=False)
