@@ -2,11 +2,13 @@
 
 `Board` writes rank 0's scalars into RUN/tensorboard when `tensorboard` imports (through
 `torch.utils.tensorboard`): train/loss, train/lr, train/samples_per_s, train/data_wait_share
-at each logged step, eval/<metric> (eval/loss, eval/accuracy) after each evaluation.
+at each logged step, eval/<metric> (eval/loss, eval/accuracy; segmentation's eval/miou and
+eval/iou_<class>) after each evaluation.
 `draw` renders curves.png from metrics.jsonl and eval.jsonl alone (matplotlib's Agg canvas,
 written atomically): `fit` draws it at the end of a run, `tools/plot_run.py` at any time, also
 while a run is going or after it was killed. Steps logged again after a resume count once
-(the last line of a step).
+(the last line of a step). Its evaluation panel plots every metric but the counts and the
+per-class IoUs: segmentation's miou beside its accuracy.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from pipeline.atomic import write_atomic
 log = logging.getLogger(__name__)
 
 METRICS, EVALS, PNG, BOARD = "metrics.jsonl", "eval.jsonl", "curves.png", "tensorboard"
-COUNTS = ("scored_rows",)  # evaluation figures that count (0, not NaN, when none): not plotted
+# evaluation figures that count (0, not NaN, when none): not plotted
+COUNTS = ("scored_rows", "labelled_points", "unpredicted_points")
+PER_CLASS = "iou_"  # segmentation's IoU of each class: in eval.jsonl, not in the panel (miou is)
 TRAIN_SCALARS = {"loss": "train/loss", "lr": "train/lr", "samples_per_s": "train/samples_per_s",
                  "data_wait": "train/data_wait_share"}
 
@@ -125,7 +129,8 @@ def _panels(fig: Any, records: list[dict[str, Any]], evals: list[dict[str, Any]]
         loss.plot(*_series(evals, "eval_loss"), "o--", label="eval")
     loss.legend()
     loss.set(title="loss", ylabel="loss")
-    names = sorted({k for e in evals for k in e} - {"step", "eval_loss", *COUNTS})
+    names = sorted({k for e in evals for k in e if not k.startswith(PER_CLASS)}
+                   - {"step", "eval_loss", *COUNTS})
     for name in names:
         metric.plot(*_series(evals, name), "o-", label=name)
     if names:

@@ -31,14 +31,18 @@ from pipeline.urls import redact
 log = logging.getLogger(__name__)
 HOLD_OUT_EVERY = 10
 HOLD_OUT_PERCENT = 100 // HOLD_OUT_EVERY  # by key hash, when there are too few shards
-GRAPH_TASKS = ("image", "pointcloud")  # loaders with decode threads (GraphOptions.threads)
+# loaders with decode threads (GraphOptions.threads)
+GRAPH_TASKS = ("image", "pointcloud", "pointcloud-seg")
+LOADER_KIND = {"pointcloud-seg": "pointcloud"}  # a task whose loader is another task's
+SEG_FLAGS = {"frame_points": "--frame-points", "voxel_size": "--voxel-size",
+             "point_range": "--point-range"}
 
 
 @dataclass(frozen=True)
 class TaskOptions:
     """The options that choose the data, the loaders and the model (train.py's flags)."""
 
-    task: str  # "image" | "text" | "pointcloud" | "ctr"
+    task: str  # "image" | "text" | "pointcloud" | "pointcloud-seg" | "ctr"
     data: str
     eval_data: str | None = None  # ctr: where the held-out data's schema is read from
     batch_size: int = 64
@@ -55,6 +59,10 @@ class TaskOptions:
     tokenizer: str = "bytes"
     num_points: int = 1024
     grid: int = 24
+    # pointcloud-seg (trainers/segment_task.py); None: the model's default
+    frame_points: int | None = None  # training points per frame; 0: every point
+    voxel_size: tuple[float, float, float] | None = None  # metres per cell; bev only
+    point_range: tuple[float, ...] | None = None  # (xmin, ymin, zmin, xmax, ymax, zmax) m
     embedding_dim: int = 16  # ctr: the width of every categorical field's embeddings
     num_buckets: int | None = None  # ctr: ids per field; None: the tabular loader's default
     embeddings_on_cpu: bool = False  # ctr: tables in host memory, the network on `device`
@@ -141,22 +149,11 @@ def build_task(opts: TaskOptions, split: EvalSplit, rank: int, world: int,
     rank left without a shard evaluates nothing (None) and adds nothing to the sums.
     `local_world`: the ranks on this node (torchrun's LOCAL_WORLD_SIZE), which share its
     cores."""
-    builders = {"image": _image, "text": _text, "pointcloud": _pointcloud, "ctr": _ctr}
+    builders = {"image": _image, "text": _text, "pointcloud": _pointcloud,
+                "pointcloud-seg": _pointcloud_seg, "ctr": _ctr}
     if opts.task not in builders:
         raise ValueError(f"--task {opts.task}: choose one of {', '.join(builders)}")
-    if opts.loader_threads is not None and opts.task not in GRAPH_TASKS:
-        raise ValueError("--loader-threads sets the decode threads of the image and "
-                         "pointcloud loaders; the text and tabular loaders read and prepare "
-                         "batches in one stage of their own: drop the flag (--prefetch "
-                         "applies)")
-    if opts.task != "image" and (opts.augment or opts.mixup or opts.cutmix
-                                 or opts.label_smoothing):
-        raise ValueError("--augment, --mixup, --cutmix and --label-smoothing are for --task "
-                         "image")
-    if opts.augment:
-        from pipeline.ops import spec
-
-        spec.parse(opts.augment)  # a bad recipe name is refused before anything is read
+    _refuse_misplaced(opts)
     if opts.tuning_file is not None and not Path(opts.tuning_file).is_file():
         raise FileNotFoundError(f"--tuning-file {opts.tuning_file}: no such file (write one "
                                 "with tools/bench_loader.py --tune, or drop the flag)")
@@ -173,6 +170,27 @@ def build_task(opts: TaskOptions, split: EvalSplit, rank: int, world: int,
         evaluation.holdout = split.holdout("eval")
     log.info("loaders: %s", describe_settings(settings))
     return Built(loader, evaluation, task, settings)
+
+
+def _refuse_misplaced(opts: TaskOptions) -> None:
+    """Flags of another task than `opts.task`, refused before anything is read."""
+    if opts.loader_threads is not None and opts.task not in GRAPH_TASKS:
+        raise ValueError("--loader-threads sets the decode threads of the image and "
+                         "pointcloud loaders; the text and tabular loaders read and prepare "
+                         "batches in one stage of their own: drop the flag (--prefetch "
+                         "applies)")
+    if opts.task != "image" and (opts.augment or opts.mixup or opts.cutmix
+                                 or opts.label_smoothing):
+        raise ValueError("--augment, --mixup, --cutmix and --label-smoothing are for --task "
+                         "image")
+    given = [flag for name, flag in SEG_FLAGS.items() if getattr(opts, name) is not None]
+    if opts.task != "pointcloud-seg" and given:
+        raise ValueError(f"{', '.join(given)}: for --task pointcloud-seg; drop "
+                         f"{'it' if len(given) == 1 else 'them'} for --task {opts.task}")
+    if opts.augment:
+        from pipeline.ops import spec
+
+        spec.parse(opts.augment)  # a bad recipe name is refused before anything is read
 
 
 def eval_share(held: Source, rank: int, world: int) -> Source | None:
@@ -244,8 +262,9 @@ def _tuned(opts: TaskOptions, source: Source, options: dict[str, Any]) -> dict[s
     here is resolved and split already)."""
     from pipeline.loading import readers, tuning
 
-    dali = readers.resolve_backend(opts.backend, opts.task) == "dali"
-    return tuning.apply(opts.task, options, opts.tuning_file,
+    kind = LOADER_KIND.get(opts.task, opts.task)
+    dali = readers.resolve_backend(opts.backend, kind) == "dali"
+    return tuning.apply(kind, options, opts.tuning_file,
                         dali_readable=readers.dali_readable(source), dali=dali)
 
 
@@ -371,6 +390,66 @@ def _pointcloud(opts: TaskOptions, split: EvalSplit, ranks: _Ranks,
         split.held, PointCloudConfig(train=False, **held_options, **own), 0, 1)
     task = PointCloudClassification(classes, model, device_of(loader), grid=opts.grid)
     return loader, evaluation, task
+
+
+def _pointcloud_seg(opts: TaskOptions, split: EvalSplit, ranks: _Ranks,
+                    train_options: dict[str, Any], held_options: dict[str, Any] | None
+                    ) -> tuple[Any, Any, Any]:
+    """LiDAR scans labelled per point: the point-cloud loader with per_point_labels (and the
+    voxel grid for bev), every point of a held-out frame evaluated; the classes, the ignored
+    label and the class names are the loader's (its manifest's)."""
+    model, own, frame_points = _seg_geometry(opts)  # refused before anything is imported
+    from pipeline.pointcloud import PointCloudConfig, PointCloudLoader
+    from trainers.segment_task import PointSegmentation
+
+    loader: Any = PointCloudLoader(split.train, PointCloudConfig(  # Any: read attributes below
+        train=True, frame_points=frame_points, **train_options, **own), ranks.rank, ranks.world)
+    evaluation = None if held_options is None else PointCloudLoader(
+        split.held, PointCloudConfig(train=False, frame_points=None, **held_options, **own),
+        0, 1)
+    classes, names = _seg_classes(opts, loader)
+    task = PointSegmentation(classes, model, loader.ignore_label, device_of(loader), names,
+                             own.get("voxel_size"), own.get("point_range"))
+    return loader, evaluation, task
+
+
+def _seg_geometry(opts: TaskOptions) -> tuple[str, dict[str, Any], int | None]:
+    """(model, the loader options of its geometry, training points per frame or None for
+    all): bev reads a voxel grid (--voxel-size, default 0.4 m, in --point-range), pointnet
+    the points (--frame-points of each training frame, default 20000)."""
+    from trainers import segment_task as seg
+
+    model = opts.model or "pointnet"
+    if model not in seg.MODELS:  # before any loader is built
+        raise ValueError(f"--model {model}: choose one of {', '.join(seg.MODELS)} for "
+                         "pointcloud-seg")
+    if model == "pointnet" and opts.voxel_size is not None:
+        raise ValueError("--voxel-size is for --model bev (pointnet reads the points, not a "
+                         "voxel grid): drop it, or pass --model bev")
+    own: dict[str, Any] = {"per_point_labels": True}
+    if model == "bev" or opts.point_range is not None:
+        own["point_range"] = tuple(opts.point_range or seg.DEFAULT_RANGE)
+    if model == "bev":
+        own["voxel_size"] = tuple(opts.voxel_size or (seg.DEFAULT_VOXEL_SIZE,) * 3)
+    frames = opts.frame_points
+    if frames is None:
+        frames = seg.DEFAULT_FRAME_POINTS if model == "pointnet" else 0
+    return model, own, frames or None
+
+
+def _seg_classes(opts: TaskOptions, loader: Any) -> tuple[int, list[str] | None]:
+    """The class count (the loader's, from the manifest; --num-classes where it has none,
+    or more: classes absent from this data) and their names where there is one per class."""
+    known, given = loader.num_classes, opts.num_classes
+    if known is None and given is None:
+        raise ValueError(f"{redact(opts.data)}: its manifest gives no class count; pass "
+                         "--num-classes N (labels 0..N-1, the ignored one included)")
+    if known is not None and given is not None and given < known:
+        raise ValueError(f"--num-classes {given} is below the {known} classes of "
+                         f"{redact(opts.data)}'s manifest: drop the flag or fix its value")
+    classes = given or known
+    names = loader.class_names
+    return classes, list(names) if names and len(names) == classes else None
 
 
 def _ctr(opts: TaskOptions, split: EvalSplit, ranks: _Ranks, train_options: dict[str, Any],

@@ -5,6 +5,7 @@
     python tools/train.py --task image --data shards/train --eval-data shards/val --epochs 2
     python tools/train.py --task text --objective clm --data shards/text --out runs/t1 --steps 300
     python tools/train.py --task pointcloud --model voxnet --data shards/pc --out runs/p1 --epochs 5
+    python tools/train.py --task pointcloud-seg --model bev --data shards/kitti --out s1 --epochs 5
     python tools/train.py --task ctr --model dlrm --data shards/criteo --out runs/c1 --epochs 1
 
 Without --eval-data, every 10th shard of --data (sorted by name, at least one) is held out for
@@ -51,7 +52,9 @@ from trainers.wiring import (
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", choices=("image", "text", "pointcloud", "ctr"), required=True)
+    p.add_argument("--task", choices=("image", "text", "pointcloud", "pointcloud-seg", "ctr"),
+                   required=True, help="pointcloud: a class per cloud; pointcloud-seg: a class "
+                   "per point of LiDAR scans (trainers/segment_task.py)")
     p.add_argument("--data", required=True, help="training shards (folder with manifest.json)")
     p.add_argument("--eval-data", default=None, help="held-out shards (default: a slice of --data)")
     p.add_argument("--out", type=Path, required=True, help="the run folder")
@@ -60,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     length.add_argument("--epochs", type=positive_int)
     p.add_argument("--model", default=None,
                    help="image: small-resnet (default) or a torchvision name; text: set by "
-                   "--objective; pointcloud: pointnet (default) or voxnet; ctr: dlrm "
+                   "--objective; pointcloud: pointnet (default) or voxnet; pointcloud-seg: "
+                   "pointnet (default) or bev (a bird's-eye-view U-Net on voxels); ctr: dlrm "
                    "(default) or deepfm")
     p.add_argument("--precision", choices=("auto", "bf16", "fp16", "fp32"), default="auto")
     p.add_argument("--device", type=device_name, default="auto",
@@ -77,10 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="bytes",
                    help="text: 'bytes' (built in) or a tokenizer.json (HF tokenizers)")
     add_data_fallbacks(p)
-    p.add_argument("--num-points", type=positive_int, default=1024,
-                   help="pointcloud: points per cloud (sampled or padded)")
-    p.add_argument("--grid", type=positive_int, default=24,
-                   help="pointcloud: voxel grid resolution (voxnet)")
+    add_pointcloud_flags(p)
     add_ctr_flags(p)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
@@ -131,9 +132,9 @@ def add_loader_flags(p: argparse.ArgumentParser) -> None:
                    help="what decodes: DALI, or the portable backend (PIL/numpy + torch, no "
                    "DALI needed); auto: DALI where it imports")
     p.add_argument("--loader-threads", type=positive_int, default=None, metavar="N",
-                   help="image, pointcloud: decode threads per loader (DALI's, or the portable "
-                   "pool); default: the tuning file's, else this machine's cores divided by "
-                   "the ranks on this node (torchrun's LOCAL_WORLD_SIZE)")
+                   help="image, pointcloud(-seg): decode threads per loader (DALI's, or the "
+                   "portable pool); default: the tuning file's, else this machine's cores "
+                   "divided by the ranks on this node (torchrun's LOCAL_WORLD_SIZE)")
     p.add_argument("--prefetch", type=positive_int, default=None, metavar="N",
                    help="batches each loader stage prepares ahead; default: the tuning "
                    "file's, else 2")
@@ -158,6 +159,43 @@ def add_loader_flags(p: argparse.ArgumentParser) -> None:
                         help="use no tuning file")
 
 
+def add_pointcloud_flags(p: argparse.ArgumentParser) -> None:
+    """The point-cloud tasks' points and grid: a class per cloud (pointcloud), or per point
+    of LiDAR scans (pointcloud-seg, trainers/segment_task.py)."""
+    p.add_argument("--num-points", type=positive_int, default=1024,
+                   help="pointcloud: points per cloud (sampled or padded)")
+    p.add_argument("--grid", type=positive_int, default=24,
+                   help="pointcloud: voxel grid resolution (voxnet)")
+    p.add_argument("--frame-points", type=_frame_points, default=None, metavar="N|all",
+                   help="pointcloud-seg: points sampled from each training frame; default "
+                   "20000 for pointnet, all for bev (evaluation reads every point)")
+    p.add_argument("--voxel-size", type=_voxel_size, default=None, metavar="M|X,Y,Z",
+                   help="pointcloud-seg, bev only: voxel edge in metres, or one per axis "
+                   "(default 0.4)")
+    p.add_argument("--point-range", type=float, nargs=6, default=None,
+                   metavar=("XMIN", "YMIN", "ZMIN", "XMAX", "YMAX", "ZMAX"),
+                   help="pointcloud-seg: the voxel grid's box in metres (default -40 -40 -3 40 "
+                   "40 3, about SemanticKITTI's sensor); bev predicts nothing for a point "
+                   "outside it, which counts as wrong")
+
+
+def _frame_points(text: str) -> int:
+    """A positive count, or "all" (0: every point)."""
+    return 0 if text == "all" else positive_int(text)
+
+
+def _voxel_size(text: str) -> tuple[float, float, float]:
+    try:
+        sizes = [float(v) for v in text.split(",")]
+    except ValueError:
+        sizes = []
+    if len(sizes) not in (1, 3) or not all(0 < v < float("inf") for v in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: metres > 0, one (0.4) or one per axis "
+                                         "(0.2,0.2,0.4)")
+    x, y, z = sizes * 3 if len(sizes) == 1 else sizes
+    return x, y, z
+
+
 def add_ctr_flags(p: argparse.ArgumentParser) -> None:
     """The click-through-rate task's model: table sizes, width, where the tables live."""
     p.add_argument("--embedding-dim", type=positive_int, default=16,
@@ -174,7 +212,8 @@ def add_data_fallbacks(p: argparse.ArgumentParser) -> None:
     """What to use where the data says nothing: no class map, no pad token."""
     p.add_argument("--num-classes", type=positive_int, default=None,
                    help="image, pointcloud: classes when the manifest has no class map or "
-                   "label statistics (labels 0..N-1)")
+                   "label statistics (labels 0..N-1); pointcloud-seg: when its manifest gives "
+                   "no class count (the ignored label counted)")
     p.add_argument("--pad-token", default=None,
                    help="text: the token that pads rows, for a tokenizer.json without a pad "
                    "token (default there: its end-of-text / separator token)")
@@ -237,10 +276,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def evaluation_line(summary: dict[str, Any]) -> str:
-    """The held-out figures in a few words: AUC and logloss for ctr, else loss and accuracy."""
+    """The held-out figures in a few words: AUC and logloss for ctr, mIoU and point accuracy
+    for pointcloud-seg, else loss and accuracy."""
     nan = float("nan")
     if "auc" in summary:
         return f"eval AUC {summary['auc']:.4f}, eval logloss {summary.get('logloss', nan):.4f}"
+    if "miou" in summary:
+        return (f"eval mIoU {summary['miou']:.3f}, eval point accuracy "
+                f"{summary.get('accuracy', nan):.3f}")
     return (f"eval loss {summary.get('eval_loss', nan):.3f}, eval accuracy "
             f"{summary.get('accuracy', nan):.3f}")
 
