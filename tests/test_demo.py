@@ -1,5 +1,5 @@
 """`shardflow demo` (trainers/cli/demo.py), the README's main job (`make demo`): each
-built-in dataset converted and verified, the image loader, and the four training runs reaching
+built-in dataset converted and verified, the image loader, and the five training runs reaching
 what their data allows; the folder it writes into is its own."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def test_the_whole_demo_trains_every_modality_past_what_chance_allows(tmp_path, 
                           text=True, timeout=900, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     out = proc.stdout
-    assert len(re.findall(r"^\w+ +\w+ +\d+ .* ok +[\d.]+s$", out, re.M)) == 5, out
+    assert len(re.findall(r"^\w+ +\w+ +\d+ .* ok +[\d.]+s$", out, re.M)) == 6, out
     assert re.search(r"image loader \(cpu, .*: batches of \(25, 3, 224, 224\) torch.uint8; "
                      r".*over an epoch of 100$", out, re.M), out
     images = float(re.search(r"^eval accuracy ([\d.]+)% on held-out shards \(chance: 10%\)",
@@ -78,5 +78,8 @@ def test_the_whole_demo_trains_every_modality_past_what_chance_allows(tmp_path, 
     assert images > 30 and clouds > 34, (images, clouds)  # 3x and 2x chance
     assert loss < entropy - 0.3, (loss, entropy)  # learned more than byte frequencies
     assert achievable - 0.03 < auc <= achievable + 0.01, (auc, achievable)
-    for run in ("run", "run-text", "run-pointcloud", "run-ctr"):
+    miou, majority = map(float, re.search(r"lidar \(bev\): held-out mIoU ([\d.]+)% against "
+                                          r"([\d.]+)% for the majority class, above", out).groups())
+    assert miou > majority + 25, (miou, majority)
+    for run in ("run", "run-text", "run-pointcloud", "run-ctr", "run-lidar"):
         assert json.loads((tmp_path / "demo" / run / "summary.json").read_text())["steps"] > 0

@@ -119,8 +119,10 @@ def split_eval(source: Source, eval_data: str | None, world_size: int = 1,
         return EvalSplit(source, source, f"held out {HOLD_OUT_PERCENT}% of samples by key hash "
                          f"(no --eval-data, {why}), never trained on", HOLD_OUT_PERCENT)
     names = ", ".join(redact(s.url).rsplit("/", 1)[-1] for s in held)
-    return EvalSplit(Source(train, source.classes, source.modality, source.tokens),
-                     Source(tuple(held), source.classes, source.modality, source.tokens),
+    return EvalSplit(Source(train, source.classes, source.modality, source.tokens,
+                            source.segmentation),
+                     Source(tuple(held), source.classes, source.modality, source.tokens,
+                            source.segmentation),
                      f"every {HOLD_OUT_EVERY}th shard of --data, never trained on: {names}")
 
 
@@ -208,7 +210,8 @@ def eval_share(held: Source, rank: int, world: int) -> Source | None:
         mine = split_ranks(sorted(shards, key=lambda s: -(s.samples or 0)), world)[rank]
     else:
         mine = shards[rank::world]
-    return Source(tuple(mine), held.classes, held.modality, held.tokens) if mine else None
+    return Source(tuple(mine), held.classes, held.modality, held.tokens,
+                  held.segmentation) if mine else None
 
 
 def loader_options(opts: TaskOptions, source: Source, local_world: int = 1

@@ -31,7 +31,6 @@ from pipeline.pointcloud import scene, voxelize
 from pipeline.pointcloud.config import PointCloudConfig
 from pipeline.pointcloud.sample import SampleParams
 from pipeline.samples import pointcloud_io
-from pipeline.samples.checks import OFFSET_EXT
 
 Item = tuple[EncodedBatch, list[int], list[SampleParams]]  # (batch, labels, parameters)
 # Box sides (largest of a cloud's three) whose normalization stays well inside float32.
@@ -83,7 +82,7 @@ class CloudStage(BackendStage):
             voxels = self._voxels(points)
         label = torch.tensor(labels, dtype=torch.int64)
         (points, label, voxels, offset), ready = self.copier.move(points, label, voxels,
-                                                                  offsets(enc))
+                                                                  scene.offsets_of(enc))
         return PointBatch(points=points, label=label, keys=list(enc.keys), voxels=voxels,
                           offset=offset), enc.state, ready, enc.skips
 
@@ -195,12 +194,3 @@ class DecodeStage(CloudStage, GraphStage):
         if self.spec.ragged:  # each scene cut back to its own rows (views of the copy)
             tensor = [tensor[i, : len(p.index)] for i, p in enumerate(item[2])]
         return tensor, np.array(finite.as_tensor()), np.array(extent.as_tensor())
-
-
-def offsets(enc: EncodedBatch) -> Any:
-    """float64 (B, 3): each cloud's offset (parsed by the loader's check), zeros where none."""
-    import torch
-
-    column = enc.extras.get(OFFSET_EXT) or [None] * len(enc)
-    rows = [np.zeros(3) if o is None else o for o in column]
-    return torch.from_numpy(np.stack(rows) if rows else np.zeros((0, 3)))

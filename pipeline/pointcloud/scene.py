@@ -28,6 +28,7 @@ from pipeline.loading.batch import ScanBatch
 from pipeline.loading.loader import Produced
 from pipeline.pointcloud import segvoxels
 from pipeline.pointcloud.sample import SampleParams
+from pipeline.samples.pointcloud_io import OFFSET_EXT
 
 NO_IGNORE = -100  # the ignore label when the shards name none (torch's cross-entropy default)
 
@@ -62,8 +63,6 @@ def finish(stage: Any, item: tuple[Any, list[np.ndarray], list[SampleParams]],
            fetched: tuple[list[Any], np.ndarray, np.ndarray] | None) -> Produced:
     """The ScanBatch of `item` from the graph's (or the portable stage's) points."""
     import torch
-
-    from pipeline.pointcloud.decode import offsets as offsets_of
 
     enc, labels, params = item
     pieces = [] if fetched is None else _good(stage, item, *fetched)
@@ -144,3 +143,13 @@ def _joined(frames: list[tuple[Any, Any]], device: Any) -> tuple[Any, Any, Any, 
 
 def _rows(rows: segvoxels.VoxelRows) -> tuple[Any, Any, Any, Any]:
     return rows.coords, rows.labels, rows.counts, rows.point_voxel
+
+
+def offsets_of(enc: Any) -> Any:
+    """float64 (B, 3): each cloud's or scene's make_shards offset (parsed by the loader's
+    check), zeros where none."""
+    import torch
+
+    column = enc.extras.get(OFFSET_EXT) or [None] * len(enc)
+    rows = [np.zeros(3) if o is None else o for o in column]
+    return torch.from_numpy(np.stack(rows) if rows else np.zeros((0, 3)))

@@ -29,7 +29,7 @@ TEXT_EXTS = ("txt",)
 TOKEN_EXTS = ("tokens.u16", "tokens.u32")
 PICKLE_EXTS = ("pyd", "pkl", "pickle", "pth", "pt", "ckpt", "joblib")
 # The member beside `npy` of a cloud stored relative to an offset (cloud_members): float64 (3,)
-OFFSET_EXT = "offset.npy"
+OFFSET_EXT = pointcloud_io.OFFSET_EXT
 # What the image loader decodes (headers.py reads their sizes; DALI's CPU decoder and PIL give
 # the same pixels of each), by PIL's format name, with the extension make_shards stores it
 # under: kept byte for byte. Anything else is re-encoded to PNG. MPO is a JPEG followed by

@@ -37,6 +37,8 @@ Reason = Literal[
     "unknown-ext",  # not one of EXTENSIONS
 ]
 EXTENSIONS = ("npy", "ply", "off", "xyz")
+# The member beside `npy` of a cloud stored relative to an offset: float64 (3,)
+OFFSET_EXT = "offset.npy"
 DEFAULT_MAX_POINTS = 2_000_000
 
 

@@ -121,9 +121,7 @@ def scan_members(data: bytes, ext: str, labels: bytes | None, opts: ScanOptions,
     values = _mapped(values, opts.learning_map)
     out: dict[str, object] = {"npy": _npy(points), LABELS_EXT: _npy(values.astype("<u2"))}
     if offset is not None:
-        from pipeline.samples.checks import OFFSET_EXT
-
-        out[OFFSET_EXT] = pointcloud_io.offset_npy(offset)
+        out[pointcloud_io.OFFSET_EXT] = pointcloud_io.offset_npy(offset)
     counts = np.bincount(values)
     out[LABEL_COUNTS] = {int(c): int(counts[c]) for c in np.flatnonzero(counts)}
     return out

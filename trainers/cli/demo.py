@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The main job on the built-in data: generate the datasets, shard them, verify them, load and
-train on them (images, text, point clouds, click logs).
+train on them (images, text, point clouds, click logs, LiDAR scans labelled per point).
 
     python tools/demo.py --out demo-out
 
@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 from pipeline.builtin import (
     make_ctr_dataset,
     make_image_folder,
+    make_lidar_scans,
     make_photo_corpus,
     make_pointcloud_folder,
     make_text_corpus,
@@ -30,6 +31,7 @@ from pipeline.cli.util import fail, setup_logging
 from pipeline.convert import ConvertConfig, convert
 from pipeline.convert.sources import TextOptions
 from pipeline.convert.tabular import TabularOptions
+from pipeline.samples.scans import ScanOptions, with_learning_map
 from pipeline.shards.verify import verify
 
 MARKER = ".shardflow-demo"
@@ -41,12 +43,16 @@ DATASETS: dict[str, tuple[Callable[[Path], Path], str, int]] = {
     "pointclouds": (lambda p: make_pointcloud_folder(p, per_class=40), "pointcloud", 60),
     # 80 blocks of 1000 rows, 8 a shard: 10 shards, the 10th held out for evaluation
     "ctr": (lambda p: make_ctr_dataset(p, rows=80_000), "tabular", 8),
+    # ray-cast LiDAR scans in SemanticKITTI's layout, ~78,000 points each: 10 shards of 3
+    "lidar": (lambda p: make_lidar_scans(p, frames=30), "pointcloud", 3),
 }
 # What a kind needs beyond the common options (make_shards.py tabular --preset criteo ...).
 OPTIONS: dict[str, dict[str, Any]] = {
     "ctr": {"tabular": TabularOptions(preset="criteo", rows_per_block=1000)}}
 # The CTR run passes when its held-out AUC is within this of the planted achievable AUC.
 CTR_MARGIN = 0.03
+# The LiDAR run passes when its held-out mIoU is this far above the majority class's.
+LIDAR_MARGIN = 0.25
 
 
 def prepare(out: Path) -> None:
@@ -64,9 +70,11 @@ def run_one(name: str, out: Path, workers: int) -> str:
     start = time.perf_counter()
     raw = generate(out / "raw" / name)
     # Shuffled across shards, so that any shard (say, a held-out one) holds every class.
+    options = OPTIONS.get(name, {})
+    if name == "lidar":  # make_shards --layout kitti --learning-map RAW/semantic-demo.yaml
+        options = {"scan": with_learning_map(ScanOptions("kitti"), raw / "semantic-demo.yaml")}
     cfg = ConvertConfig(kind=kind, src=str(raw), out=str(out / "shards" / name), shuffle_seed=0,
-                        max_count=per_shard, workers=workers, text=TextOptions(),
-                        **OPTIONS.get(name, {}))
+                        max_count=per_shard, workers=workers, text=TextOptions(), **options)
     manifest = convert(cfg)
     reports, _ = verify(str(cfg.out), workers=workers)
     problems = sum(len(r.problems) for r in reports)
@@ -142,6 +150,35 @@ def train_pointclouds(out: Path) -> None:
           f"{run / 'metrics.jsonl'}")
 
 
+def train_lidar(out: Path) -> bool:
+    """The bird's-eye U-Net on the ray-cast scans (voxels of 0.5 m over 64 x 64 m): the
+    held-out mIoU against the majority class's (every point called the commonest class of
+    the training scans); True when above it by LIDAR_MARGIN."""
+    from trainers.cli import train
+
+    run = out / "run-lidar"
+    train.main(["--task", "pointcloud-seg", "--model", "bev", "--data",
+                str(out / "shards" / "lidar"), "--out", str(run), "--steps", "120",
+                "--batch-size", "2", "--voxel-size", "0.5", "--point-range", "-32", "-32",
+                "-3.2", "32", "32", "2.8", "--lr", "3e-3", "--quiet"])
+    summary = json.loads((run / "summary.json").read_text())
+    majority = majority_miou(out / "shards" / "lidar")
+    ok = summary["miou"] >= majority + LIDAR_MARGIN
+    print(f"lidar (bev): held-out mIoU {summary['miou']:.1%} against {majority:.1%} for the "
+          f"majority class, {'above' if ok else 'NOT above'} it by the margin of "
+          f"{LIDAR_MARGIN:.0%}; {summary['samples_per_s']:.1f} frames/s; metrics in "
+          f"{run / 'metrics.jsonl'}")
+    return ok
+
+
+def majority_miou(shards: Path) -> float:
+    """mIoU of calling every point the commonest class: that class's IoU is its share of
+    the labelled points, every other class's is 0 (over the classes that occur)."""
+    seg = json.loads((shards / "manifest.json").read_text())["segmentation"]
+    counts = {int(k): n for k, n in seg["label_counts"].items() if int(k) != seg["ignore_label"]}
+    return max(counts.values()) / sum(counts.values()) / len(counts)
+
+
 def train_ctr(out: Path) -> bool:
     """DLRM on the built-in click logs, one pass over them as CTR models train: the held-out
     AUC against the AUC of the true click probabilities (planted.json); True within
@@ -184,9 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     train_text(args.out)
     train_pointclouds(args.out)
     ctr_ok = train_ctr(args.out)
+    lidar_ok = train_lidar(args.out)
     print(f"\nshards are in {args.out / 'shards'}; check any of them with\n"
           f"  python tools/verify_shards.py {args.out / 'shards' / 'images'} --world-size 2")
-    return 0 if ctr_ok and all(line.split()[-2] == "ok" for line in lines) else 1
+    return 0 if ctr_ok and lidar_ok and all(line.split()[-2] == "ok" for line in lines) else 1
 
 
 def entry(argv: list[str] | None = None) -> NoReturn:
