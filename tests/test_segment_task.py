@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import run_tool
 
 from pipeline.loading.batch import ScanBatch
 from trainers.cli.train import build_parser, evaluation_line
@@ -26,7 +27,7 @@ from trainers.run import fit
 from trainers.segment_metrics import SegTotals, metric_names, point_totals
 from trainers.segment_models import frame_index
 from trainers.segment_task import BevUNet, PointNetSeg, PointSegmentation, grid_cells
-from trainers.wiring import EvalSplit, TaskOptions, build_task
+from trainers.wiring import EvalSplit, TaskOptions, build_task, split_eval
 
 CPU = torch.device("cpu")
 RANGE = (-12.8, -12.8, -3.2, 12.8, 12.8, 3.2)  # 32 x 32 x 8 cells of 0.8 m
@@ -321,3 +322,44 @@ def test_fit_writes_miou_and_each_class_iou_to_the_summary_and_eval_log(tmp_path
                               point_range=RANGE, width=8)
     with pytest.raises(ValueError, match=r"grid: \[32, 32, 8\] there, \[64, 64, 8\] here"):
         Trainer(finer, OneScene(batch), cfg, CPU, {}).resume()
+
+
+@pytest.fixture(scope="module")
+def scan_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Ray-cast street scans (pipeline/builtin/lidar.py) converted with the learning map."""
+    from pipeline.builtin.lidar import CONFIG, make_lidar_scans
+
+    root = tmp_path_factory.mktemp("scans")
+    make_lidar_scans(root / "kitti", frames=4, beams=16, azimuth_steps=360)
+    run_tool("make_shards", "pointcloud", root / "kitti", root / "shards", "--layout", "kitti",
+             "--learning-map", root / "kitti" / CONFIG, "--max-count", 2, "--quiet",
+             check=True)
+    return root / "shards"
+
+
+@pytest.mark.parametrize("model", ["pointnet", "bev"])
+def test_build_task_reads_the_classes_and_the_grid_from_the_real_loader(scan_shards, model):
+    """build_task as train.py calls it: the classes, ignored label and names come from the
+    manifest through the loader; a training batch trains, the held-out one evaluates."""
+    from pipeline.loading.shardlist import resolve_source
+
+    opts = TaskOptions(task="pointcloud-seg", data=str(scan_shards), model=model,
+                       batch_size=2, device="cpu", backend="portable", use_tuning=False,
+                       loader_threads=1)
+    built = build_task(opts, split_eval(resolve_source(str(scan_shards)), None), 0, 1)
+    try:
+        task = built.task
+        assert (task.num_classes, task.ignore_label) == (7, 0)
+        assert task.class_names[:3] == ["unlabeled", "car", "road"]
+        assert task.describe()["grid"] == (None if model == "pointnet" else [200, 200, 15])
+        batch = next(iter(built.loader))
+        assert isinstance(batch, ScanBatch) and torch.isfinite(task.forward(batch).loss)
+        totals = task.new_totals()
+        for held in built.evaluation:
+            totals.add(task.evaluate(held))
+        metrics = totals.metrics()
+        assert metrics["labelled_points"] > 0 and 0 <= metrics["miou"] <= 1
+        assert "iou_car" in metrics and "iou_unlabeled" not in metrics
+    finally:
+        built.loader.close()
+        built.evaluation.close()
