@@ -286,3 +286,22 @@ def test_scenes_mix_by_batch_and_refuse_mixing_per_sample(scenes) -> None:
                            epoch_batches=3) as loader, \
             pytest.raises(ValueError, match="mixing='batch'"):
         list(loader)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend,decode", [("portable", "cpu"), ("dali", "cpu"),
+                                            ("dali", "gpu")])
+def test_scenes_on_cuda_equal_the_cpu_batches(scenes, backend: str, decode: str) -> None:
+    """A GPU loader's ragged batches (DALI's padded output cut on the device for
+    decode="gpu") and voxel rows against the CPU loader's."""
+    shards, _ = scenes
+    options = dict(batch_size=3, train=False, per_point_labels=True, voxel_size=0.5,
+                   backend=backend)
+    with pointcloud_loader(str(shards), device="cpu", **options) as host, \
+            pointcloud_loader(str(shards), device="cuda", decode=decode, **options) as dev:
+        pairs = list(zip(host, dev, strict=True))
+    for a, b in pairs:
+        assert b.points.is_cuda and b.point_voxel.is_cuda
+        torch.testing.assert_close(b.points.cpu(), a.points, atol=1e-5, rtol=0)
+        for name in ("offsets", "labels", "voxel_coords", "voxel_labels", "point_voxel"):
+            assert torch.equal(getattr(b, name).cpu(), getattr(a, name)), name

@@ -4,7 +4,7 @@
     python tools/bench_loader.py [--images 800] [--batch-size 64] [--repeats 5] [--json PATH]
     python tools/bench_loader.py --modality text [--docs 20000]      # tokens/s
     python tools/bench_loader.py --modality pointcloud [--clouds 600] # points/s, voxelization
-    python tools/bench_loader.py --modality lidar [--frames 12]  # per frame: overlap, voxels
+    python tools/bench_loader.py --modality lidar [--frames 24]  # per frame: overlap, voxels
     python tools/bench_loader.py --modality tabular [--rows 100000]   # rows/s, hashing/core
     python tools/bench_loader.py --source my_images/                  # your data, not ours
 
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=positive_int, default=800)
     p.add_argument("--batch-size", type=positive_int, default=None,
-                   help="default 64; lidar: 4 frames")
+                   help="default 64; lidar: 2 frames")
     p.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1)
     # 5 rounds: on these shared machines one contender's repeats varied by up to 1.6x in a row
     p.add_argument("--repeats", type=positive_int, default=5)
@@ -310,13 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", type=positive_int, default=20_000, help="text: built-in documents")
     p.add_argument("--clouds", type=positive_int, default=600,
                    help="pointcloud: built-in clouds")
-    p.add_argument("--frames", type=positive_int, default=12,
+    p.add_argument("--frames", type=positive_int, default=24,
                    help="lidar: built-in ray-cast frames (~78,000 points each)")
     p.add_argument("--rows", type=positive_int, default=100_000,
                    help="tabular: built-in Criteo-style rows")
     args = p.parse_args(argv)
     if args.batch_size is None:
-        args.batch_size = 4 if args.modality == "lidar" else 64
+        args.batch_size = 2 if args.modality == "lidar" else 64
     setup_logging(quiet=True)
     shutil.rmtree(args.work, ignore_errors=True)
     if args.modality != "image":

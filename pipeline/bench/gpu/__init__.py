@@ -25,7 +25,9 @@ at once and ranks in seconds, so the worst case there is about 6.5 minutes):
                    checkpointing, same batch; gradients and BatchNorm statistics compared.
   text_pointcloud  GPT-style (clm) and BERT-style (mlm) steps of trainers.text_task fed by the
                    text loader on the GPU (samples/s); voxelize on the GPU in a side stream
-                   (points/s), checked against the CPU, also under TF32 matmuls.
+                   (points/s), checked against the CPU, also under TF32 matmuls; LiDAR
+                   scenes (per_point_labels, voxel rows) on the device equal to the CPU
+                   loader's ("failed" otherwise), and segvoxels' points/s there.
   dali             with DALI only: CPU vs mixed (nvJPEG) decode images/s and a hw_decoder_load
                    sweep (and how long each stage took); "skipped" when nvidia.dali does
                    not import.

@@ -1,6 +1,7 @@
 """The modality parts: text_pointcloud (GPT-style and BERT-style steps of
 trainers.text_task fed by the text loader on the device; voxelize on the device in a side stream,
-checked against the CPU, also under TF32 matmuls) and dali (CPU vs mixed decode images/s and a
+checked against the CPU, also under TF32 matmuls; LiDAR scenes with voxel rows delivered to the
+device, equal to the CPU loader's) and dali (CPU vs mixed decode images/s and a
 hw_decoder_load sweep, "skipped" when nvidia.dali does not import; DALI is imported only there).
 """
 
@@ -93,17 +94,57 @@ def voxel_rate(ctx: Ctx, mode: str) -> dict[str, Any]:
             "grid": s.voxel_grid, "points": [s.points_batch, s.points_n]}
 
 
+def scenes_on_device(ctx: Ctx) -> dict[str, Any]:
+    """LiDAR scenes (pointcloud_loader per_point_labels, the portable backend: no DALI on
+    the lent GPU) delivered to the device against the CPU loader's batches: points, labels,
+    voxel rows and each point's voxel equal; then segvoxels alone on the device, points/s."""
+    import torch
+
+    from pipeline.bench import lidar
+    from pipeline.pointcloud import segvoxels
+    from pipeline.pointcloud.loader import pointcloud_loader
+
+    shards = lidar.build(ctx.work / "lidar", frames=4)
+    options: dict[str, Any] = dict(batch_size=2, train=False, per_point_labels=True,
+                                   backend="portable", voxel_size=lidar.VOXEL_SIZE,
+                                   point_range=lidar.POINT_RANGE)
+    with pointcloud_loader(str(shards), device="cpu", **options) as host, \
+            pointcloud_loader(str(shards), device=ctx.device.type, **options) as dev:
+        pairs = list(zip(host, dev, strict=True))
+    fields = ("points", "offsets", "labels", "voxel_coords", "voxel_labels", "point_voxel")
+    equal = all(torch.equal(getattr(a, f), getattr(b, f).cpu()) for a, b in pairs
+                for f in fields)
+    batch = pairs[0][1]
+    frame = torch.repeat_interleave(torch.arange(len(batch), device=batch.points.device),
+                                    torch.diff(batch.offsets))
+    grid = segvoxels.VoxelGrid(lidar.VOXEL_SIZE, lidar.POINT_RANGE)
+    reps = ctx.sizes.voxel_reps
+    seconds = timed(ctx, lambda: [segvoxels.voxel_rows(batch.points, frame, batch.labels, grid,
+                                                       batch.ignore_label)
+                                  for _ in range(reps)])
+    return {"batches_equal_to_cpu": equal, "device": str(batch.points.device),
+            "points": len(batch.points), "voxel_rows_points_per_s": len(batch.points) * reps
+            / seconds, **({} if equal else {"status": "failed"})}
+
+
 def part_text_pointcloud(ctx: Ctx) -> dict[str, Any]:
-    """Language-model steps fed by the text loader; voxelization on the device."""
+    """Language-model steps fed by the text loader; voxelization on the device; LiDAR scenes
+    delivered to it."""
     shards = text_shards(ctx.work / "text", ctx.sizes.lm_docs)
     lm = {objective: lm_rate(ctx, shards, objective) for objective in ("clm", "mlm")}
     vox = {mode: voxel_rate(ctx, mode) for mode in ("occupancy", "pillars")}
+    scenes = scenes_on_device(ctx)
     key: dict[str, Any] = {f"{o}_samples_per_s": round(r["samples_per_s"], 1)
                            for o, r in lm.items()}
     key["voxel_Mpoints_per_s"] = round(vox["occupancy"]["points_per_s"] / 1e6, 1)
     key["voxel_diff_tf32"] = vox["occupancy"]["max_abs_diff_vs_cpu_tf32"]
-    return {"lm": lm, "lm_shape": ctx.sizes.lm_shape, "precision": "bf16" if ctx.cuda else "fp32",
-            "voxelize": vox, "key": key}
+    key["scenes_equal_to_cpu"] = scenes["batches_equal_to_cpu"]
+    key["seg_voxel_Mpoints_per_s"] = round(scenes["voxel_rows_points_per_s"] / 1e6, 1)
+    out = {"lm": lm, "lm_shape": ctx.sizes.lm_shape, "precision": "bf16" if ctx.cuda else "fp32",
+           "voxelize": vox, "scenes": scenes, "key": key}
+    if "status" in scenes:
+        out["status"] = scenes["status"]
+    return out
 
 
 # -- dali ----------------------------------------------------------------------------------------
