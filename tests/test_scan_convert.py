@@ -228,3 +228,73 @@ def test_verify_checks_the_labels_member(tmp_path: Path) -> None:
     with pytest.raises(DataError) as err:
         check_member("labels.npy", good.getvalue()[:-4], CheckLimits(), None)
     assert err.value.reason == "truncated"
+
+
+def test_kitti_keys_are_unique_and_name_the_sequence(tmp_path: Path) -> None:
+    from pipeline.pointcloud.loader import pointcloud_loader
+
+    write_kitti(tmp_path / "src" / "a", frames=2, seed=1)
+    write_kitti(tmp_path / "src" / "b", frames=2, seed=2)  # the same sequence names again
+    convert(ConvertConfig(kind="pointcloud", src=str(tmp_path / "src"), out=str(tmp_path / "o"),
+                          workers=1, scan=ScanOptions("kitti")))
+    keys = sorted(members(tmp_path / "o"))
+    assert len(keys) == len(set(keys)) == 8 and all(k[:3] in ("00_", "01_") for k in keys)
+    with pointcloud_loader(str(tmp_path / "o"), batch_size=3, train=False,
+                           per_point_labels=True, backend="portable") as loader:
+        assert sorted(k for b in loader for k in b.keys) == keys  # every frame loads
+    one = tmp_path / "src" / "a" / "sequences" / "01"
+    convert(ConvertConfig(kind="pointcloud", src=str(one), out=str(tmp_path / "o1"), workers=1,
+                          scan=ScanOptions("kitti")))
+    assert sorted(members(tmp_path / "o1")) == ["01_000000", "01_000001"]
+
+
+def test_an_ignore_label_of_255_is_no_class(tmp_path: Path) -> None:
+    src = tmp_path / "scans"
+    src.mkdir()
+    table = np.random.default_rng(4).uniform(-5, 5, (50, 4))
+    table[:, 3] = [0, 1, 2, 255, 1] * 10
+    np.save(src / "a.npy", table)
+    manifest = convert(ConvertConfig(kind="pointcloud", src=str(src), out=str(tmp_path / "o"),
+                                     workers=1, scan=ScanOptions("scans", label_column="3",
+                                                                 ignore_label=255)))
+    assert manifest.segmentation is not None
+    assert manifest.segmentation["num_classes"] == 3
+    (tmp_path / "map.yaml").write_text(
+        "labels: {0: unlabeled, 10: car, 40: road}\nlearning_map: {0: 255, 10: 0, 40: 1}\n"
+        "learning_map_inv: {255: 0, 0: 10, 1: 40}\n")
+    opts = with_learning_map(ScanOptions("kitti"), tmp_path / "map.yaml")
+    assert opts.num_classes == 2 and opts.ignore_label == 255  # the "unlabeled" class's
+    assert opts.class_names == ("car", "road")
+    (tmp_path / "map2.yaml").write_text(
+        "labels: {0: unlabeled, 10: car, 40: road}\nlearning_map: {0: 0, 10: 1, 40: 2}\n"
+        "learning_map_inv: {0: 0, 1: 10, 2: 40}\n")
+    opts = with_learning_map(ScanOptions("kitti"), tmp_path / "map2.yaml")
+    assert opts.ignore_label == 0 and opts.class_names == ("unlabeled", "car", "road")
+
+
+@pytest.mark.parametrize("table", ["{-1: 2, 10: 1}", "{1.7: 3, 10: 1}", "{true: 4, 10: 1}",
+                                   "{'10': 1, 10: 2}", "{10: 70000}", "{}"])
+def test_learning_map_keys_are_whole_classes(tmp_path: Path, table: str) -> None:
+    (tmp_path / "map.yaml").write_text(f"learning_map: {table}\n")
+    with pytest.raises(ValueError, match="not a learning map"):
+        with_learning_map(ScanOptions("kitti"), tmp_path / "map.yaml")
+
+
+def test_options_a_layout_does_not_use_are_refused() -> None:
+    with pytest.raises(ValueError, match="--ignore-label"):
+        ScanOptions(ignore_label=0)
+    with pytest.raises(ValueError, match="--point-dims"):
+        ScanOptions(point_dims=5)
+    with pytest.raises(ValueError, match="its .label files"):
+        ScanOptions("kitti", label_column="3")
+
+
+def test_resharding_scans_keeps_the_segmentation_section(tmp_path: Path) -> None:
+    written = write_kitti(tmp_path / "kitti", frames=2)
+    scan = with_learning_map(ScanOptions("kitti"), tmp_path / "kitti" / "semantic.yaml")
+    first = convert(ConvertConfig(kind="pointcloud", src=str(tmp_path / "kitti"),
+                                  out=str(tmp_path / "a"), workers=1, scan=scan))
+    again = convert(ConvertConfig(kind="shards", src=str(tmp_path / "a"),
+                                  out=str(tmp_path / "b"), workers=1, max_count=1))
+    assert again.total_samples == len(written) and len(again.shards) == len(written)
+    assert again.segmentation == first.segmentation

@@ -118,9 +118,10 @@ def replay(points: np.ndarray, labels: np.ndarray, params) -> tuple[np.ndarray, 
     return out[inside], kept[inside]
 
 
-def test_a_training_epoch_draws_again_and_resumes_exactly(scenes) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_training_epoch_draws_again_and_resumes_exactly(scenes, backend: str) -> None:
     shards, _ = scenes
-    options = dict(batch_size=2, per_point_labels=True, backend="portable", flip=True,
+    options = dict(batch_size=2, per_point_labels=True, backend=backend, flip=True,
                    translate=1.0, voxel_size=0.5)
     with pointcloud_loader(str(shards), **options) as loader:
         first = next(iter(loader))
@@ -305,3 +306,34 @@ def test_scenes_on_cuda_equal_the_cpu_batches(scenes, backend: str, decode: str)
         torch.testing.assert_close(b.points.cpu(), a.points, atol=1e-5, rtol=0)
         for name in ("offsets", "labels", "voxel_coords", "voxel_labels", "point_voxel"):
             assert torch.equal(getattr(b, name).cpu(), getattr(a, name)), name
+
+
+def test_a_labels_header_declaring_too_much_is_a_skip_not_an_allocation(tmp_path: Path
+                                                                        ) -> None:
+    points = np.random.default_rng(2).uniform(-5, 5, (20, 3)).astype(np.float32)
+    huge = npy(np.zeros(20, np.uint16)).replace(b"(20,)", b"(100000000000000,)")
+    negative = npy(np.full(20, -3, np.int64))
+    write_shard(tmp_path / "s-000000.tar", [
+        {"__key__": "huge", "npy": npy(points), "labels.npy": huge},
+        {"__key__": "negative", "npy": npy(points), "labels.npy": negative},
+        {"__key__": "good", "npy": npy(points), "labels.npy": npy(np.ones(20, np.uint8))}])
+    with pointcloud_loader(str(tmp_path / "s-000000.tar"), batch_size=4, train=False,
+                           per_point_labels=True, backend="portable", on_error="skip",
+                           voxel_size=1.0) as loader:
+        assert [b.keys for b in loader] == [["good"]]
+        reasons = {s["key"]: s["reason"] for s in loader.skipped}
+    assert reasons == {"huge": "truncated", "negative": "bad-label"}  # no classes known here
+
+
+def test_crops_keep_points_within_range_and_never_empty_a_scene(scenes) -> None:
+    shards, _ = scenes
+    with pointcloud_loader(str(shards), batch_size=3, per_point_labels=True,
+                           backend="portable", rotate=0, scale=(1, 1), jitter=0,
+                           crop_range=12.0) as loader:
+        for batch in loader:
+            radius = batch.points[:, :2].norm(dim=1)
+            assert (radius <= 12.0 + 1e-4).all() and len(batch.points)
+    with pointcloud_loader(str(shards), batch_size=3, per_point_labels=True,
+                           backend="portable", crop_range=3.0, crop_box=(0.5, 0.5)) as loader:
+        for batch in loader:
+            assert (torch.diff(batch.offsets) > 0).all()  # a box about an in-range point

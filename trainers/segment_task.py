@@ -152,12 +152,11 @@ def _three(size: float | Sequence[float]) -> tuple[float, float, float]:
 def grid_cells(point_range: Sequence[float], voxel_size: Sequence[float]
                ) -> tuple[int, int, int]:
     """Cells per axis (X, Y, Z) of the box `point_range` (xmin, ymin, zmin, xmax, ymax, zmax)
-    cut into voxels of `voxel_size` (x, y, z): each side rounded to whole cells, at least
-    one, as the loader rounds them (pipeline/pointcloud)."""
-    point_range = _box(point_range)
-    cells = [max(1, round((point_range[i + 3] - point_range[i]) / voxel_size[i]))
-             for i in range(3)]
-    return cells[0], cells[1], cells[2]
+    cut into voxels of `voxel_size` (x, y, z): the loader's own rule (segvoxels.VoxelGrid)."""
+    from pipeline.pointcloud.segvoxels import VoxelGrid
+
+    size = (float(voxel_size[0]), float(voxel_size[1]), float(voxel_size[2]))
+    return VoxelGrid(size, _box(point_range)).dims  # type: ignore[arg-type]
 
 
 def _box(point_range: Sequence[float]) -> tuple[float, ...]:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pipeline import executor
 from pipeline.convert import engine_ray, outdir
 from pipeline.convert.config import ConvertConfig
@@ -46,7 +48,7 @@ from pipeline.samples.checks import (
     modality_of,
     repair_sample,
 )
-from pipeline.samples.scans import LABEL_COUNTS, ScanOptions
+from pipeline.samples.scans import LABEL_COUNTS, LABELS_EXT, ScanOptions, labels_header
 from pipeline.shards import segstats
 from pipeline.shards.listing import list_shards, preflight
 from pipeline.shards.manifest import (
@@ -203,7 +205,7 @@ def _built(task: Task, work: _Work) -> list[dict[str, object] | DataError]:
         return build_block(task)
     if isinstance(task, dict):
         try:
-            return [repair_sample(task, work.limits)]
+            return [_with_label_counts(repair_sample(task, work.limits))]
         except DataError as err:
             return [err]
     return build_samples(task, work.limits, work.text, work.max_file_bytes,
@@ -334,11 +336,7 @@ class _Job:
                             plan.ignored, self.cfg.job_args(), reencoded=self.tally.reencoded,
                             offset_clouds=self.tally.offset_clouds,
                             labels=self.tally.label_stats(), tokens=self._tokens())
-        if self.cfg.kind == "pointcloud" and self.cfg.scan.per_point:
-            opts = self.cfg.scan
-            manifest.segmentation = segstats.section(
-                self.tally.scans, opts.num_classes, opts.ignore_label,
-                list(opts.class_names) if opts.class_names else None)
+        manifest.segmentation = self._segmentation()
         if isinstance(plan, TabularPlan):  # rows, blocks and the schema the loader reads
             manifest.tabular = {"schema": plan.schema.to_json(), "rows": self.tally.rows,
                                 "blocks": manifest.total_samples,
@@ -347,6 +345,22 @@ class _Job:
         self.store.delete(JOURNAL)
         return manifest
 
+
+    def _segmentation(self) -> dict[str, Any] | None:
+        """The scans' section: this job's options, or, re-sharding scans, the source
+        manifest's classes, names and ignore label; the counts are this job's own."""
+        opts = self.cfg.scan
+        if self.cfg.kind == "pointcloud" and opts.per_point:
+            return segstats.section(self.tally.scans, opts.num_classes, opts.ignore_label,
+                                    list(opts.class_names) if opts.class_names else None)
+        if self.cfg.kind != "shards" or not self.tally.scans["frames"]:
+            return None
+        src = Store(self.cfg.src, self.cfg.storage_options)
+        held = parse_manifest(src.read_bytes(MANIFEST), src.where(MANIFEST)).segmentation \
+            if src.exists(MANIFEST) else None
+        held = held or {}
+        return segstats.section(self.tally.scans, held.get("num_classes"),
+                                held.get("ignore_label"), held.get("class_names"))
 
     def _tokens(self) -> TokenForm | None:
         """How documents are stored as ids: this job's tokenizer's form, or, re-sharding
@@ -419,6 +433,20 @@ class _Tally:
 
     def label_stats(self) -> LabelStats | None:
         return LabelStats.of(self.labels) if self.labels else None
+
+
+def _with_label_counts(sample: dict[str, object]) -> dict[str, object]:
+    """A re-sharded scene's points per label (checked by repair_sample), for the manifest."""
+    data = sample.get(LABELS_EXT)
+    if not isinstance(data, bytes):
+        return sample
+    count, dtype, start = labels_header(data)
+    labels = np.frombuffer(data, dtype=dtype, count=count, offset=start).astype(np.int64)
+    if len(labels) and labels.min() < 0:
+        raise DataError("bad-label", f"label {labels.min()} is below 0").located(
+            source=str(sample.get("__url__", "")), key=str(sample.get("__key__", "")))
+    counts = np.bincount(labels) if len(labels) else np.zeros(0, np.int64)
+    return {**sample, LABEL_COUNTS: {int(c): int(counts[c]) for c in np.flatnonzero(counts)}}
 
 
 def _expected_samples(tasks: Iterable[object]) -> int | None:

@@ -27,7 +27,7 @@ def plan_scans(src: Path, opts: ScanOptions) -> Plan:
     rels, ignored = _walk(src)
     if opts.layout == "kitti":
         found, labels = _kitti(rels)
-        keys = make_keys([_kitti_name(r) for r in found])
+        keys = _unique([_kitti_name(r, src.name) for r in found], found)
     else:
         found = [r for r in rels if _ext(r) in SCAN_EXTS and not r.endswith(".labels.npy")]
         names = set(rels)
@@ -54,12 +54,24 @@ def _kitti(rels: list[str]) -> tuple[list[str], list[str | None]]:
     return scans, labels
 
 
-def _kitti_name(rel: str) -> str:
-    """`sequences/08/velodyne/000123.bin` -> `08_000123.bin`, the key's source (the
-    sequence's folder name and the scan's)."""
+def _kitti_name(rel: str, root: str) -> str:
+    """`sequences/08/velodyne/000123.bin` -> `08_000123`, the key (the sequence's folder
+    name and the scan's); SRC itself is the sequence when it holds `velodyne/`."""
     parts = rel.split("/")
-    sequence = parts[-3] if len(parts) >= 3 else "scan"
-    return f"{sequence}_{parts[-1]}"
+    sequence = parts[-3] if len(parts) >= 3 else root
+    return make_keys([f"{sequence}_{parts[-1]}"])[0]
+
+
+def _unique(keys: list[str], rels: list[str]) -> list[str]:
+    """Keys made unique: one that several scans share (a sequence 00 in two folders) gets a
+    hash of each scan's own path, so the keys stay stable and distinct."""
+    import hashlib
+
+    seen: dict[str, int] = {}
+    for key in keys:
+        seen[key] = seen.get(key, 0) + 1
+    return [k if seen[k] == 1 else f"{k}-{hashlib.sha1(r.encode()).hexdigest()[:10]}"
+            for k, r in zip(keys, rels, strict=True)]
 
 
 def _beside(rel: str, names: set[str]) -> str | None:

@@ -18,7 +18,6 @@ voxelization overlaps the training step.
 from __future__ import annotations
 
 import contextlib
-import io
 from typing import Any
 
 import numpy as np
@@ -29,33 +28,32 @@ from pipeline.loading.loader import Produced
 from pipeline.pointcloud import segvoxels
 from pipeline.pointcloud.sample import SampleParams
 from pipeline.samples.pointcloud_io import OFFSET_EXT
+from pipeline.samples.scans import MAX_LABEL, labels_header
 
 NO_IGNORE = -100  # the ignore label when the shards name none (torch's cross-entropy default)
 
 
 def check_labels(data: Any, rows: int, num_classes: int | None, ignore_label: int
                  ) -> np.ndarray:
-    """A scene's labels member (uint8 bytes) as an integer array of `rows` labels;
-    DataError when it is missing, not one whole label per point, or out of range."""
+    """A scene's labels member (uint8 bytes) as an integer array of `rows` labels, read from
+    the header first (samples/scans.labels_header); DataError when it is missing, not one
+    whole label per point, or a label is neither a class nor the ignore label: below 0 or
+    above 65535 always, at or above num_classes when that is known."""
     if data is None:
         raise DataError("missing-labels", "no .labels.npy member (convert with make_shards "
                         "--layout kitti|scans)")
     raw = data.tobytes() if hasattr(data, "tobytes") else bytes(data)
-    try:
-        array = np.lib.format.read_array(io.BytesIO(raw), allow_pickle=False)
-    except (ValueError, EOFError, OSError) as exc:
-        raise DataError("bad-labels", f"labels are not a readable .npy: {exc}") from None
-    if array.ndim != 1 or array.dtype.kind not in "iu":
-        raise DataError("bad-labels", f"labels of shape {array.shape} and dtype {array.dtype}; "
-                        "expected one integer per point")
-    if len(array) != rows:
-        raise DataError("label-count", f"{len(array)} labels for {rows} points")
-    if num_classes is not None and len(array):
-        wrong = (array >= num_classes) & (array != ignore_label)
-        if array.min() < 0 or wrong.any():
-            first = array[(array < 0) | wrong][0]
-            raise DataError("bad-label", f"label {first} is outside [0, {num_classes}) and not "
-                            f"the ignore label {ignore_label}")
+    count, dtype, start = labels_header(raw)
+    if count != rows:
+        raise DataError("label-count", f"{count} labels for {rows} points")
+    array = np.frombuffer(raw, dtype=dtype, count=count, offset=start)
+    if not len(array):
+        return array
+    top = MAX_LABEL if num_classes is None else num_classes - 1
+    wrong = ((array < 0) | (array > top)) & (array != ignore_label)
+    if wrong.any():
+        raise DataError("bad-label", f"label {array[wrong][0]} is outside [0, {top}] and not "
+                        f"the ignore label {ignore_label}")
     return array
 
 
@@ -89,13 +87,21 @@ def _good(stage: Any, item: tuple[Any, ...], pieces: list[Any], finite: np.ndarr
           extent: np.ndarray) -> list[Any]:
     """The scenes whose points are finite and have an extent; the others raised or
     recorded, and removed from every column of `item`."""
+    import torch
+
     enc = item[0]
+    # The augmented points too: a scale or shift can overflow float32 near its limit. One
+    # read for the batch (a host sync on a GPU, in this thread).
+    out = torch.stack([torch.isfinite(p).all() for p in pieces]).tolist() if pieces else []
     bad: dict[int, DataError] = {}
     for i in range(len(enc)):
         if finite[i] != 0:
             bad[i] = DataError("non-finite", "x, y or z values are NaN or Inf")
         elif not extent[i].any():
             bad[i] = DataError("degenerate", "all points are at one position: zero extent")
+        elif not out[i]:
+            bad[i] = DataError("non-finite", "augmenting overflowed float32 (coordinates of "
+                               f"{extent[i].max():.3g} m extent)")
     for i, err in bad.items():
         stage._handle(err, enc, i)
     for i in sorted(bad, reverse=True):
@@ -119,7 +125,12 @@ def _frame(cfg: Any, points: Any, labels: np.ndarray, params: SampleParams, devi
     if cfg.crop_range is not None:
         keep = points[:, 0] ** 2 + points[:, 1] ** 2 <= cfg.crop_range**2
     if cfg.crop_box is not None and params.centre is not None:
-        centre = points[params.centre, :2]
+        # the box centres on a point within the range, when there is one: never a box
+        # around a point the range crop has taken away (an empty scene)
+        among = torch.nonzero(keep).flatten() if keep is not None else None
+        row = params.centre if among is None or not len(among) else \
+            int(among[params.centre % len(among)])
+        centre = points[row, :2]
         half = torch.tensor(cfg.crop_box, device=points.device) / 2
         inside = ((points[:, :2] - centre).abs() <= half).all(dim=1)
         keep = inside if keep is None else keep & inside

@@ -27,8 +27,10 @@ import torch
 
 @dataclass(frozen=True)
 class VoxelGrid:
-    """Cells of `size` metres (x, y, z) over the box `point_range` (xmin, ymin, zmin, xmax,
-    ymax, zmax); `dims` cells per axis, the box's sides rounded to whole cells."""
+    """Cells of `size` metres (x, y, z) from the corner (xmin, ymin, zmin) of the box
+    `point_range` (xmin, ymin, zmin, xmax, ymax, zmax); `dims` cells per axis, as many as
+    cover the box: where a side is not a whole number of cells, the last cell reaches past
+    the box's max (by less than a cell), and points there have a voxel too."""
 
     size: tuple[float, float, float]
     point_range: tuple[float, float, float, float, float, float]
@@ -48,7 +50,8 @@ class VoxelGrid:
     @property
     def dims(self) -> tuple[int, int, int]:
         low, high = self.point_range[:3], self.point_range[3:]
-        return tuple(max(1, round((b - a) / s))  # type: ignore[return-value]
+        # 1e-9: a side of 80 m in cells of 0.4 m is 200 cells, not 201 from 200.00000000000003
+        return tuple(max(1, math.ceil((b - a) / s - 1e-9))  # type: ignore[return-value]
                      for a, b, s in zip(low, high, self.size, strict=True))
 
 

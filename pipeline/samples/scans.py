@@ -17,6 +17,7 @@ asked for them (pointcloud_loader per_point_labels=True).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 from dataclasses import dataclass
@@ -57,10 +58,17 @@ class ScanOptions:
             raise ValueError(f"point_dims={self.point_dims}: x, y, z and up to 61 more values")
         if self.ignore_label is not None and not 0 <= self.ignore_label <= MAX_LABEL:
             raise ValueError(f"ignore_label={self.ignore_label}: a class in [0, {MAX_LABEL}]")
-        per_point = self.layout != "classes"
-        if not per_point and (self.label_column or self.learning_map):
-            raise ValueError("--label-column and --learning-map are for scenes labelled per "
-                             "point: pass --layout scans or --layout kitti")
+        given = [name for name, on in (
+            ("--label-column", self.label_column is not None),
+            ("--learning-map", self.learning_map is not None),
+            ("--ignore-label", self.ignore_label is not None),
+            ("--point-dims", self.point_dims != 4)) if on]
+        if self.layout == "classes" and given:
+            raise ValueError(f"{', '.join(given)}: for scenes labelled per point; pass "
+                             "--layout scans or --layout kitti")
+        if self.layout == "kitti" and self.label_column is not None:
+            raise ValueError("--label-column: SemanticKITTI's labels are its .label files; "
+                             "the column is for --layout scans")
 
     @property
     def per_point(self) -> bool:
@@ -68,8 +76,11 @@ class ScanOptions:
 
     @property
     def num_classes(self) -> int | None:
-        """Training classes when a learning map says (its largest target + 1)."""
-        return None if self.learning_map is None else max(t for _, t in self.learning_map) + 1
+        """Training classes when a learning map says: its largest target other than the
+        ignore label, + 1 (an ignore label of 255 adds no 255 classes)."""
+        if self.learning_map is None:
+            return None
+        return max((t for _, t in self.learning_map if t != self.ignore_label), default=-1) + 1
 
 
 def with_learning_map(opts: ScanOptions, path: str | Path) -> ScanOptions:
@@ -82,25 +93,54 @@ def with_learning_map(opts: ScanOptions, path: str | Path) -> ScanOptions:
     raw = Path(path).read_bytes()
     try:
         doc = yaml.safe_load(raw)
-        mapping = {int(k): int(v) for k, v in dict(doc["learning_map"]).items()}
+        mapping = _classes_of(dict(doc["learning_map"]))
     except (yaml.YAMLError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: not a learning map (a YAML with learning_map: "
-                         f"{{raw: class}}): {exc!r}") from None
-    if not mapping or min(mapping.values()) < 0 or max(mapping.values()) > MAX_LABEL:
-        raise ValueError(f"{path}: learning_map targets must be classes in [0, {MAX_LABEL}]")
-    names = _class_names(doc, mapping)
-    ignore = opts.ignore_label if opts.ignore_label is not None else 0
+                         f"{{raw: class}}, classes in [0, {MAX_LABEL}]): {exc}") from None
+    ignore = opts.ignore_label if opts.ignore_label is not None else _unlabelled(doc, mapping)
+    count = max((t for t in mapping.values() if t != ignore), default=-1) + 1
+    names = _class_names(doc, count)
     from dataclasses import replace
 
     return replace(opts, learning_map=tuple(sorted(mapping.items())), class_names=names,
                    ignore_label=ignore, learning_map_sha256=hashlib.sha256(raw).hexdigest())
 
 
-def _class_names(doc: dict, mapping: dict[int, int]) -> tuple[str, ...] | None:
+def _classes_of(table: dict) -> dict[int, int]:
+    """{raw: class}, each a whole number in [0, MAX_LABEL] (a YAML 1.7, true or -1 is
+    refused, not read as 1 or as the last class), no raw class twice."""
+    def whole(value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)) or \
+                not str(value).isdigit() or int(value) > MAX_LABEL:
+            raise ValueError(f"{value!r} is not a class in [0, {MAX_LABEL}]")
+        return int(value)
+
+    mapping: dict[int, int] = {}
+    for key, value in table.items():
+        if whole(key) in mapping:
+            raise ValueError(f"raw class {key!r} is mapped twice")
+        mapping[whole(key)] = whole(value)
+    if not mapping:
+        raise ValueError("learning_map is empty")
+    return mapping
+
+
+def _unlabelled(doc: dict, mapping: dict[int, int]) -> int:
+    """The default ignore label: the training class of the raw class named "unlabeled" (or
+    "unlabelled", "ignore") in the YAML's `labels`, else 0, SemanticKITTI's."""
+    labels = doc.get("labels")
+    for raw, name in (labels.items() if isinstance(labels, dict) else ()):
+        if str(name).lower() in ("unlabeled", "unlabelled", "ignore", "ignored"):
+            with contextlib.suppress(ValueError, TypeError, KeyError):
+                return mapping[int(raw)]
+    return 0
+
+
+def _class_names(doc: dict, count: int) -> tuple[str, ...] | None:
+    """The names of training classes 0..count-1 (labels[learning_map_inv[class]])."""
     labels, inverse = doc.get("labels"), doc.get("learning_map_inv")
     if not isinstance(labels, dict) or not isinstance(inverse, dict):
         return None
-    count = max(mapping.values()) + 1
     try:
         return tuple(str(labels[int(inverse[t])]) for t in range(count))
     except (KeyError, ValueError, TypeError):
@@ -214,6 +254,16 @@ def _mapped(values: np.ndarray, learning_map: tuple[tuple[int, int], ...] | None
 def check_labels_member(data: bytes, max_points: int) -> None:
     """A stored KEY.labels.npy on its own (verify_shards): a readable .npy of at most
     max_points whole labels, never unpickled. The loader checks it against the points."""
+    count, _dtype, _start = labels_header(data)
+    if count > max_points:
+        raise DataError("too-many-points", f"{count} labels, more than max_points="
+                        f"{max_points}")
+
+
+def labels_header(data: bytes) -> tuple[int, np.dtype, int]:
+    """(labels, dtype, where they start) of a labels member, from its header alone, checked:
+    1-D, a plain integer dtype, every byte present. Nothing is allocated for a header that
+    declares more than the member holds."""
     try:
         fp = io.BytesIO(data)
         version = np.lib.format.read_magic(fp)
@@ -221,18 +271,16 @@ def check_labels_member(data: bytes, max_points: int) -> None:
                 (2, 0): np.lib.format.read_array_header_2_0}.get(version)
         if read is None:
             raise ValueError(f"format version {version}")
-        shape, _, dtype = read(fp)  # the header only: nothing allocated yet
+        shape, fortran, dtype = read(fp)  # the header only: nothing allocated yet
     except (ValueError, EOFError) as exc:
         raise DataError("bad-labels", f"labels are not a readable .npy: {exc}") from None
-    if len(shape) != 1 or dtype.kind not in "iu" or dtype.hasobject:
+    if len(shape) != 1 or dtype.kind not in "iu" or dtype.hasobject or dtype.names:
         raise DataError("bad-labels", f"labels of shape {shape} and dtype {dtype}; expected "
                         "one integer per point")
-    if shape[0] > max_points:
-        raise DataError("too-many-points", f"{shape[0]} labels, more than max_points="
-                        f"{max_points}")
     if len(data) - fp.tell() < shape[0] * dtype.itemsize:
         raise DataError("truncated", f"labels header declares {shape[0]} labels of {dtype}, "
                         "but fewer bytes follow")
+    return shape[0], dtype, fp.tell()
 
 
 def _npy(array: np.ndarray) -> bytes:

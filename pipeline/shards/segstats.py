@@ -5,9 +5,10 @@ wrote (make_shards pointcloud --layout scans|kitti), for the loader and for peop
      "label_counts": {"0": 412, "1": 240311, ...}, "frames": 6,
      "points": 480112, "points_per_frame": {"min": 76012, "max": 84220, "mean": 80018.7}}
 
-`num_classes` is the learning map's, else the largest label + 1. The counts are the points
-per class of every frame written (a frame skipped is not counted), summed over the parts of a
-split conversion. Built as plain JSON values, so the journal of an unfinished job keeps them.
+`num_classes` is the learning map's, else the largest label other than the ignore label + 1.
+The counts are the points per class of every frame written (a frame skipped is not counted),
+summed over the parts of a split conversion. Built as plain JSON values, so the journal of an
+unfinished job keeps them.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ def section(stats: Stats, num_classes: int | None, ignore_label: int | None,
     """The manifest's section from the job's stats and its options."""
     labels = sorted(int(k) for k in stats["label_counts"])
     frames = stats["frames"]
+    classes = [k for k in labels if k != ignore_label]  # an ignore label of 255 is no class
     return {
         "num_classes": num_classes if num_classes is not None else
-        (labels[-1] + 1 if labels else 0),
+        (classes[-1] + 1 if classes else 0),
         "ignore_label": ignore_label, "class_names": class_names,
         "label_counts": {str(k): stats["label_counts"][str(k)] for k in labels},
         "frames": frames, "points": stats["points"],
