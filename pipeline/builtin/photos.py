@@ -7,6 +7,11 @@ multi-octave value noise, soft-edged blobs and fine grain. The grain's strength 
 image, by re-encoding, so that the file lands on a size drawn for it: JPEG size follows
 high-frequency energy, and the pixel count varies by almost the same factor as the allowed bytes.
 The layout matches ``make_image_folder``: ``out/<class>/<class>_<i:05d>.jpg``.
+
+``make_large_photos`` writes the photos people take today instead (phones, OpenImages and
+CC12M originals): 3000-4000 px on the long side, about 1 MB each (0.6-1.6 MB) at quality 90.
+Their content is rendered at a quarter of the size and enlarged (a photo's detail is mostly
+coarser than its pixels), then grain at full size is tuned to the drawn file size.
 """
 
 from __future__ import annotations
@@ -39,6 +44,11 @@ def _shape(rng: np.random.Generator) -> tuple[int, int]:
     long_side = int(rng.integers(LONG_SIDE[0], LONG_SIDE[1] + 1))
     short_side = int(round(long_side * rng.uniform(0.75, 1.0)))
     return (long_side, short_side) if rng.random() < 0.5 else (short_side, long_side)
+
+
+LARGE_LONG_SIDE = (3000, 4000)
+LARGE_BYTES = (600_000, 1_600_000)
+_LARGE_TARGET_BYTES = (800_000, 1_300_000)
 
 
 def _upsampled_noise(rng: np.random.Generator, height: int, width: int, cells: int) -> np.ndarray:
@@ -86,6 +96,10 @@ def _blobs(rng: np.random.Generator, canvas: np.ndarray, colours: np.ndarray) ->
 def _base(rng: np.random.Generator, hue: float) -> np.ndarray:
     """Grain-free float32 HxWx3 content in roughly 0..255."""
     height, width = _shape(rng)
+    return _base_of(rng, hue, height, width)
+
+
+def _base_of(rng: np.random.Generator, hue: float, height: int, width: int) -> np.ndarray:
     start, end, *blob_colours = _palette(rng, hue, int(rng.integers(4, 9)))
     angle = rng.uniform(0, 2 * np.pi)
     y = np.arange(height, dtype=np.float32)[:, None] / height
@@ -147,4 +161,43 @@ def make_photo_corpus(
         total += len(data)
     mean_kb = total / max(count, 1) / 1e3
     log.info("wrote %d photo-like JPEGs (%.1f KB mean) to %s", count, mean_kb, out)
+    return out
+
+
+def render_large_photo(rng: np.random.Generator, hue: float) -> bytes:
+    """The JPEG bytes of one large photo-like image (see the module docstring)."""
+    long_side = int(rng.integers(LARGE_LONG_SIDE[0], LARGE_LONG_SIDE[1] + 1))
+    short_side = int(round(long_side * rng.uniform(0.75, 1.0)))
+    height, width = (long_side, short_side) if rng.random() < 0.5 else (short_side, long_side)
+    small = _base_of(rng, hue, height // 4, width // 4)
+    base = np.asarray(Image.fromarray(np.clip(small, 0, 255).astype(np.uint8), "RGB").resize(
+        (width, height), Image.Resampling.BICUBIC), dtype=np.float32)
+    grain = rng.standard_normal((height, width, 1), dtype=np.float32)  # luminance grain
+    target = float(rng.uniform(*_LARGE_TARGET_BYTES))
+    low, high, data = 0.0, 16.0, b""
+    for _ in range(_MAX_ENCODES + 2):  # bisect the grain's strength on the file size
+        strength = (low + high) / 2
+        data = _encode(base + np.float32(strength) * grain)
+        if abs(len(data) - target) < 0.1 * target:
+            break
+        low, high = (strength, high) if len(data) < target else (low, strength)
+    if not LARGE_BYTES[0] <= len(data) <= LARGE_BYTES[1]:
+        log.warning("large photo of %d bytes is outside %d..%d", len(data), *LARGE_BYTES)
+    return data
+
+
+def make_large_photos(out: str | Path, *, count: int = 60, classes: int = 10, seed: int = 0
+                      ) -> Path:
+    """``count`` large photo-like JPEGs (render_large_photo), laid out as make_photo_corpus
+    lays out its own; the same arguments give byte-identical files."""
+    out = fresh_out_dir(out)
+    names = [f"class_{c:03d}" for c in range(classes)]
+    for name in names:
+        (out / name).mkdir()
+    for k in range(count):
+        class_index, i = k % classes, k // classes
+        rng = np.random.default_rng([seed, class_index, i, 4000])
+        data = render_large_photo(rng, hue=class_index / classes)
+        (out / names[class_index] / f"{names[class_index]}_{i:05d}.jpg").write_bytes(data)
+    log.info("wrote %d large photo-like JPEGs to %s", count, out)
     return out

@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 from pipeline.bench import image as bi
 from pipeline.bench import recipe
 from pipeline.bench.core import alternate, cpu_seconds, loader_figures
-from pipeline.builtin import make_photo_corpus
+from pipeline.builtin import make_large_photos, make_photo_corpus
 from pipeline.cli.util import positive_int, setup_logging
 from pipeline.convert import ConvertConfig, convert
 from pipeline.loading.readers import dali_importable, resolve_backend
@@ -48,8 +48,11 @@ OPTIONAL = {"MosaicML Streaming": bi.MosaicStreaming, "LitData": bi.LitData}
 
 
 def build_corpus(work: Path, images: int, batch: int, threads: int,
-                 source: Path | None = None) -> bi.Corpus:
-    folder = source or make_photo_corpus(work / "photos", count=images)
+                 source: Path | None = None, photos: str = "small") -> bi.Corpus:
+    """Shards of `source`, or of the built-in photos: ImageNet-sized ("small") or 3000-4000
+    px of about 1 MB ("large", make_large_photos)."""
+    make = make_large_photos if photos == "large" else make_photo_corpus
+    folder = source or make(work / "photos", count=images)
     images = len([p for p in folder.rglob("*") if p.is_file()]) if source else images
     convert(ConvertConfig(kind="imagefolder", src=str(folder), out=str(work / "shards"),
                           max_count=max(images // 8, 1), workers=threads))
@@ -93,6 +96,7 @@ def report(c: bi.Corpus, timings: Any, runs: dict[str, Any], args: argparse.Name
         "shardflow RandAugment+mixup", "torchvision-style RandAugment+mixup"), 3)
     return {
         "images": c.images, "batch_size": c.batch_size, "threads": c.threads,
+        "photos": "your source" if args.source else args.photos,
         "backend": runs["shardflow"].loader.backend,  # what "shardflow" ran ("auto" resolved)
         "repeats": args.repeats, "torchvision": runs["torchvision-style uint8"].flavour,
         "recipe_torchvision": runs["torchvision-style RandAugment+mixup"].flavour,
@@ -106,7 +110,8 @@ def report(c: bi.Corpus, timings: Any, runs: dict[str, Any], args: argparse.Name
 
 
 def print_table(r: dict[str, Any]) -> str:
-    lines = [f"{r['images']} photo-like JPEGs, batch {r['batch_size']}, {r['threads']} threads,"
+    lines = [f"{r['images']} photo-like JPEGs ({r.get('photos', 'small')}), batch "
+             f"{r['batch_size']}, {r['threads']} threads,"
              f" median of {r['repeats']} (torchvision: {r['torchvision']}; shardflow: the "
              f"{r['backend']} backend)", "",
              "| loader | images/s | CPU-s/image |", "|---|---|---|"]
@@ -281,7 +286,11 @@ def _rates(tree: Any, prefix: str = "") -> Any:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--images", type=positive_int, default=800)
+    p.add_argument("--images", type=positive_int, default=None,
+                   help="built-in photos (default 800 small, 60 large)")
+    p.add_argument("--photos", choices=("small", "large"), default="small",
+                   help="the built-in corpus: ImageNet-sized photos (350-500 px), or today's "
+                   "(3000-4000 px, about 1 MB each)")
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="default 64; lidar: 2 frames")
     p.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1)
@@ -317,11 +326,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.batch_size is None:
         args.batch_size = 2 if args.modality == "lidar" else 64
+    if args.images is None:
+        args.images = 60 if args.photos == "large" else 800
     setup_logging(quiet=True)
     shutil.rmtree(args.work, ignore_errors=True)
     if args.modality != "image":
         return other_modality(args)
-    corpus = build_corpus(args.work, args.images, args.batch_size, args.threads, args.source)
+    corpus = build_corpus(args.work, args.images, args.batch_size, args.threads, args.source,
+                          args.photos)
     if args.tune:
         tune(corpus, args)
         shutil.rmtree(args.work, ignore_errors=True)

@@ -27,6 +27,7 @@ import numpy as np
 from PIL import Image
 
 from pipeline.errors import DataError
+from pipeline.image import rows
 from pipeline.image.augment import CropParams
 from pipeline.image.batchops import BatchOps
 from pipeline.image.config import ImageConfig
@@ -70,12 +71,14 @@ class PortableImageStage(ImageStage, PortableStage):
         return self._resized(decoded, item[2])
 
 
-def decode_window(data: Any, window: CropParams, size: int, draft: bool = True
-                  ) -> np.ndarray:
+def decode_window(data: Any, window: CropParams, size: int, draft: bool = True,
+                  cut: bool = True) -> np.ndarray:
     """The window (stored frame) of an encoded JPEG or PNG as HWC uint8 RGB: as stored (the
     same pixels as DALI's window decode), or, with `draft` where the window is at least twice
     `size` on both sides, already resized to size x size from a JPEG decoded at 1/2, 1/4 or
-    1/8 scale (resize.py's resize of it is then the identity)."""
+    1/8 scale (resize.py's resize of it is then the identity). With `cut`, a JPEG is decoded
+    down to the last row the window (and the resize's filter) reads, not below: the same
+    pixels (rows.py)."""
     with Image.open(io.BytesIO(data), formats=FORMATS) as img:
         if img.format == "TIFF":
             img = _as_stored(img, headers.read_header(bytes(data)).orientation)
@@ -87,8 +90,13 @@ def decode_window(data: Any, window: CropParams, size: int, draft: bool = True
             # bilinear), which is why this can skip resize.py's.
             box = (window.x / scale, window.y / scale, (window.x + window.width) / scale,
                    (window.y + window.height) / scale)
+            if cut and rows.load_rows(img, rows.resized_rows(box, size, img.height),
+                                      data) is False:
+                return decode_window(data, window, size, draft, cut=False)
             return _rgb(_as_rgb(img).resize((size, size), Image.Resampling.BILINEAR, box=box))
         right, bottom = window.x + window.width, window.y + window.height
+        if cut and rows.load_rows(img, bottom, data) is False:
+            return decode_window(data, window, size, draft, cut=False)
         return _rgb(img.crop((window.x, window.y, right, bottom)))
 
 

@@ -1,0 +1,109 @@
+"""pipeline/image/rows.py: a JPEG decoded down to the window's last row (and the resize's
+reach), not below, gives the very pixels of a full decode; a file cut short is refused as
+before."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline.image.augment import CropParams
+from pipeline.image.portable import decode_window
+from pipeline.image.rows import load_rows, resized_rows
+
+
+def jpeg(h: int, w: int, mode: str = "RGB", seed: int = 0, **options) -> bytes:
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    pixels = np.stack([128 + 100 * np.sin(x / 50 + c) * np.cos(y / 37) for c in range(3)], -1)
+    pixels += rng.normal(0, 20, (h, w, 3))
+    out = io.BytesIO()
+    Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).convert(mode).save(
+        out, "JPEG", **options)
+    return out.getvalue()
+
+
+KINDS = {
+    "4:2:0": lambda: jpeg(900, 1200, quality=90),
+    "4:4:4": lambda: jpeg(700, 900, quality=90, subsampling=0),
+    "progressive": lambda: jpeg(900, 1200, quality=85, progressive=True),
+    "gray": lambda: jpeg(700, 600, mode="L"),
+    "cmyk": lambda: jpeg(500, 640, mode="CMYK"),
+    "odd size": lambda: jpeg(333, 517, quality=75),
+}
+
+
+def windows(width: int, height: int, count: int, seed: int) -> list[CropParams]:
+    """Random-resized-crop windows (scale 0.08-1, ratio 3/4-4/3), and the corners."""
+    rng = np.random.default_rng(seed)
+    out = [CropParams(0, 0, width, height, False), CropParams(0, height - 16, 16, 16, False)]
+    while len(out) < count:
+        area = width * height * rng.uniform(0.08, 1.0)
+        ratio = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
+        w, h = round(math.sqrt(area * ratio)), round(math.sqrt(area / ratio))
+        if 0 < w <= width and 0 < h <= height:
+            out.append(CropParams(int(rng.integers(0, width - w + 1)),
+                                  int(rng.integers(0, height - h + 1)), w, h, False))
+    return out
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_the_cut_gives_the_pixels_of_a_full_decode(kind: str) -> None:
+    data = KINDS[kind]()
+    width, height = Image.open(io.BytesIO(data)).size
+    for window in windows(width, height, 40, seed=len(kind)):
+        for size in (32, 224):  # drafted (1/2..1/8) and full-scale crops both
+            cut = decode_window(data, window, size, cut=True)
+            whole = decode_window(data, window, size, cut=False)
+            assert cut.shape == whole.shape and np.array_equal(cut, whole), (window, size)
+
+
+def test_only_the_rows_asked_for_are_decoded() -> None:
+    data = KINDS["4:2:0"]()
+    with Image.open(io.BytesIO(data)) as img:
+        assert load_rows(img, 100, data) is True
+        assert img.size == (1200, 100)
+        with Image.open(io.BytesIO(data)) as full:
+            assert np.array_equal(np.asarray(img), np.asarray(full)[:100])
+    with Image.open(io.BytesIO(data)) as img:
+        assert load_rows(img, 900, data) is None  # every row: nothing to cut
+    png = io.BytesIO()
+    Image.new("RGB", (64, 64)).save(png, "PNG")
+    with Image.open(png) as img:
+        assert load_rows(img, 10, png.getvalue()) is None
+
+
+def test_the_resize_reach_is_inside_the_image() -> None:
+    assert resized_rows((0, 0, 448, 448), 224, 1000) == math.ceil(448 + 3) + 1
+    assert resized_rows((0, 500, 100, 990), 224, 1000) == 995  # 990 + 3.19, rounded up, + 1
+    assert resized_rows((0, 500, 100, 998), 224, 1000) == 1000  # the last row at most
+
+
+@pytest.mark.parametrize("keep", [1 / 3, 1 / 2, 0.98])
+def test_a_file_cut_short_is_refused_as_before(keep: float) -> None:
+    data = KINDS["4:2:0"]()
+    short = data[: int(len(data) * keep)]
+    window = CropParams(0, 0, 300, 200, False)  # above the cut: the rows are all there
+    with pytest.raises(OSError, match="truncated"):
+        decode_window(short, window, 224, cut=False)
+    with pytest.raises(OSError, match="truncated"):
+        decode_window(short, window, 224, cut=True)
+
+
+def test_rows_that_never_come_fall_back_to_the_whole_decode() -> None:
+    """A progressive file cut short never outputs a row (libjpeg reads every scan first):
+    the sentinel row stays, and the whole decode raises, as before."""
+    data = KINDS["progressive"]()
+    short = data[: len(data) // 2] + b"\xff\xd9"  # an end marker, but scans missing
+    window = CropParams(0, 0, 300, 200, False)
+    try:
+        whole = decode_window(short, window, 224, cut=False)
+    except OSError:
+        with pytest.raises(OSError):
+            decode_window(short, window, 224, cut=True)
+    else:  # libjpeg filled the missing scans in (a warning): then both give the same pixels
+        assert np.array_equal(decode_window(short, window, 224, cut=True), whole)
