@@ -52,7 +52,8 @@ def load_rows(img: Image.Image, rows: int, data: Any) -> bool | None:
     raw = bytes(data)
     # A file cut short has no end-of-image marker after its scan (0xFFD9 never occurs inside
     # entropy-coded data): it is left to the full decode, which says it is truncated.
-    if extents is None or tuple(extents) != (0, 0, width, img.height) or raw.rfind(b"\xff\xd9", offset) < 0:
+    whole = extents is not None and tuple(extents) == (0, 0, width, img.height)
+    if not whole or raw.rfind(b"\xff\xd9", offset) < 0:
         return None
     img._size = (width, rows)
     img.load_prepare()
