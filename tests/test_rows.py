@@ -107,3 +107,27 @@ def test_rows_that_never_come_fall_back_to_the_whole_decode() -> None:
             decode_window(short, window, 224, cut=True)
     else:  # libjpeg filled the missing scans in (a warning): then both give the same pixels
         assert np.array_equal(decode_window(short, window, 224, cut=True), whole)
+
+
+@pytest.mark.dali
+def test_auto_runs_the_portable_backend_on_large_photos_only(tmp_path) -> None:
+    from pipeline import image_loader
+    from pipeline.convert import ConvertConfig, convert
+    from pipeline.image import choose
+
+    for name, side in (("large", 4 * 224), ("small", 4 * 224 - 8)):
+        folder = tmp_path / name / "class_0"
+        folder.mkdir(parents=True)
+        for i in range(3):
+            (folder / f"{i}.jpg").write_bytes(jpeg(side, side + 100 * i, seed=i))
+        convert(ConvertConfig(kind="imagefolder", src=str(tmp_path / name),
+                              out=str(tmp_path / f"{name}-shards"), workers=1, max_count=2))
+    with image_loader(tmp_path / "large-shards", batch_size=2) as loader:
+        assert loader.backend == "portable"
+        assert len(next(iter(loader))) == 2
+    with image_loader(tmp_path / "small-shards", batch_size=2) as loader:
+        assert loader.backend == "dali"  # shorter sides below 4 x 224
+    for asked in ({"backend": "dali"}, {"reader": "dali"}, {"size": 256}):
+        with image_loader(tmp_path / "large-shards", batch_size=2, **asked) as loader:
+            assert loader.backend == "dali", asked
+    assert choose.shorter_sides(loader.source) == [896, 896, 896]

@@ -47,11 +47,13 @@ class Ours:
     """Our loader with the benchmark's thread count (not a tuning file's), unless `options`
     say otherwise (--tune tries other configurations)."""
 
-    def __init__(self, c: Corpus, **options: Any) -> None:
+    def __init__(self, c: Corpus, whole_rows: bool = False, **options: Any) -> None:
         from pipeline.image.loader import image_loader
 
         options = {"device": "cpu", "threads": c.threads, "use_tuning": False, **options}
         self.loader = image_loader(c.shards, batch_size=c.batch_size, size=c.size, **options)
+        if whole_rows:  # the portable backend as it was: every row of a JPEG decoded
+            self.loader._decoder.cut = False  # type: ignore[union-attr]
 
     def epoch(self) -> int:
         return sum(len(b) for b in self.loader)

@@ -68,6 +68,7 @@ def contenders(c: bi.Corpus, backend: str = "auto") -> dict[str, Any]:
     runs = {"shardflow": bi.Ours(c, backend=backend),
             "shardflow float": bi.Ours(c, normalize=True, backend=backend),
             "shardflow portable": bi.Ours(c, backend="portable"),
+            "shardflow portable, whole rows": bi.Ours(c, backend="portable", whole_rows=True),
             "torchvision-style uint8": bi.TorchvisionStyle(c),
             "torchvision-style float": bi.TorchvisionStyle(c, normalize=True),
             "webdataset + PIL": bi.WebdatasetPil(c),
@@ -89,6 +90,8 @@ def report(c: bi.Corpus, timings: Any, runs: dict[str, Any], args: argparse.Name
               if name in runs}
     ratios["shardflow portable/tv"] = round(
         timings.ratio("shardflow portable", "torchvision-style uint8"), 3)
+    ratios["shardflow/shardflow portable, whole rows"] = round(
+        timings.ratio("shardflow", "shardflow portable, whole rows"), 3)
     ratios["shardflow float/torchvision-style float"] = round(
         timings.ratio("shardflow float", "torchvision-style float"), 3)
     ratios["shardflow float/shardflow"] = round(timings.ratio("shardflow float", "shardflow"), 3)

@@ -16,6 +16,7 @@ key) when training, the centre crop when evaluating, so memory is bounded by the
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import DataError, OnError
-from pipeline.image import augment, batchops, views
+from pipeline.image import augment, batchops, choose, views
 from pipeline.image.config import ImageConfig
 from pipeline.image.decode import DecodeStage, ImageStage
 from pipeline.image.portable import PortableImageStage
@@ -96,6 +97,9 @@ class ImageLoader(GraphLoader):
 
     def __init__(self, source: Source, cfg: ImageConfig, rank: int, world_size: int
                  ) -> None:
+        if readers.dali_importable() and choose.prefers_portable(source, cfg.size, cfg):
+            cfg = copy.copy(cfg)  # the same validated options, but the backend: choose.py
+            object.__setattr__(cfg, "backend", "portable")
         self.cfg = cfg
         # the readers carry the targets' members too (checked and cut in _check_one)
         self.extras = cfg.extras + tuple(ext for _, ext in cfg.targets)

@@ -47,6 +47,8 @@ class PortableImageStage(ImageStage, PortableStage):
     """Decodes with PIL in `threads` threads (PIL releases the GIL while it decodes); the
     batch is built as the DALI stage builds it after a CPU decode (ImageStage)."""
 
+    cut = True  # JPEGs decoded down to the window's last row (rows.py); False: every row
+
     def __init__(self, cfg: ImageConfig, placement: Placement, batch_ops: BatchOps | None
                  ) -> None:
         self._setup(cfg, placement, batch_ops)
@@ -56,9 +58,9 @@ class PortableImageStage(ImageStage, PortableStage):
         """The window's pixels; with views, each view's window (a tuple), at its size."""
         try:
             if self.views is not None:
-                return [decode_window(data, w, view.size) for w, view in zip(window, self.views,
-                                                                             strict=True)]
-            return decode_window(data, window, self.cfg.size)
+                return [decode_window(data, w, view.size, cut=self.cut)
+                        for w, view in zip(window, self.views, strict=True)]
+            return decode_window(data, window, self.cfg.size, cut=self.cut)
         except (OSError, ValueError, SyntaxError, EOFError, IndexError, struct.error,
                 Image.DecompressionBombError) as exc:  # what Pillow raises on bad data
             # The reason the DALI backend gives a sample its graph refuses: PIL's full check
