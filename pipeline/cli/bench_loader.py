@@ -290,12 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=positive_int, default=None,
-                   help="built-in photos (default 800 small, 60 large)")
+                   help="built-in photos (default 800 small, 120 large)")
     p.add_argument("--photos", choices=("small", "large"), default="small",
                    help="the built-in corpus: ImageNet-sized photos (350-500 px), or today's "
                    "(3000-4000 px, about 1 MB each)")
     p.add_argument("--batch-size", type=positive_int, default=None,
-                   help="default 64; lidar: 2 frames")
+                   help="default 64; large photos 16; lidar: 2 frames")
     p.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1)
     # 5 rounds: on these shared machines one contender's repeats varied by up to 1.6x in a row
     p.add_argument("--repeats", type=positive_int, default=5)
@@ -327,10 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=positive_int, default=100_000,
                    help="tabular: built-in Criteo-style rows")
     args = p.parse_args(argv)
-    if args.batch_size is None:
-        args.batch_size = 2 if args.modality == "lidar" else 64
-    if args.images is None:
-        args.images = 60 if args.photos == "large" else 800
+    large = args.photos == "large"
+    if args.batch_size is None:  # large photos: 16 a batch, as the photos people train on
+        args.batch_size = 2 if args.modality == "lidar" else 16 if large else 64
+    if args.images is None:  # several batches an epoch: a loader's prefetch is no epoch
+        args.images = 120 if large else 800
     setup_logging(quiet=True)
     shutil.rmtree(args.work, ignore_errors=True)
     if args.modality != "image":
