@@ -327,11 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=positive_int, default=100_000,
                    help="tabular: built-in Criteo-style rows")
     args = p.parse_args(argv)
-    large = args.photos == "large"
-    if args.batch_size is None:  # large photos: 16 a batch, as the photos people train on
-        args.batch_size = 2 if args.modality == "lidar" else 16 if large else 64
-    if args.images is None:  # several batches an epoch: a loader's prefetch is no epoch
-        args.images = 120 if large else 800
+    _defaults(args)
     setup_logging(quiet=True)
     shutil.rmtree(args.work, ignore_errors=True)
     if args.modality != "image":
@@ -347,6 +343,15 @@ def main(argv: list[str] | None = None) -> int:
                         cpu_clock=cpu_seconds, expect=corpus.images)
     result = report(corpus, timings, runs, args)
     return write_outputs(args, result, print_table(result), lambda path: plot(result, path))
+
+
+def _defaults(args: argparse.Namespace) -> None:
+    """The batch size and corpus size left to the modality and corpus."""
+    large = args.photos == "large"
+    if args.batch_size is None:  # large photos: 16 a batch, as the photos people train on
+        args.batch_size = 2 if args.modality == "lidar" else 16 if large else 64
+    if args.images is None:  # several batches an epoch: a loader's prefetch is no epoch
+        args.images = 120 if large else 800
 
 
 def entry(argv: list[str] | None = None) -> NoReturn:
