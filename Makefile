@@ -29,7 +29,8 @@ NODALI_TESTS := tests/test_portable.py tests/test_image_loader.py \
 	tests/test_make_shards.py tests/test_trainers.py tests/test_bench_loader.py \
 	tests/test_fast_paths.py tests/test_ops.py tests/test_loader_ops.py tests/test_views.py \
 	tests/test_masks.py tests/test_point_ops.py tests/test_formats.py tests/test_index_shards.py \
-	tests/test_downsize.py tests/test_reader_index.py tests/test_pretokenized.py
+	tests/test_downsize.py tests/test_reader_index.py tests/test_pretokenized.py \
+	tests/test_scene_loader.py tests/test_rows.py
 NODALI_SKIP := not learn_the_primitives and not learn_below_the_unigram_entropy
 
 test: $(STAMP)
