@@ -226,6 +226,23 @@ def test_optional_contender_reads_every_image_once_per_epoch(bench_tools, reques
     gc.collect()
 
 
+def test_the_entropy_floor_decodes_every_photo_whole(tiny_corpus, tmp_path):
+    """The large-photo floor (every row at 1/8 scale, no loader) is a real decode of every
+    photo, each epoch: a photo cut short stops it."""
+    import dataclasses
+
+    from pipeline.bench.image import WholeEighthDecode
+
+    floor = WholeEighthDecode(tiny_corpus)
+    assert floor.epoch() == floor.epoch() == 24
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_corpus.folder, cut)
+    victim = sorted(cut.rglob("*.jpg"))[5]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    with pytest.raises(OSError, match="truncated"):
+        WholeEighthDecode(dataclasses.replace(tiny_corpus, folder=cut)).epoch()
+
+
 def _read_mds(out) -> list[tuple[bytes, int]]:
     from pipeline.bench.image import streaming_base
 
@@ -272,12 +289,21 @@ def test_tune_writes_the_fastest_configuration_for_uint8_and_float(tmp_path):
     assert tuning is not None and tuning.images_per_s > 0
     rows = tuning.table
     assert rows == sorted(rows, key=lambda row: -row["images_per_s"])  # the winner first
-    assert tuning.reader == rows[0]["reader"] and tuning.threads == rows[0]["threads"]
-    if dali_importable():  # resize_on is a choice of the DALI backend only
-        assert {row["resize_on"] for row in rows} == {"torch", "dali"}
-        assert tuning.resize_on == rows[0]["resize_on"]
+    if not dali_importable():
+        assert tuning.reader == rows[0]["reader"] and tuning.threads == rows[0]["threads"]
+    else:  # resize_on is a choice of the DALI backend only
+        assert {row.get("resize_on") for row in rows} == {"torch", "dali", None}
+        assert tuning.resize_on == next(r for r in rows if r["backend"] == "dali")["resize_on"]
         assert tuning.resize_on_float in ("torch", "dali")
         assert f"with normalize=True, resize_on={tuning.resize_on_float}" in proc.stdout
+        # both backends ran; the file's choices are DALI's, the split holds both fastest
+        assert {row["backend"] for row in rows} == {"dali", "portable"}
+        assert tuning.reader == next(r for r in rows if r["backend"] == "dali")["reader"]
+        (point,) = tuning.backend_split
+        assert 1 < point["side_ratio"] < 3  # built-in photos of 350-500 px, output 224
+        assert point["portable"] == max(r["images_per_s"] for r in rows
+                                        if r["backend"] == "portable")
+        assert "backend='auto' takes the portable backend from" in proc.stdout
     assert not (tmp_path / "work").exists()
 
 

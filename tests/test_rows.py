@@ -109,25 +109,76 @@ def test_rows_that_never_come_fall_back_to_the_whole_decode() -> None:
         assert np.array_equal(decode_window(short, window, 224, cut=True), whole)
 
 
-@pytest.mark.dali
-def test_auto_runs_the_portable_backend_on_large_photos_only(tmp_path) -> None:
-    from pipeline import image_loader
+def side_corpora(root) -> dict[str, object]:
+    """Shards of 3 photos whose median shorter side is 4 x 224 ("large") and 8 px less."""
     from pipeline.convert import ConvertConfig, convert
-    from pipeline.image import choose
 
     for name, side in (("large", 4 * 224), ("small", 4 * 224 - 8)):
-        folder = tmp_path / name / "class_0"
+        folder = root / name / "class_0"
         folder.mkdir(parents=True)
         for i in range(3):
             (folder / f"{i}.jpg").write_bytes(jpeg(side, side + 100 * i, seed=i))
-        convert(ConvertConfig(kind="imagefolder", src=str(tmp_path / name),
-                              out=str(tmp_path / f"{name}-shards"), workers=1, max_count=2))
-    with image_loader(tmp_path / "large-shards", batch_size=2) as loader:
+        convert(ConvertConfig(kind="imagefolder", src=str(root / name),
+                              out=str(root / f"{name}-shards"), workers=1, max_count=2))
+    return {name: root / f"{name}-shards" for name in ("large", "small")}
+
+
+@pytest.mark.dali
+def test_auto_runs_the_portable_backend_on_large_photos_only(tmp_path) -> None:
+    from pipeline import image_loader
+    from pipeline.image import choose
+
+    shards = side_corpora(tmp_path)
+    untuned = {"tuning_file": tmp_path / "none.json"}
+    with image_loader(shards["large"], batch_size=2, **untuned) as loader:
         assert loader.backend == "portable"
         assert len(next(iter(loader))) == 2
-    with image_loader(tmp_path / "small-shards", batch_size=2) as loader:
+    with image_loader(shards["small"], batch_size=2, **untuned) as loader:
         assert loader.backend == "dali"  # shorter sides below 4 x 224
     for asked in ({"backend": "dali"}, {"reader": "dali"}, {"size": 256}):
-        with image_loader(tmp_path / "large-shards", batch_size=2, **asked) as loader:
+        with image_loader(shards["large"], batch_size=2, **untuned, **asked) as loader:
             assert loader.backend == "dali", asked
     assert choose.shorter_sides(loader.source) == [896, 896, 896]
+
+
+def test_the_split_lies_between_the_ratios_each_backend_won() -> None:
+    from pipeline.image.choose import LARGE, split
+
+    def point(ratio, dali, portable):
+        return {"side_ratio": ratio, "dali": dali, "portable": portable}
+
+    assert split([]) == LARGE
+    assert split([point(2, 1500, 900), point(8, 60, 130)]) == pytest.approx(4.0)
+    assert split([point(2, 1500, 900)]) == LARGE  # DALI's win far below the default
+    assert split([point(6, 90, 80)]) == pytest.approx(6 * math.sqrt(2))  # DALI won above it
+    assert split([point(2, 800, 900)]) == pytest.approx(math.sqrt(2))  # PIL won below it
+    # a portable win below a DALI win (noise) does not pull the line under DALI's win
+    assert split([point(3, 100, 120), point(5, 100, 90), point(10, 60, 130)]) == \
+        pytest.approx(math.sqrt(50))
+
+
+@pytest.mark.dali
+def test_auto_follows_the_tuning_files_split_and_not_its_dali_reader(tmp_path) -> None:
+    """The split --tune measured moves the line; a reader or resize_on the tuning file chose
+    for DALI does not keep DALI on large photos (the user did not ask for them), and the
+    portable backend gets only the tuned choices it can use."""
+    from pipeline import image_loader
+    from pipeline.loading.tuning import Tuning
+
+    shards = side_corpora(tmp_path)
+    path = tmp_path / "tuning.json"
+
+    def tuned(split):
+        Tuning("cpu", "dali", 3, 4, 100.0, resize_on="dali", backend_split=split).save(path)
+
+    def backend(name):
+        with image_loader(shards[name], batch_size=2, device="cpu", tuning_file=path) as loader:
+            return loader.backend, loader.reader, loader.cfg.threads
+
+    tuned([])
+    assert backend("large") == ("portable", "stream", 3)  # tuned threads still apply
+    assert backend("small") == ("dali", "dali", 3)
+    tuned([{"side_ratio": 2.0, "dali": 900.0, "portable": 1000.0}])  # PIL won at 2x already
+    assert backend("small")[0] == "portable"
+    tuned([{"side_ratio": 6.0, "dali": 90.0, "portable": 80.0}])  # DALI still won at 6x
+    assert backend("large")[0] == "dali"

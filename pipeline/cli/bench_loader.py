@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -34,6 +35,7 @@ from pipeline.bench.core import alternate, cpu_seconds, loader_figures
 from pipeline.builtin import make_large_photos, make_photo_corpus
 from pipeline.cli.util import positive_int, setup_logging
 from pipeline.convert import ConvertConfig, convert
+from pipeline.image import choose
 from pipeline.loading.readers import dali_importable, resolve_backend
 
 # Ours (uint8 out, normalized later on the accelerator) against each baseline; the last is
@@ -45,6 +47,7 @@ BASELINES = {"torchvision-style uint8": "tv", "webdataset + PIL": "wds",
 # Other loaders with their own formats (written from the same photo folder when the contender is
 # made), each where its package imports: the bench extra (pip install -e ".[bench]").
 OPTIONAL = {"MosaicML Streaming": bi.MosaicStreaming, "LitData": bi.LitData}
+FLOOR = "PIL 1/8-scale decode of whole photos"  # no loader, no crop: bench/image.py
 
 
 def build_corpus(work: Path, images: int, batch: int, threads: int,
@@ -59,10 +62,10 @@ def build_corpus(work: Path, images: int, batch: int, threads: int,
     return bi.Corpus(folder, work / "shards", images, batch, threads)
 
 
-def contenders(c: bi.Corpus, backend: str = "auto") -> dict[str, Any]:
+def contenders(c: bi.Corpus, backend: str = "auto", photos: str = "small") -> dict[str, Any]:
     """Every contender; `backend` is shardflow's (the portable one is always run beside it).
     The DALI baselines only where nvidia.dali imports, MosaicML Streaming and LitData only
-    where theirs do."""
+    where theirs do; on large photos, the whole-photo 1/8-scale decode (the entropy floor)."""
     # Each float variant runs right after its uint8 one: the pair compared is seconds apart
     # within a round (these machines drift; see Timings.ratio).
     runs = {"shardflow": bi.Ours(c, backend=backend),
@@ -79,6 +82,8 @@ def contenders(c: bi.Corpus, backend: str = "auto") -> dict[str, Any]:
         runs.update({"DALI by hand": bi.DaliByHand(c),
                      "DALI decode only": bi.DaliByHand(c, decode_only=True)})
     runs.update({name: make(c) for name, make in OPTIONAL.items() if bi.importable(name)})
+    if photos == "large":
+        runs[FLOOR] = bi.WholeEighthDecode(c)
     return runs
 
 
@@ -92,6 +97,8 @@ def report(c: bi.Corpus, timings: Any, runs: dict[str, Any], args: argparse.Name
         timings.ratio("shardflow portable", "torchvision-style uint8"), 3)
     ratios["shardflow/shardflow portable, whole rows"] = round(
         timings.ratio("shardflow", "shardflow portable, whole rows"), 3)
+    if FLOOR in runs:
+        ratios[f"shardflow/{FLOOR}"] = round(timings.ratio("shardflow", FLOOR), 3)
     ratios["shardflow float/torchvision-style float"] = round(
         timings.ratio("shardflow float", "torchvision-style float"), 3)
     ratios["shardflow float/shardflow"] = round(timings.ratio("shardflow float", "shardflow"), 3)
@@ -128,26 +135,11 @@ def print_table(r: dict[str, Any]) -> str:
 
 
 def tune(c: bi.Corpus, args: argparse.Namespace) -> None:
-    """Every configuration that matters here, alternated; the fastest goes to the file."""
-    import torch
-
+    """Every configuration that matters here, alternated; the fastest goes to the file, and
+    with backend auto both backends' fastest, as a point of the split choose.py draws."""
     from pipeline.loading.tuning import Tuning, default_path
 
-    # Where decoding runs, for batches that land where training will run: the GPU if any.
-    # The portable backend has fewer choices: it streams and decodes on the CPU, in torch.
-    dali = resolve_backend(args.backend, "image") == "dali"
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    decodes = ["cpu", "gpu"] if device == "cuda" and dali else ["cpu"]
-    configs = [{"device": device, "decode": d, "reader": r, "threads": t, "prefetch": p,
-                "backend": args.backend}
-               for d in decodes for r in (("dali", "stream") if dali else ("stream",))
-               for t in (c.threads, c.threads + 1) for p in (2, 4)]
-    # On a GPU, the share of JPEGs sent to the hardware decoder (the rest: CUDA + CPU Huffman);
-    # on the CPU, where resize, flip and normalize run: torch in the decode stage, or the graph
-    configs = [{**cfg, "hw_decoder_load": h, "resize_on": on} for cfg in configs
-               for h in ((0.0, 0.65, 0.9) if cfg["decode"] == "gpu" else (None,))
-               for on in ((None,) if cfg["decode"] == "gpu" or not dali else ("torch", "dali"))]
-    configs = [{k: v for k, v in cfg.items() if v is not None} for cfg in configs]
+    configs = tune_configs(c, args.backend)
     runs = {json.dumps(cfg): bi.Ours(c, **cfg) for cfg in configs}
     timings = alternate({key: ours.epoch for key, ours in runs.items()}, repeats=args.repeats,
                         expect=c.images)
@@ -155,13 +147,66 @@ def tune(c: bi.Corpus, args: argparse.Namespace) -> None:
                     for key in runs), key=lambda row: -row["images_per_s"])
     for row in table:
         print(row)
-    best = table[0]
+    # The file's choices are the DALI backend's where it ran (the portable one has none of
+    # its own beyond threads and prefetch); the split says when to leave DALI.
+    best = next((row for row in table if row["backend"] == "dali"), table[0])
     float_on = tune_float(c, args, best) if "resize_on" in best else None
     path = args.tuning_file or default_path()
+    split = backend_split(c, table, path)
     Tuning(best["decode"], best["reader"], best["threads"], best["prefetch"],
            best["images_per_s"], table, hw_decoder_load=best.get("hw_decoder_load"),
-           resize_on=best.get("resize_on"), resize_on_float=float_on).save(path)
+           resize_on=best.get("resize_on"), resize_on_float=float_on,
+           backend_split=split).save(path)
     print(f"fastest: {best}; with normalize=True, resize_on={float_on}; written to {path}")
+    if split:
+        print(f"backend='auto' takes the portable backend from a median shorter side of "
+              f"{choose.split(split):.2f}x the output size (both backends: {split})")
+
+
+def tune_configs(c: bi.Corpus, backend: str) -> list[dict[str, Any]]:
+    """The configurations --tune alternates: each backend's own choices (both with 'auto')."""
+    import torch
+
+    # Where decoding runs, for batches that land where training will run: the GPU if any.
+    # The portable backend has fewer choices: it streams and decodes on the CPU, in torch.
+    dali = resolve_backend(backend, "image") == "dali"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    decodes = ["cpu", "gpu"] if device == "cuda" and dali else ["cpu"]
+    configs: list[dict[str, Any]] = [
+        {"device": device, "decode": d, "reader": r, "threads": t, "prefetch": p,
+         "backend": "dali"}
+        for d in decodes for r in ("dali", "stream")
+        for t in (c.threads, c.threads + 1) for p in (2, 4)] if dali else []
+    # On a GPU, the share of JPEGs sent to the hardware decoder (the rest: CUDA + CPU Huffman);
+    # on the CPU, where resize, flip and normalize run: torch in the decode stage, or the graph
+    configs = [{**cfg, "hw_decoder_load": h, "resize_on": on} for cfg in configs
+               for h in ((0.0, 0.65, 0.9) if cfg["decode"] == "gpu" else (None,))
+               for on in ((None,) if cfg["decode"] == "gpu" else ("torch", "dali"))]
+    if backend != "dali":
+        configs += [{"device": device, "decode": "cpu", "reader": "stream", "threads": t,
+                     "prefetch": p, "backend": "portable"}
+                    for t in (c.threads, c.threads + 1) for p in (2, 4)]
+    return [{k: v for k, v in cfg.items() if v is not None} for cfg in configs]
+
+
+def backend_split(c: bi.Corpus, table: list[dict[str, Any]], path: Path
+                  ) -> list[dict[str, float]]:
+    """Both backends' fastest on this corpus at its side ratio (choose.py), added to the
+    points the tuning file at `path` already holds for this machine (a point at nearly the
+    same ratio replaced); [] where one backend was not measured."""
+    from pipeline.loading import tuning
+    from pipeline.loading.shardlist import resolve_source
+
+    fastest = {row["backend"]: row["images_per_s"] for row in reversed(table)}
+    ratio = choose.side_ratio(resolve_source(str(c.shards)), c.size)
+    if set(fastest) != {"dali", "portable"} or ratio is None:
+        return []
+    old = tuning.load(path)
+    kept = [o for o in (old.backend_split if old else [])
+            if abs(math.log(o["side_ratio"] / ratio)) > 0.1]
+    point = {"side_ratio": round(ratio, 3), "dali": fastest["dali"],
+             "portable": fastest["portable"]}
+    return sorted([*kept, point], key=lambda o: o["side_ratio"])
 
 
 def tune_float(c: bi.Corpus, args: argparse.Namespace, best: dict[str, Any]) -> str:
@@ -338,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         tune(corpus, args)
         shutil.rmtree(args.work, ignore_errors=True)
         return 0
-    runs = contenders(corpus, args.backend)
+    runs = contenders(corpus, args.backend, "your source" if args.source else args.photos)
     timings = alternate({k: v.epoch for k, v in runs.items()}, repeats=args.repeats,
                         cpu_clock=cpu_seconds, expect=corpus.images)
     result = report(corpus, timings, runs, args)

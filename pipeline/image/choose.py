@@ -13,12 +13,19 @@ backend; on ImageNet-sized photos (350-500 px) DALI stays ahead. The choice is m
 where decoding runs on the CPU: a GPU's nvJPEG decodes whole photos fast (decode="gpu" and
 a CUDA device with decode="auto" keep DALI), and only where nothing asked for DALI's own
 parts (reader="dali", resize_on="dali").
+
+`bench_loader --tune` measures both backends on the corpus it tunes on and the tuning file
+keeps each measurement with that corpus's side ratio (median shorter side / output size);
+`tuned_split` puts the line between the ratios DALI won and those the portable backend won, so
+a machine where DALI (more cores) or PIL (a faster libjpeg) wins more often moves it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import statistics
+from pathlib import Path
 from typing import Any
 
 from pipeline.loading.shardlist import Source
@@ -29,19 +36,52 @@ LARGE = 4  # the median shorter side at least this many times the output size
 PROBES = 12
 
 
-def prefers_portable(source: Source, size: int, cfg: Any) -> bool:
-    """Whether backend="auto" should run the portable backend on `source` (see above)."""
+def prefers_portable(source: Source, size: int, cfg: Any, large: float = LARGE) -> bool:
+    """Whether backend="auto" should run the portable backend on `source` (see above): the
+    median shorter side at least `large` times `size`."""
     if cfg.backend != "auto" or cfg.decode == "gpu" or cfg.reader == "dali" or \
             cfg.resize_on == "dali" or not _decodes_on_cpu(cfg):
         return False
     sides = shorter_sides(source)
-    if not sides or statistics.median(sides) < LARGE * size:
+    if not sides or statistics.median(sides) < large * size:
         return False
     log.info("backend='auto': the portable backend, as these photos are large (median "
              "shorter side %d px, %d or more for output %d: a scaled decode of the rows the "
              "crop needs beats DALI's full one); backend='dali' keeps DALI",
-             statistics.median(sides), LARGE * size, size)
+             statistics.median(sides), large * size, size)
     return True
+
+
+def split(observations: list[dict[str, float]], default: float = LARGE) -> float:
+    """The side ratio from which the portable backend is chosen, from --tune's measurements
+    ({"side_ratio", "dali", "portable"}: images/s of each backend's fastest configuration):
+    halfway (geometrically) between the largest ratio DALI won and the smallest above it the
+    portable backend won; with wins on one side only, `default` moved past them."""
+    dali = [o["side_ratio"] for o in observations if o["dali"] >= o["portable"]]
+    portable = [o["side_ratio"] for o in observations if o["portable"] > o["dali"]]
+    lo = max(dali, default=None)
+    hi = min((r for r in portable if lo is None or r > lo), default=None)
+    if lo is not None and hi is not None:
+        return math.sqrt(lo * hi)
+    if lo is not None:
+        return max(default, lo * math.sqrt(2))
+    if hi is not None:
+        return min(default, hi / math.sqrt(2))
+    return default
+
+
+def tuned_split(path: Path | None) -> float:
+    """The split of this machine's tuning file (`split`), or the measured default, LARGE."""
+    from pipeline.loading import tuning
+
+    found = tuning.load(path)
+    return split(found.backend_split) if found is not None else LARGE
+
+
+def side_ratio(source: Source, size: int) -> float | None:
+    """The median shorter side of `source`'s photos over `size` (None: not probed)."""
+    sides = shorter_sides(source)
+    return statistics.median(sides) / size if sides else None
 
 
 def _decodes_on_cpu(cfg: Any) -> bool:

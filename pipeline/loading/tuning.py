@@ -3,9 +3,10 @@
 `tools/bench_loader.py --tune` measures the choices that matter (where decoding runs, reader,
 DALI threads, prefetch depth, where resize/flip/normalize run after a CPU decode (for uint8 and
 for float output apart), and on a GPU the hardware JPEG decoder's share) and writes the winner
-here. Every loader then uses it for the choices left automatic that apply to it (decode, reader
-and resize_on "auto", threads and prefetch not given) and logs that it did and where the
-figures come from. A tuned choice is applied only where it is possible for the source and
+here, with both backends' fastest rates on that corpus (`backend_split`, image/choose.py).
+Every loader then uses it for the choices left automatic that apply to it (decode, reader and
+resize_on "auto", threads and prefetch not given) and logs that it did and where the figures
+come from. A tuned choice is applied only where it is possible for the source and
 placement at hand: DALI's reader only for local indexed shards, GPU decoding only when batches
 land on a GPU. A file measured on another machine (other CPU count or GPU) is ignored, with a
 log line saying so. (The file's `device` field is where decoding ran: the `decode` option.)
@@ -54,6 +55,9 @@ class Tuning:
     # The same choice measured with normalize=True (float out), which moves the work: the
     # graph's crop_mirror_normalize, or resize.py's per-image normalize into the batch.
     resize_on_float: str | None = None
+    # Both backends on each corpus tuned on: {"side_ratio": median shorter side / output size,
+    # "dali": images/s, "portable": images/s}; image/choose.py draws backend="auto"'s line
+    backend_split: list[dict[str, float]] = field(default_factory=list)
 
     def save(self, path: Path) -> None:
         from pipeline.atomic import write_atomic
