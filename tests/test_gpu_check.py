@@ -69,7 +69,9 @@ def test_dry_run_records_every_part_and_the_header(tmp_path: Path) -> None:
     if not header["dali_imports"]:
         assert report["parts"]["dali"]["status"] == "skipped"
     else:
-        assert set(report["parts"]["dali"]["stage_seconds"]) >= {"corpus_and_conversion"}
+        dali = report["parts"]["dali"]
+        assert set(dali["stage_seconds"]) >= {"corpus_and_conversion", "large_photos"}
+        assert dali["key"]["large_portable"] > 0 and dali["key"]["large_dali_cpu_decode"] > 0
     parts = report["parts"]
     assert parts["amp_step"]["model"] == "resnet50-local"  # the torchvision-free ResNet-50
     ddp = parts["ddp"]["runs"]  # every mode's hook on every step; int8 a quarter of fp32

@@ -1,5 +1,5 @@
 """The parts of tools/gpu_check.py, most valuable first, with their default timeouts (PARTS:
-475 s in all, plus HEADER_TIMEOUT_S for the header; on one GPU without DALI, dali is skipped
+515 s in all, plus HEADER_TIMEOUT_S for the header; on one GPU without DALI, dali is skipped
 at once and ranks in seconds, so the worst case there is about 6.5 minutes):
 
   delivery         correctness: the text loader's batches delivered to CUDA equal the CPU
@@ -29,8 +29,10 @@ at once and ranks in seconds, so the worst case there is about 6.5 minutes):
                    scenes (per_point_labels, voxel rows) on the device equal to the CPU
                    loader's ("failed" otherwise), and segvoxels' points/s there.
   dali             with DALI only: CPU vs mixed (nvJPEG) decode images/s and a hw_decoder_load
-                   sweep (and how long each stage took); "skipped" when nvidia.dali does
-                   not import.
+                   sweep (and how long each stage took); on 3000-4000 px photos, the portable
+                   backend's scaled decode beside DALI's CPU and nvJPEG decodes (whether
+                   backend="auto" should leave DALI on a GPU too); "skipped" when nvidia.dali
+                   does not import.
   sync_debug       host syncs counted by torch.cuda.set_sync_debug_mode("warn") over Trainer
                    steps (fp16 and bf16, grad_accum 2, after two warm-up steps): "failed"
                    unless there are none (the fused optimizer reads found_inf on the device).
@@ -91,12 +93,12 @@ PARTS: dict[str, PartSpec] = {
     "ddp": PartSpec(part_ddp, 25),
     "checkpointing": PartSpec(part_checkpointing, 25),
     "text_pointcloud": PartSpec(part_text_pointcloud, 45),
-    "dali": PartSpec(part_dali, 50, needs_dali=True),
+    "dali": PartSpec(part_dali, 90, needs_dali=True),  # 40 s of it: the large photos
     "sync_debug": PartSpec(part_sync_debug, 25),
     "compile": PartSpec(part_compile, 60),
     "ranks": PartSpec(part_ranks, 40),
     "ops": PartSpec(part_ops, 40),
-}  # 475 s in all, plus HEADER_TIMEOUT_S
+}  # 515 s in all, plus HEADER_TIMEOUT_S
 
 
 def run_part(name: str, ctx: Ctx) -> dict[str, Any]:

@@ -70,6 +70,8 @@ class Sizes:
     voxel_reps: int = 50
     dali_images: int = 600
     dali_batch: int = 64
+    large_images: int = 64  # 3000-4000 px photos (make_large_photos), 8 of them distinct
+    large_distinct: int = 8
     convert_workers: int = 8
     sync_steps: int = 4  # optimizer steps (8 micro-steps) under CUDA's sync debug mode
     sync_batch: int = 64
@@ -89,7 +91,8 @@ DRY = Sizes(min_batches=1, text_docs=40, text_batch=4, text_seq=32, text_passes=
             offload_batch=16, offload_steps=5, ckpt_batch=2, ckpt_side=16, lm_docs=40,
             lm_batch=4, lm_seq=32, lm_shape={"width": 32, "layers": 1, "heads": 2},
             lm_warmup=1, lm_steps=3, points_batch=2, points_n=1000, voxel_grid=8,
-            voxel_reps=2, dali_images=16, dali_batch=8, convert_workers=1, sync_steps=1,
+            voxel_reps=2, dali_images=16, dali_batch=8, large_images=4, large_distinct=2,
+            convert_workers=1, sync_steps=1,
             sync_batch=2, sync_side=16, compile_steps=3, compile_batch=2, compile_side=16,
             nccl_mb=1)
 

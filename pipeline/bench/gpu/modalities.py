@@ -152,22 +152,25 @@ def part_text_pointcloud(ctx: Ctx) -> dict[str, Any]:
 DISTINCT_PHOTOS = 120  # drawn (~35 ms each, one core); the rest of the corpus repeats them
 
 
-def image_shards(ctx: Ctx) -> Path:
-    """`dali_images` photo-like JPEGs in shards. Drawing 600 photos alone took most of the
-    part's old 25 s (21 s on one of our cores); decoding costs the same whether the bytes
-    repeat or not, so DISTINCT_PHOTOS are drawn and copied under further names."""
+def image_shards(ctx: Ctx, large: bool = False) -> Path:
+    """`dali_images` photo-like JPEGs in shards, or `large_images` of 3000-4000 px. Drawing
+    600 photos alone took most of the part's old 25 s (21 s on one of our cores; a large photo
+    takes 1.6 s); decoding costs the same whether the bytes repeat or not, so DISTINCT_PHOTOS
+    (`large_distinct`) are drawn and copied under further names."""
     import shutil
 
-    from pipeline.builtin import make_photo_corpus
+    from pipeline.builtin import make_large_photos, make_photo_corpus
     from pipeline.convert import ConvertConfig, convert
 
-    count = ctx.sizes.dali_images
-    folder = make_photo_corpus(ctx.work / "photos", count=min(count, DISTINCT_PHOTOS))
+    sizes, name = ctx.sizes, "large" if large else "image"
+    count = sizes.large_images if large else sizes.dali_images
+    folder = make_large_photos(ctx.work / f"{name}-photos", count=sizes.large_distinct) \
+        if large else make_photo_corpus(ctx.work / "photos", count=min(count, DISTINCT_PHOTOS))
     drawn = sorted(folder.glob("*/*.jpg"))
     for k in range(len(drawn), count):
         original = drawn[k % len(drawn)]
         shutil.copyfile(original, original.with_name(f"{original.stem}_copy{k}.jpg"))
-    out = ctx.work / "image-shards"
+    out = ctx.work / f"{name}-shards"
     convert(ConvertConfig(kind="imagefolder", src=str(folder), out=str(out), max_count=200,
                           workers=min(ctx.sizes.convert_workers, os.cpu_count() or 1)))
     return out
@@ -189,6 +192,22 @@ def loader_rate(ctx: Ctx, shards: Path, **options: Any) -> float:
     return seen / (time.perf_counter() - start)
 
 
+def large_photo_rates(ctx: Ctx) -> dict[str, float]:
+    """On 3000-4000 px photos (issue 30): the portable backend's scaled decode of the rows a
+    crop needs, which backend="auto" takes on a CPU, against DALI's CPU decode and, on a GPU,
+    nvJPEG's whole decode, which "auto" keeps there (image/choose.py): the figure that says
+    whether it should."""
+    shards, device = image_shards(ctx, large=True), ctx.device.type  # batches land there
+    rates = {"portable": loader_rate(ctx, shards, backend="portable", device=device),
+             "dali_cpu_decode": loader_rate(ctx, shards, backend="dali", device=device,
+                                            decode="cpu")}
+    if ctx.cuda:
+        rates["dali_mixed_decode"] = loader_rate(ctx, shards, backend="dali", device=device,
+                                                 decode="gpu")
+        rates["mixed_over_portable"] = rates["dali_mixed_decode"] / rates["portable"]
+    return rates
+
+
 @contextlib.contextmanager
 def stage(seconds: dict[str, float], name: str) -> Iterator[None]:
     """How long a stage of the part took: the report says where its time went."""
@@ -200,7 +219,8 @@ def stage(seconds: dict[str, float], name: str) -> Iterator[None]:
 
 
 def part_dali(ctx: Ctx) -> dict[str, Any]:
-    """CPU vs mixed decode, and the hw_decoder_load sweep (needs DALI)."""
+    """CPU vs mixed decode, and the hw_decoder_load sweep (needs DALI); on large photos, the
+    portable backend beside both."""
     probe = dali_probe()
     if not probe["dali_imports"]:
         return {"status": "skipped", "reason": f"nvidia.dali does not import: "
@@ -219,6 +239,9 @@ def part_dali(ctx: Ctx) -> dict[str, Any]:
                                                             hw_decoder_load=x)
                                         for x in (0.0, 0.35, 1.0)}
             rates["hw_decoder_load"]["0.65"] = rates["mixed_decode"]
+    with stage(seconds, "large_photos"):
+        rates["large"] = large_photo_rates(ctx)
     key = {k: round(v, 1) for k, v in rates.items() if isinstance(v, float)}
+    key.update({f"large_{k}": round(v, 1) for k, v in rates["large"].items()})
     return {**probe, "images": ctx.sizes.dali_images, "images_per_s": rates, "key": key,
             "stage_seconds": {k: round(v, 1) for k, v in seconds.items()}}
