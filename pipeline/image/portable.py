@@ -81,6 +81,8 @@ def decode_window(data: Any, window: CropParams, size: int, draft: bool = True,
     1/8 scale (resize.py's resize of it is then the identity). With `cut`, a JPEG is decoded
     down to the last row the window (and the resize's filter) reads, not below: the same
     pixels (rows.py)."""
+    # One copy of the bytes: BytesIO shares a bytes object, and rows.py feeds a view of it.
+    data = data if isinstance(data, bytes) else bytes(data)
     with Image.open(io.BytesIO(data), formats=FORMATS) as img:
         if img.format == "TIFF":
             img = _as_stored(img, headers.read_header(bytes(data)).orientation)

@@ -49,7 +49,7 @@ def load_rows(img: Image.Image, rows: int, data: Any) -> bool | None:
         return None
     codec, extents, offset, args = img.tile[0]
     width = img.width
-    raw = bytes(data)
+    raw = data if isinstance(data, bytes) else bytes(data)
     # A file cut short has no end-of-image marker after its scan (0xFFD9 never occurs inside
     # entropy-coded data): it is left to the full decode, which says it is truncated.
     whole = extents is not None and tuple(extents) == (0, 0, width, img.height)
@@ -62,7 +62,7 @@ def load_rows(img: Image.Image, rows: int, data: Any) -> bool | None:
     decoder = Image._getdecoder(img.mode, codec, args, img.decoderconfig)
     try:
         decoder.setimage(img.im, (0, 0, width, rows))
-        decoder.decode(raw[offset:])  # stops after the last row (an error: see above)
+        decoder.decode(memoryview(raw)[offset:])  # stops after the last row (see above)
     finally:
         decoder.cleanup()
     img.tile = []  # loaded: load() and crop() use these pixels
