@@ -226,6 +226,41 @@ def test_optional_contender_reads_every_image_once_per_epoch(bench_tools, reques
     gc.collect()
 
 
+def test_ffcv_reads_the_same_jpeg_bytes_each_epoch(tiny_corpus, monkeypatch):
+    """FFCV's contender (where ffcv builds: make bench-ffcv): the .beton holds each photo's
+    own JPEG bytes, its stored size and label, and an epoch is every photo once, uint8
+    (N, 3, 224, 224) with the ImageFolder labels."""
+    pytest.importorskip("ffcv")
+    import torch
+    import tqdm
+    from ffcv.fields import RGBImageField
+    from ffcv.reader import Reader
+    from PIL import Image
+
+    from pipeline.bench.beton import Ffcv
+    from pipeline.bench.image import folder_items
+
+    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # the writer's bars: no thread
+    contender = Ffcv(tiny_corpus)
+    assert contender.epoch() == contender.epoch() == 24
+    labels: Counter = Counter()
+    for images, batch_labels in contender.loader:
+        assert images.dtype == torch.uint8 and images.shape[1:] == (3, 224, 224)
+        labels.update(int(label) for label in batch_labels)
+    items = folder_items(tiny_corpus.folder)
+    assert labels == Counter(label for _, label in items)
+    beton = tiny_corpus.shards.parent / "ffcv.beton"
+    stored = Reader(str(beton), {"image": RGBImageField})
+    sizes = {int(row["ptr"]): int(row["size"]) for row in stored.alloc_table}
+    raw = beton.read_bytes()
+    for (image, label), (path, want) in zip(stored.metadata, items, strict=True):
+        ptr = int(image["data_ptr"])
+        assert raw[ptr:ptr + sizes[ptr]] == path.read_bytes() and label == want
+        with Image.open(path) as img:
+            assert (int(image["width"]), int(image["height"]), int(image["mode"])) == \
+                (*img.size, 0)  # 0: FFCV's "jpg" mode
+
+
 def test_the_entropy_floor_decodes_every_photo_whole(tiny_corpus, tmp_path):
     """The large-photo floor (every row at 1/8 scale, no loader) is a real decode of every
     photo, each epoch: a photo cut short stops it."""

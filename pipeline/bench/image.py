@@ -457,9 +457,16 @@ def litdata_module() -> Any:
 
 # The contenders that need the bench extra (pip install -e ".[bench]"): their package, and
 # what imports it.
+def ffcv_module() -> Any:
+    return importlib.import_module("ffcv")
+
+
 OPTIONAL_PACKAGES: dict[str, tuple[str, Callable[[], Any]]] = {
     "MosaicML Streaming": ("mosaicml-streaming", streaming_base),
-    "LitData": ("litdata", litdata_module)}
+    "LitData": ("litdata", litdata_module),
+    "FFCV": ("ffcv", ffcv_module)}
+# How each optional package is installed
+INSTALL = {"ffcv": "make bench-ffcv (Debian's OpenCV and libjpeg-turbo, then ffcv)"}
 
 
 def importable(name: str) -> bool:
@@ -469,8 +476,9 @@ def importable(name: str) -> bool:
     try:
         load()
     except ImportError as e:
-        print(f"note: {name} not measured: {package} does not import ({e}); it is in the "
-              'bench extra: pip install -e ".[bench]"', file=sys.stderr)
+        how = INSTALL.get(package, 'the bench extra: pip install -e ".[bench]"')
+        print(f"note: {name} not measured: {package} does not import ({e}); install it with "
+              f"{how}", file=sys.stderr)
         return False
     return True
 

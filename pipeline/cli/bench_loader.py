@@ -31,6 +31,7 @@ from typing import Any, NoReturn
 
 from pipeline.bench import image as bi
 from pipeline.bench import recipe
+from pipeline.bench.beton import Ffcv
 from pipeline.bench.core import alternate, cpu_seconds, loader_figures
 from pipeline.builtin import make_large_photos, make_photo_corpus
 from pipeline.cli.util import positive_int, setup_logging
@@ -46,7 +47,8 @@ BASELINES = {"torchvision-style uint8": "tv", "webdataset + PIL": "wds",
 
 # Other loaders with their own formats (written from the same photo folder when the contender is
 # made), each where its package imports: the bench extra (pip install -e ".[bench]").
-OPTIONAL = {"MosaicML Streaming": bi.MosaicStreaming, "LitData": bi.LitData}
+OPTIONAL = {"MosaicML Streaming": bi.MosaicStreaming, "LitData": bi.LitData,
+            "FFCV": Ffcv}  # FFCV: make bench-ffcv
 FLOOR = "PIL 1/8-scale decode of whole photos"  # no loader, no crop: bench/image.py
 
 
