@@ -54,6 +54,7 @@ $(BENCH_STAMP): pyproject.toml $(STAMP)
 # through pkg-config, which pip cannot provide: Debian's packages first (as root), then ffcv
 # (numba and opencv-python come with it). Then `make bench` measures it.
 bench-ffcv: $(BENCH_STAMP)
+	apt-get update
 	apt-get install -y --no-install-recommends libopencv-dev libturbojpeg0-dev pkg-config
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" -e ".[dev,bench,ffcv]"
 

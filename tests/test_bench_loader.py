@@ -226,6 +226,7 @@ def test_optional_contender_reads_every_image_once_per_epoch(bench_tools, reques
     gc.collect()
 
 
+@pytest.mark.slow  # numba compiles FFCV's pipeline, its writer starts processes
 def test_ffcv_reads_the_same_jpeg_bytes_each_epoch(tiny_corpus, monkeypatch):
     """FFCV's contender (where ffcv builds: make bench-ffcv): the .beton holds each photo's
     own JPEG bytes, its stored size and label, and an epoch is every photo once, uint8
@@ -334,6 +335,8 @@ def test_tune_writes_the_fastest_configuration_for_uint8_and_float(tmp_path):
         # both backends ran; the file's choices are DALI's, the split holds both fastest
         assert {row["backend"] for row in rows} == {"dali", "portable"}
         assert tuning.reader == next(r for r in rows if r["backend"] == "dali")["reader"]
+        fastest = next(r for r in rows if r["backend"] == "portable")
+        assert tuning.portable == {"threads": fastest["threads"], "prefetch": fastest["prefetch"]}
         (point,) = tuning.backend_split
         assert 1 < point["side_ratio"] < 3  # built-in photos of 350-500 px, output 224
         assert point["portable"] == max(r["images_per_s"] for r in rows

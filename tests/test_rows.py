@@ -141,44 +141,73 @@ def test_auto_runs_the_portable_backend_on_large_photos_only(tmp_path) -> None:
     assert choose.shorter_sides(loader.source) == [896, 896, 896]
 
 
-def test_the_split_lies_between_the_ratios_each_backend_won() -> None:
+def test_the_split_moves_only_where_a_measurement_contradicts_it() -> None:
     from pipeline.image.choose import LARGE, split
 
     def point(ratio, dali, portable):
         return {"side_ratio": ratio, "dali": dali, "portable": portable}
 
     assert split([]) == LARGE
-    assert split([point(2, 1500, 900), point(8, 60, 130)]) == pytest.approx(4.0)
-    assert split([point(2, 1500, 900)]) == LARGE  # DALI's win far below the default
+    # the built-in corpora's ratios (about 1.66 and 13.7) agree with the default: kept
+    assert split([point(1.66, 1500, 900), point(13.7, 60, 130)]) == LARGE
+    assert split([point(2, 1500, 900)]) == split([point(5, 60, 130)]) == LARGE
     assert split([point(6, 90, 80)]) == pytest.approx(6 * math.sqrt(2))  # DALI won above it
     assert split([point(2, 800, 900)]) == pytest.approx(math.sqrt(2))  # PIL won below it
+    assert split([point(2, 900, 800), point(3, 80, 90)]) == pytest.approx(math.sqrt(6))
     # a portable win below a DALI win (noise) does not pull the line under DALI's win
     assert split([point(3, 100, 120), point(5, 100, 90), point(10, 60, 130)]) == \
         pytest.approx(math.sqrt(50))
+    assert split([{"side_ratio": 9}, point(-1, 1, 2), {"dali": "x"}]) == LARGE  # hand-edited
 
 
 @pytest.mark.dali
 def test_auto_follows_the_tuning_files_split_and_not_its_dali_reader(tmp_path) -> None:
     """The split --tune measured moves the line; a reader or resize_on the tuning file chose
     for DALI does not keep DALI on large photos (the user did not ask for them), and the
-    portable backend gets only the tuned choices it can use."""
+    portable backend gets its own tuned threads and prefetch; options the caller gave stay."""
     from pipeline import image_loader
     from pipeline.loading.tuning import Tuning
 
     shards = side_corpora(tmp_path)
     path = tmp_path / "tuning.json"
 
-    def tuned(split):
-        Tuning("cpu", "dali", 3, 4, 100.0, resize_on="dali", backend_split=split).save(path)
+    def tuned(split, portable=None):
+        Tuning("cpu", "dali", 3, 4, 100.0, resize_on="dali", backend_split=split,
+               portable=portable).save(path)
 
-    def backend(name):
-        with image_loader(shards[name], batch_size=2, device="cpu", tuning_file=path) as loader:
-            return loader.backend, loader.reader, loader.cfg.threads
+    def backend(name, **options):
+        with image_loader(shards[name], batch_size=2, device="cpu", tuning_file=path,
+                          **options) as loader:
+            return loader.backend, loader.reader, loader.cfg.threads, loader.cfg.prefetch
 
-    tuned([])
-    assert backend("large") == ("portable", "stream", 3)  # tuned threads still apply
-    assert backend("small") == ("dali", "dali", 3)
+    tuned([], portable={"threads": 1, "prefetch": 3})
+    assert backend("large") == ("portable", "stream", 1, 3)
+    assert backend("large", threads=2) == ("portable", "stream", 2, 3)  # the caller's stays
+    assert backend("small") == ("dali", "dali", 3, 4)
+    assert backend("large", use_tuning=False)[:2] == ("portable", "stream")
+    tuned([])  # a file from before the portable backend was tuned: DALI's threads
+    assert backend("large") == ("portable", "stream", 3, 4)
     tuned([{"side_ratio": 2.0, "dali": 900.0, "portable": 1000.0}])  # PIL won at 2x already
     assert backend("small")[0] == "portable"
     tuned([{"side_ratio": 6.0, "dali": 90.0, "portable": 80.0}])  # DALI still won at 6x
     assert backend("large")[0] == "dali"
+
+
+@pytest.mark.dali
+def test_training_settles_the_backend_as_image_loader_does(tmp_path) -> None:
+    """shardflow train's loaders (trainers/wiring.py) take the portable backend on large
+    photos whatever reader the tuning file chose, and report the tuned choices they used."""
+    from pipeline.loading.shardlist import resolve_source
+    from pipeline.loading.tuning import Tuning
+    from trainers.wiring import TaskOptions, loader_options
+
+    shards = side_corpora(tmp_path)
+    path = tmp_path / "tuning.json"
+    Tuning("cpu", "dali", 3, 4, 100.0, resize_on="dali").save(path)
+    for name, want in (("large", "portable"), ("small", "dali")):
+        opts = TaskOptions(task="image", data=str(shards[name]), batch_size=2, device="cpu",
+                           tuning_file=path)
+        options, settings = loader_options(opts, resolve_source(str(shards[name])))
+        assert options["backend"] == want, name
+        assert options.get("reader", "auto") == ("dali" if want == "dali" else "auto")
+        assert "backend" not in settings["tuned"] and settings["tuned"]["threads"] == 3

@@ -228,7 +228,8 @@ def loader_options(opts: TaskOptions, source: Source, local_world: int = 1
              "backend": opts.backend, "shards_in_flight": opts.shards_in_flight,
              "cache_dir": opts.cache_dir, "cache_limit": opts.cache_limit, **given}
     options = _tuned(opts, source, asked) if opts.use_tuning else dict(asked)
-    tuned = {name: value for name, value in options.items() if asked.get(name) != value}
+    tuned = {name: value for name, value in options.items()
+             if asked.get(name) != value and name != "backend"}  # backend: choose.py's
     if graph and "threads" not in options:
         options["threads"] = max(1, cores() // local_world)
     defaults = {"threads": f"all {cores()} cores" if local_world == 1 else
@@ -267,8 +268,13 @@ def _tuned(opts: TaskOptions, source: Source, options: dict[str, Any]) -> dict[s
 
     kind = LOADER_KIND.get(opts.task, opts.task)
     dali = readers.resolve_backend(opts.backend, kind) == "dali"
-    return tuning.apply(kind, options, opts.tuning_file,
-                        dali_readable=readers.dali_readable(source), dali=dali)
+    tuned = tuning.apply(kind, options, opts.tuning_file,
+                         dali_readable=readers.dali_readable(source), dali=dali)
+    if kind != "image":
+        return tuned
+    from pipeline.image import choose  # backend="auto" on large photos, as image_loader does
+
+    return choose.settle_backend(source, options, tuned, opts.tuning_file, True, opts.size)
 
 
 def _default_tuning_path() -> Path:

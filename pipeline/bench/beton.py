@@ -15,6 +15,7 @@ built-in photos have none.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,18 @@ class _Photos:
     def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
         path, label = self.items[i]
         return np.frombuffer(path.read_bytes(), np.uint8), label
+
+
+def jpeg_only(folder: Path) -> bool:
+    """Whether every photo is a JPEG: FFCV stores and decodes nothing else here (its decoder
+    does not report a failure, so another format would read as garbage, fast); if not, a
+    note says it was left out."""
+    others = [p.name for p, _ in folder_items(folder) if p.read_bytes()[:2] != b"\xff\xd8"]
+    if others:
+        print(f"note: FFCV not measured: {len(others)} photos are not JPEGs (e.g. "
+              f"{others[0]}), which its RandomResizedCropRGBImageDecoder cannot read",
+              file=sys.stderr)
+    return not others
 
 
 def write_beton(folder: Path, out: Path, workers: int) -> int:

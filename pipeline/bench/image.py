@@ -475,7 +475,7 @@ def importable(name: str) -> bool:
     package, load = OPTIONAL_PACKAGES[name]
     try:
         load()
-    except ImportError as e:
+    except Exception as e:  # noqa: BLE001 - a broken install (numba, a .so) is a missing one
         how = INSTALL.get(package, 'the bench extra: pip install -e ".[bench]"')
         print(f"note: {name} not measured: {package} does not import ({e}); install it with "
               f"{how}", file=sys.stderr)

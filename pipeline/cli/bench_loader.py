@@ -29,9 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from pipeline.bench import beton, recipe
 from pipeline.bench import image as bi
-from pipeline.bench import recipe
-from pipeline.bench.beton import Ffcv
 from pipeline.bench.core import alternate, cpu_seconds, loader_figures
 from pipeline.builtin import make_large_photos, make_photo_corpus
 from pipeline.cli.util import positive_int, setup_logging
@@ -48,7 +47,7 @@ BASELINES = {"torchvision-style uint8": "tv", "webdataset + PIL": "wds",
 # Other loaders with their own formats (written from the same photo folder when the contender is
 # made), each where its package imports: the bench extra (pip install -e ".[bench]").
 OPTIONAL = {"MosaicML Streaming": bi.MosaicStreaming, "LitData": bi.LitData,
-            "FFCV": Ffcv}  # FFCV: make bench-ffcv
+            "FFCV": beton.Ffcv}  # FFCV: make bench-ffcv
 FLOOR = "PIL 1/8-scale decode of whole photos"  # no loader, no crop: bench/image.py
 
 
@@ -83,7 +82,8 @@ def contenders(c: bi.Corpus, backend: str = "auto", photos: str = "small") -> di
     if dali_importable():
         runs.update({"DALI by hand": bi.DaliByHand(c),
                      "DALI decode only": bi.DaliByHand(c, decode_only=True)})
-    runs.update({name: make(c) for name, make in OPTIONAL.items() if bi.importable(name)})
+    runs.update({name: make(c) for name, make in OPTIONAL.items() if bi.importable(name)
+                 and (name != "FFCV" or beton.jpeg_only(c.folder))})
     if photos == "large":
         runs[FLOOR] = bi.WholeEighthDecode(c)
     return runs
@@ -152,14 +152,17 @@ def tune(c: bi.Corpus, args: argparse.Namespace) -> None:
     # The file's choices are the DALI backend's where it ran (the portable one has none of
     # its own beyond threads and prefetch); the split says when to leave DALI.
     best = next((row for row in table if row["backend"] == "dali"), table[0])
+    portable = next((row for row in table if row["backend"] == "portable"), None)
     float_on = tune_float(c, args, best) if "resize_on" in best else None
     path = args.tuning_file or default_path()
     split = backend_split(c, table, path)
     Tuning(best["decode"], best["reader"], best["threads"], best["prefetch"],
            best["images_per_s"], table, hw_decoder_load=best.get("hw_decoder_load"),
-           resize_on=best.get("resize_on"), resize_on_float=float_on,
-           backend_split=split).save(path)
-    print(f"fastest: {best}; with normalize=True, resize_on={float_on}; written to {path}")
+           resize_on=best.get("resize_on"), resize_on_float=float_on, backend_split=split,
+           portable={k: portable[k] for k in ("threads", "prefetch")} if portable else None
+           ).save(path)
+    print(f"fastest: {table[0]}; the file's choices: {best}, with normalize=True, "
+          f"resize_on={float_on}; the portable backend's: {portable}; written to {path}")
     if split:
         print(f"backend='auto' takes the portable backend from a median shorter side of "
               f"{choose.split(split):.2f}x the output size (both backends: {split})")
@@ -193,19 +196,21 @@ def tune_configs(c: bi.Corpus, backend: str) -> list[dict[str, Any]]:
 
 def backend_split(c: bi.Corpus, table: list[dict[str, Any]], path: Path
                   ) -> list[dict[str, float]]:
-    """Both backends' fastest on this corpus at its side ratio (choose.py), added to the
-    points the tuning file at `path` already holds for this machine (a point at nearly the
-    same ratio replaced); [] where one backend was not measured."""
+    """Both backends' fastest on this corpus at its side ratio (choose.py), decoding on the
+    CPU (the split is used only there: a GPU's nvJPEG keeps DALI), added to the points the
+    tuning file at `path` already holds for this machine (a point at nearly the same ratio
+    replaced; all of them kept as they are where one backend was not measured)."""
     from pipeline.loading import tuning
     from pipeline.loading.shardlist import resolve_source
 
-    fastest = {row["backend"]: row["images_per_s"] for row in reversed(table)}
+    fastest = {row["backend"]: row["images_per_s"] for row in reversed(table)
+               if row["decode"] == "cpu"}
+    old = tuning.load(path)
+    kept = list(old.backend_split) if old else []
     ratio = choose.side_ratio(resolve_source(str(c.shards)), c.size)
     if set(fastest) != {"dali", "portable"} or ratio is None:
-        return []
-    old = tuning.load(path)
-    kept = [o for o in (old.backend_split if old else [])
-            if abs(math.log(o["side_ratio"] / ratio)) > 0.1]
+        return kept
+    kept = [o for o in kept if abs(math.log(o["side_ratio"] / ratio)) > 0.1]
     point = {"side_ratio": round(ratio, 3), "dali": fastest["dali"],
              "portable": fastest["portable"]}
     return sorted([*kept, point], key=lambda o: o["side_ratio"])

@@ -16,8 +16,9 @@ parts (reader="dali", resize_on="dali").
 
 `bench_loader --tune` measures both backends on the corpus it tunes on and the tuning file
 keeps each measurement with that corpus's side ratio (median shorter side / output size);
-`tuned_split` puts the line between the ratios DALI won and those the portable backend won, so
-a machine where DALI (more cores) or PIL (a faster libjpeg) wins more often moves it.
+`split` keeps LARGE while they agree with it and moves the line past any that contradicts it,
+so a machine where DALI (more cores) or PIL (a faster libjpeg) wins more often moves it.
+`settle_backend` is where image_loader and the trainers' loaders apply all of this.
 """
 
 from __future__ import annotations
@@ -54,20 +55,59 @@ def prefers_portable(source: Source, size: int, cfg: Any, large: float = LARGE) 
 
 def split(observations: list[dict[str, float]], default: float = LARGE) -> float:
     """The side ratio from which the portable backend is chosen, from --tune's measurements
-    ({"side_ratio", "dali", "portable"}: images/s of each backend's fastest configuration):
-    halfway (geometrically) between the largest ratio DALI won and the smallest above it the
-    portable backend won; with wins on one side only, `default` moved past them."""
-    dali = [o["side_ratio"] for o in observations if o["dali"] >= o["portable"]]
-    portable = [o["side_ratio"] for o in observations if o["portable"] > o["dali"]]
-    lo = max(dali, default=None)
-    hi = min((r for r in portable if lo is None or r > lo), default=None)
-    if lo is not None and hi is not None:
+    ({"side_ratio", "dali", "portable"}: images/s of each backend's fastest configuration
+    decoding on the CPU): `default` wherever it lies between the largest ratio DALI won and
+    the smallest above it the portable backend won; where a measurement contradicts it, the
+    line moves just past that measurement (halfway, geometrically, to the other side's
+    nearest win where there is one)."""
+    points = [o for o in observations if _valid(o)]
+    dali = [o["side_ratio"] for o in points if o["dali"] >= o["portable"]]
+    lo = max(dali, default=0.0)
+    portable = [o["side_ratio"] for o in points if o["portable"] > o["dali"] and
+                o["side_ratio"] > lo]
+    hi = min(portable, default=math.inf)
+    if lo < default <= hi:
+        return default  # the measurements agree with it
+    if lo and hi < math.inf:
         return math.sqrt(lo * hi)
-    if lo is not None:
-        return max(default, lo * math.sqrt(2))
-    if hi is not None:
-        return min(default, hi / math.sqrt(2))
-    return default
+    return lo * math.sqrt(2) if lo >= default else hi / math.sqrt(2)
+
+
+def _valid(point: Any) -> bool:
+    """A well-formed point (the file may have been edited by hand): positive numbers."""
+    try:
+        return all(float(point[k]) > 0 for k in ("side_ratio", "dali", "portable"))
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def settle_backend(source: Source, asked: dict[str, Any], tuned: dict[str, Any],
+                   tuning_file: Path | None, use_tuning: bool, size: int | None = None
+                   ) -> dict[str, Any]:
+    """backend="auto" settled (image_loader, and the trainers' loaders): from the options the
+    caller gave (`asked`: a reader or resize_on the tuning file chose for DALI does not keep
+    DALI on large photos) and where decoding will run (the tuned `decode`), at the tuning
+    file's split; `tuned` for the backend settled on (the portable one gets only the tuned
+    choices it can use, its own threads and prefetch). `size`: the output size, where
+    `asked` does not hold it."""
+    from pipeline.image.config import ImageConfig
+    from pipeline.loading import readers, tuning
+
+    if asked.get("backend", "auto") != "auto" or not readers.dali_importable():
+        return tuned
+    check: dict[str, Any] = {"batch_size": 1, **asked,
+                             "decode": tuned.get("decode", asked.get("decode", "auto"))}
+    if size is not None:
+        check["size"] = size
+    cfg = ImageConfig(**check)
+    large = tuned_split(tuning_file) if use_tuning else LARGE
+    if not prefers_portable(source, cfg.size, cfg, large):
+        return {**tuned, "backend": "dali"}
+    portable = {**asked, "backend": "portable"}
+    if not use_tuning:
+        return portable
+    return tuning.apply("image", portable, tuning_file,
+                        dali_readable=readers.dali_readable(source), dali=False)
 
 
 def tuned_split(path: Path | None) -> float:

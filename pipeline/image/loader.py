@@ -68,7 +68,7 @@ def image_loader(source: str | Path | Sequence[str] | mix.Mixture, *, batch_size
     asked = {"device": device, **options}
     resolved, options = tuning.source_and_options("image", source, asked, tuning_file,
                                                   use_tuning)
-    options = _settle_backend(resolved, batch_size, asked, options, tuning_file, use_tuning)
+    options = choose.settle_backend(resolved, asked, options, tuning_file, use_tuning)
     if "prefetch" not in options and (options.get("augment") or options.get("batch_augment")) \
             and _lands_on_cpu(device):
         options["prefetch"] = AUGMENT_PREFETCH
@@ -76,25 +76,6 @@ def image_loader(source: str | Path | Sequence[str] | mix.Mixture, *, batch_size
                       **options)
     rank, world_size = readers.distributed(rank, world_size)
     return ImageLoader(resolved, cfg, rank, world_size)
-
-
-def _settle_backend(source: Source, batch_size: int, asked: dict[str, Any],
-                    tuned: dict[str, Any], tuning_file: Path | None, use_tuning: bool
-                    ) -> dict[str, Any]:
-    """backend="auto" settled from the options the caller gave (a reader or resize_on the
-    tuning file chose for DALI does not keep DALI on large photos), at the tuning file's
-    split (choose.py), and the tuned choices that apply to the backend settled on."""
-    if asked.get("backend", "auto") != "auto" or not readers.dali_importable():
-        return tuned
-    cfg = ImageConfig(batch_size=batch_size, **asked)
-    large = choose.tuned_split(tuning_file) if use_tuning else choose.LARGE
-    if not choose.prefers_portable(source, cfg.size, cfg, large):
-        return {**tuned, "backend": "dali"}
-    portable = {**asked, "backend": "portable"}
-    if not use_tuning:
-        return portable
-    return tuning.apply("image", portable, tuning_file,
-                        dali_readable=readers.dali_readable(source), dali=False)
 
 
 # A CPU loader's prefetch when it runs the user's ops (decode.py's helper threads) and no

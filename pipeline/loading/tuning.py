@@ -58,6 +58,9 @@ class Tuning:
     # Both backends on each corpus tuned on: {"side_ratio": median shorter side / output size,
     # "dali": images/s, "portable": images/s}; image/choose.py draws backend="auto"'s line
     backend_split: list[dict[str, float]] = field(default_factory=list)
+    # The portable backend's fastest threads and prefetch (measured beside DALI's with
+    # backend auto): what a loader that runs it takes instead of DALI's
+    portable: dict[str, int] | None = None
 
     def save(self, path: Path) -> None:
         from pipeline.atomic import write_atomic
@@ -66,10 +69,14 @@ class Tuning:
         write_atomic(path, (json.dumps({"version": VERSION, **asdict(self)}, indent=1) + "\n")
                      .encode())
 
-    def choices(self, normalize: bool = False) -> dict[str, Any]:
-        """The tuned options, for a loader with float (`normalize`) or uint8 output."""
+    def choices(self, normalize: bool = False, dali: bool = True) -> dict[str, Any]:
+        """The tuned options, for a loader with float (`normalize`) or uint8 output, running
+        the DALI backend or (`dali` False) the portable one."""
         chosen = {"decode": self.device, "reader": self.reader, "threads": self.threads,
                   "prefetch": self.prefetch}
+        if not dali and self.portable:
+            chosen.update({k: v for k, v in self.portable.items() if k in ("threads",
+                                                                           "prefetch")})
         if self.device == "gpu" and self.hw_decoder_load is not None:
             chosen["hw_decoder_load"] = self.hw_decoder_load
         resize_on = self.resize_on_float if normalize and self.resize_on_float else \
@@ -117,7 +124,7 @@ def apply(kind: str, options: dict[str, Any], path: Path | None, *, dali_readabl
     if tuning is None:
         return options
     tuned = dict(options)
-    for name, value in tuning.choices(bool(options.get("normalize", False))).items():
+    for name, value in tuning.choices(bool(options.get("normalize", False)), dali).items():
         if name not in APPLIES_TO.get(kind, ()) or not _possible(name, value, options,
                                                                  dali_readable):
             continue

@@ -176,11 +176,12 @@ def image_shards(ctx: Ctx, large: bool = False) -> Path:
     return out
 
 
-def loader_rate(ctx: Ctx, shards: Path, **options: Any) -> float:
+def loader_rate(ctx: Ctx, shards: Path, batch_size: int | None = None, **options: Any
+                ) -> float:
     """Images/s of the image loader over one pass, after a warm-up pass."""
     from pipeline.image.loader import image_loader
 
-    with image_loader(shards, batch_size=ctx.sizes.dali_batch, use_tuning=False,
+    with image_loader(shards, batch_size=batch_size or ctx.sizes.dali_batch, use_tuning=False,
                       **options) as loader:
         for _ in loader:
             pass
@@ -198,12 +199,13 @@ def large_photo_rates(ctx: Ctx) -> dict[str, float]:
     nvJPEG's whole decode, which "auto" keeps there (image/choose.py): the figure that says
     whether it should."""
     shards, device = image_shards(ctx, large=True), ctx.device.type  # batches land there
-    rates = {"portable": loader_rate(ctx, shards, backend="portable", device=device),
-             "dali_cpu_decode": loader_rate(ctx, shards, backend="dali", device=device,
+    batch = max(1, ctx.sizes.large_images // 4)  # several batches a pass, as bench_loader's
+    rates = {"portable": loader_rate(ctx, shards, batch, backend="portable", device=device),
+             "dali_cpu_decode": loader_rate(ctx, shards, batch, backend="dali", device=device,
                                             decode="cpu")}
     if ctx.cuda:
-        rates["dali_mixed_decode"] = loader_rate(ctx, shards, backend="dali", device=device,
-                                                 decode="gpu")
+        rates["dali_mixed_decode"] = loader_rate(ctx, shards, batch, backend="dali",
+                                                 device=device, decode="gpu")
         rates["mixed_over_portable"] = rates["dali_mixed_decode"] / rates["portable"]
     return rates
 
