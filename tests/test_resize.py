@@ -69,6 +69,29 @@ def test_one_core_setting_stays_in_its_thread():
     assert torch.get_num_threads() == before and seen["later"] == before
 
 
+def test_one_core_holds_after_another_thread_set_torchs_count():
+    """A count given to torch.set_num_threads by another thread (FFCV's loader does this, in
+    the benchmark's process) is copied into each new thread by torch's first-use setup: that
+    setup must not run after one_core_in_this_thread, undoing it."""
+    before = torch.get_num_threads()
+    setter = threading.Thread(target=lambda: torch.set_num_threads(2))
+    setter.start()
+    setter.join()
+    seen = {}
+
+    def stage() -> None:
+        one_core_in_this_thread()
+        seen["stage"] = torch.get_num_threads()
+
+    try:
+        thread = threading.Thread(target=stage)
+        thread.start()
+        thread.join()
+    finally:
+        torch.set_num_threads(before)
+    assert seen["stage"] == 1
+
+
 @pytest.mark.parametrize("channels_first", [True, False])
 def test_fused_normalize_equals_normalizing_the_uint8_batch(channels_first):
     """The float batch is normalized image by image as it is written; it must equal the

@@ -171,6 +171,10 @@ def one_core_in_this_thread() -> None:
     import torch.nn.functional as F
 
     F.interpolate(torch.zeros(1, 3, 2, 2), size=(1, 1), mode="bilinear", antialias=True)
+    # torch's own first-use setup of this thread, made sure of: it copies the count last
+    # given to torch.set_num_threads by any thread (FFCV's loader sets one, for instance) and
+    # would undo the setting below if it ran after it (the op above may not run it).
+    torch.get_num_threads()
     try:
         ctypes.CDLL(None).omp_set_num_threads(1)
     except AttributeError:  # torch built without GNU/LLVM OpenMP: nothing spins to stop
