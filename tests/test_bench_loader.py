@@ -165,10 +165,10 @@ def test_loader_figures_measure_first_batch_and_overlap(monkeypatch, background,
 
 def _needs(name: str) -> None:
     """pytest.importorskip for an optional contender's package (MosaicML Streaming's is loaded
-    by pipeline.bench.image.streaming_base: its own __init__ needs torchvision)."""
-    from pipeline.bench import image as bi
+    by pipeline.bench.peers.streaming_base: its own __init__ needs torchvision)."""
+    from pipeline.bench import peers
 
-    package, load = bi.OPTIONAL_PACKAGES[name]
+    package, load = peers.OPTIONAL_PACKAGES[name]
     try:
         load()
     except Exception as e:  # noqa: BLE001 - a broken install (RuntimeError) is "not here" too
@@ -279,8 +279,19 @@ def test_the_entropy_floor_decodes_every_photo_whole(tiny_corpus, tmp_path):
         WholeEighthDecode(dataclasses.replace(tiny_corpus, folder=cut)).epoch()
 
 
+def test_the_floor_is_a_contender_on_large_photos_only(bench_tools, tiny_corpus,
+                                                       monkeypatch):
+    """--photos large adds the floor beside the loaders, and its ratio is reported."""
+    bench_loader = bench_tools[0]
+    monkeypatch.setattr(bench_loader._command, "OPTIONAL", {})  # the peers are tested below
+    small = bench_loader.contenders(tiny_corpus, photos="small")
+    large = bench_loader.contenders(tiny_corpus, photos="large")
+    assert set(large) - set(small) == {bench_loader.FLOOR}
+    assert large[bench_loader.FLOOR].epoch() == tiny_corpus.images
+
+
 def _read_mds(out) -> list[tuple[bytes, int]]:
-    from pipeline.bench.image import streaming_base
+    from pipeline.bench.peers import streaming_base
 
     dataset = streaming_base().LocalDataset(local=str(out))
     return [(s["jpg"], int(s["cls"])) for s in (dataset[i] for i in range(len(dataset)))]

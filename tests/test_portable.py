@@ -388,7 +388,8 @@ def test_train_tool_takes_the_backend_and_records_it(shards, tmp_path):
 
 def test_nothing_needs_dali_at_import():
     code = ("import pipeline, pipeline.image, pipeline.pointcloud, pipeline.text, trainers;"
-            "import pipeline.image.portable, pipeline.pointcloud.portable, pipeline.bench.image;"
+            "import pipeline.image.portable, pipeline.pointcloud.portable, pipeline.bench.image,"
+            " pipeline.bench.peers;"
             "import sys; assert not [m for m in sys.modules if m.startswith('nvidia.dali')]")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests" / "nodali")}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)

@@ -5,6 +5,7 @@ before."""
 from __future__ import annotations
 
 import io
+import logging
 import math
 
 import numpy as np
@@ -161,10 +162,12 @@ def test_the_split_moves_only_where_a_measurement_contradicts_it() -> None:
 
 
 @pytest.mark.dali
-def test_auto_follows_the_tuning_files_split_and_not_its_dali_reader(tmp_path) -> None:
+def test_auto_follows_the_tuning_files_split_and_not_its_dali_reader(tmp_path, caplog
+                                                                      ) -> None:
     """The split --tune measured moves the line; a reader or resize_on the tuning file chose
     for DALI does not keep DALI on large photos (the user did not ask for them), and the
-    portable backend gets its own tuned threads and prefetch; options the caller gave stay."""
+    portable backend gets its own tuned threads and prefetch; options the caller gave stay.
+    The log says which split chose, and the tuned choices used, once."""
     from pipeline import image_loader
     from pipeline.loading.tuning import Tuning
 
@@ -181,7 +184,16 @@ def test_auto_follows_the_tuning_files_split_and_not_its_dali_reader(tmp_path) -
             return loader.backend, loader.reader, loader.cfg.threads, loader.cfg.prefetch
 
     tuned([], portable={"threads": 1, "prefetch": 3})
-    assert backend("large") == ("portable", "stream", 1, 3)
+    with caplog.at_level(logging.INFO, logger="pipeline"):
+        assert backend("large") == ("portable", "stream", 1, 3)
+    said = [r.getMessage() for r in caplog.records]
+    tuned_lines = [m for m in said if "from the tuning file" in m]
+    assert len(tuned_lines) == 1, said  # the portable choices only, not DALI's before them
+    assert tuned_lines[0].startswith(
+        f"image loader: {{'decode': 'cpu', 'threads': 1, 'prefetch': 3}} from the tuning "
+        f"file {path} "), said
+    assert any("4x output 224 or more, the split of this machine's tuning file" in m
+               for m in said), said
     assert backend("large", threads=2) == ("portable", "stream", 2, 3)  # the caller's stays
     assert backend("small") == ("dali", "dali", 3, 4)
     assert backend("large", use_tuning=False)[:2] == ("portable", "stream")

@@ -267,14 +267,13 @@ def _tuned(opts: TaskOptions, source: Source, options: dict[str, Any]) -> dict[s
     from pipeline.loading import readers, tuning
 
     kind = LOADER_KIND.get(opts.task, opts.task)
-    dali = readers.resolve_backend(opts.backend, kind) == "dali"
-    tuned = tuning.apply(kind, options, opts.tuning_file,
-                         dali_readable=readers.dali_readable(source), dali=dali)
-    if kind != "image":
-        return tuned
-    from pipeline.image import choose  # backend="auto" on large photos, as image_loader does
+    if kind == "image":  # backend="auto" on large photos too, as image_loader does
+        from pipeline.image import choose
 
-    return choose.settle_backend(source, options, tuned, opts.tuning_file, True, opts.size)
+        return choose.settle_backend(source, options, opts.tuning_file, True, opts.size)
+    dali = readers.resolve_backend(opts.backend, kind) == "dali"
+    return tuning.apply(kind, options, opts.tuning_file,
+                        dali_readable=readers.dali_readable(source), dali=dali)
 
 
 def _default_tuning_path() -> Path:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.bench.core import alternate, cpu_seconds, loader_figures
-from pipeline.bench.image import _environ, importable
+from pipeline.bench.peers import _environ, importable
 from pipeline.text import masking, packing
 from pipeline.text.config import TextConfig
 from pipeline.text.tokenizer import Tokenizer, load_tokenizer, train_bpe
@@ -153,7 +153,7 @@ def write_litdata_tokens(ids: Path, out: Path, sep_id: int, workers: int) -> Non
     items = [(data, dtype, sep_id) for data in _members(ids, form.member)]
     shutil.rmtree(out, ignore_errors=True)
     scratch = out.with_name(out.name + ".cache")
-    start_method = multiprocessing.get_start_method(allow_none=True)  # see bench/image.py
+    start_method = multiprocessing.get_start_method(allow_none=True)  # see bench/peers.py
     try:
         with _environ(DATA_OPTIMIZER_CACHE_FOLDER=str(scratch / "chunks"),
                       DATA_OPTIMIZER_DATA_CACHE_FOLDER=str(scratch / "data")):

@@ -77,9 +77,9 @@ def startup_seconds(scratch: Path, repeats: int) -> dict[str, float]:
 
 def contenders(src: Path, scratch: Path) -> dict[str, object]:
     # Imported here, not at the top: make_shards' workers import this script again (as every
-    # multiprocessing worker imports its main module), and pipeline.bench.image imports torch,
+    # multiprocessing worker imports its main module), and pipeline.bench.peers imports torch,
     # which a make_shards run never does (a second of start-up per worker).
-    from pipeline.bench import image as bi
+    from pipeline.bench import peers
 
     def plain_tar() -> None:
         subprocess.run(["tar", "-cf", str(scratch / "plain.tar"), "-C", str(src), "."],
@@ -96,16 +96,16 @@ def contenders(src: Path, scratch: Path) -> dict[str, object]:
         write_shardwriter(src, scratch / "wds")
 
     def mds() -> None:  # the same columns as the loader benchmark's: JPEG bytes, label
-        bi.write_mds(src, scratch / "mds", size_limit=SHARD_BYTES)
+        peers.write_mds(src, scratch / "mds", size_limit=SHARD_BYTES)
 
     def litdata() -> None:
-        bi.write_litdata(src, scratch / "litdata", workers=2, chunk_bytes=SHARD_BYTES)
+        peers.write_litdata(src, scratch / "litdata", workers=2, chunk_bytes=SHARD_BYTES)
 
     runs = {"tar -cf": plain_tar, "make_shards 1 worker": shards(1),
             "make_shards 2 workers": shards(2), SHARDWRITER: shardwriter}
-    if bi.importable("MosaicML Streaming"):
+    if peers.importable("MosaicML Streaming"):
         runs["MDSWriter (MosaicML Streaming)"] = mds
-    if bi.importable("LitData"):
+    if peers.importable("LitData"):
         runs["litdata.optimize"] = litdata
     return runs
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from pipeline.bench import beton, recipe
+from pipeline.bench import beton, peers, recipe
 from pipeline.bench import image as bi
 from pipeline.bench.core import alternate, cpu_seconds, loader_figures
 from pipeline.builtin import make_large_photos, make_photo_corpus
@@ -46,7 +46,7 @@ BASELINES = {"torchvision-style uint8": "tv", "webdataset + PIL": "wds",
 
 # Other loaders with their own formats (written from the same photo folder when the contender is
 # made), each where its package imports: the bench extra (pip install -e ".[bench]").
-OPTIONAL = {"MosaicML Streaming": bi.MosaicStreaming, "LitData": bi.LitData,
+OPTIONAL = {"MosaicML Streaming": peers.MosaicStreaming, "LitData": peers.LitData,
             "FFCV": beton.Ffcv}  # FFCV: make bench-ffcv
 FLOOR = "PIL 1/8-scale decode of whole photos"  # no loader, no crop: bench/image.py
 
@@ -82,7 +82,7 @@ def contenders(c: bi.Corpus, backend: str = "auto", photos: str = "small") -> di
     if dali_importable():
         runs.update({"DALI by hand": bi.DaliByHand(c),
                      "DALI decode only": bi.DaliByHand(c, decode_only=True)})
-    runs.update({name: make(c) for name, make in OPTIONAL.items() if bi.importable(name)
+    runs.update({name: make(c) for name, make in OPTIONAL.items() if peers.importable(name)
                  and (name != "FFCV" or beton.jpeg_only(c.folder))})
     if photos == "large":
         runs[FLOOR] = bi.WholeEighthDecode(c)

@@ -37,9 +37,11 @@ LARGE = 4  # the median shorter side at least this many times the output size
 PROBES = 12
 
 
-def prefers_portable(source: Source, size: int, cfg: Any, large: float = LARGE) -> bool:
+def prefers_portable(source: Source, size: int, cfg: Any, large: float = LARGE,
+                     whence: str = "the default") -> bool:
     """Whether backend="auto" should run the portable backend on `source` (see above): the
-    median shorter side at least `large` times `size`."""
+    median shorter side at least `large` times `size` (`whence`: where `large` came from,
+    for the log)."""
     if cfg.backend != "auto" or cfg.decode == "gpu" or cfg.reader == "dali" or \
             cfg.resize_on == "dali" or not _decodes_on_cpu(cfg):
         return False
@@ -47,9 +49,9 @@ def prefers_portable(source: Source, size: int, cfg: Any, large: float = LARGE) 
     if not sides or statistics.median(sides) < large * size:
         return False
     log.info("backend='auto': the portable backend, as these photos are large (median "
-             "shorter side %d px, %d or more for output %d: a scaled decode of the rows the "
-             "crop needs beats DALI's full one); backend='dali' keeps DALI",
-             statistics.median(sides), large * size, size)
+             "shorter side %d px, %.3gx output %d or more, the split of %s: a scaled decode "
+             "of the rows the crop needs beats DALI's full one); backend='dali' keeps DALI",
+             statistics.median(sides), large, size, whence)
     return True
 
 
@@ -81,33 +83,37 @@ def _valid(point: Any) -> bool:
         return False
 
 
-def settle_backend(source: Source, asked: dict[str, Any], tuned: dict[str, Any],
-                   tuning_file: Path | None, use_tuning: bool, size: int | None = None
-                   ) -> dict[str, Any]:
-    """backend="auto" settled (image_loader, and the trainers' loaders): from the options the
-    caller gave (`asked`: a reader or resize_on the tuning file chose for DALI does not keep
-    DALI on large photos) and where decoding will run (the tuned `decode`), at the tuning
-    file's split; `tuned` for the backend settled on (the portable one gets only the tuned
-    choices it can use, its own threads and prefetch). `size`: the output size, where
-    `asked` does not hold it."""
+def settle_backend(source: Source, asked: dict[str, Any], tuning_file: Path | None,
+                   use_tuning: bool, size: int | None = None) -> dict[str, Any]:
+    """The image loader's options (image_loader, and the trainers' loaders), with the tuning
+    file's choices for the backend that runs (logged once), backend="auto" settled: from the
+    options the caller gave (`asked`: a reader or resize_on the tuning file chose for DALI
+    does not keep DALI on large photos) and where decoding will run (the tuned `decode`), at
+    the tuning file's split. The portable backend gets only the tuned choices it can use, its
+    own threads and prefetch. `size`: the output size, where `asked` does not hold it."""
     from pipeline.image.config import ImageConfig
     from pipeline.loading import readers, tuning
 
-    if asked.get("backend", "auto") != "auto" or not readers.dali_importable():
-        return tuned
+    def tuned(dali: bool, say: bool = True) -> dict[str, Any]:
+        if not use_tuning:
+            return dict(asked)
+        return tuning.apply("image", asked, tuning_file, say=say, dali=dali,
+                            dali_readable=readers.dali_readable(source))
+
+    backend = asked.get("backend", "auto")
+    if backend != "auto" or not readers.dali_importable():
+        return tuned(readers.resolve_backend(backend, "image") == "dali")
+    first = tuned(True, say=False)  # its decode says where decoding runs
     check: dict[str, Any] = {"batch_size": 1, **asked,
-                             "decode": tuned.get("decode", asked.get("decode", "auto"))}
+                             "decode": first.get("decode", asked.get("decode", "auto"))}
     if size is not None:
         check["size"] = size
     cfg = ImageConfig(**check)
-    large = tuned_split(tuning_file) if use_tuning else LARGE
-    if not prefers_portable(source, cfg.size, cfg, large):
-        return {**tuned, "backend": "dali"}
-    portable = {**asked, "backend": "portable"}
-    if not use_tuning:
-        return portable
-    return tuning.apply("image", portable, tuning_file,
-                        dali_readable=readers.dali_readable(source), dali=False)
+    large, whence = (tuned_split(tuning_file), "this machine's tuning file") if use_tuning \
+        else (LARGE, "the default")
+    if not prefers_portable(source, cfg.size, cfg, large, whence):
+        return {**tuned(True), "backend": "dali"}
+    return {**tuned(False), "backend": "portable"}
 
 
 def tuned_split(path: Path | None) -> float:

@@ -66,9 +66,8 @@ def image_loader(source: str | Path | Sequence[str] | mix.Mixture, *, batch_size
         options["decode"] = "cpu"  # views resize on the CPU (views.py); a tuning file's
         # decode="gpu" would refuse them, and the views still land on the device
     asked = {"device": device, **options}
-    resolved, options = tuning.source_and_options("image", source, asked, tuning_file,
-                                                  use_tuning)
-    options = choose.settle_backend(resolved, asked, options, tuning_file, use_tuning)
+    resolved, _ = tuning.source_and_options("image", source, asked, tuning_file, False)
+    options = choose.settle_backend(resolved, asked, tuning_file, use_tuning)
     if "prefetch" not in options and (options.get("augment") or options.get("batch_augment")) \
             and _lands_on_cpu(device):
         options["prefetch"] = AUGMENT_PREFETCH

@@ -115,29 +115,31 @@ def load(path: Path | None = None) -> Tuning | None:
 
 
 def apply(kind: str, options: dict[str, Any], path: Path | None, *, dali_readable: bool,
-          dali: bool = True, stored_ids: bool = False) -> dict[str, Any]:
+          dali: bool = True, stored_ids: bool = False, say: bool = True) -> dict[str, Any]:
     """`options` of a `kind` loader with the tuned choices filled in where the caller left
     them automatic and they are possible here (`dali_readable`: the source is local shards
     with .idx files; `dali`: the loader runs the DALI backend, not the portable one;
-    `stored_ids`: text stored as token ids, which the index reader reads whatever was tuned)."""
+    `stored_ids`: text stored as token ids, which the index reader reads whatever was tuned;
+    `say`: log the choices filled in)."""
     tuning = load(path)
     if tuning is None:
         return options
     tuned = dict(options)
     for name, value in tuning.choices(bool(options.get("normalize", False)), dali).items():
-        if name not in APPLIES_TO.get(kind, ()) or not _possible(name, value, options,
-                                                                 dali_readable):
+        if name not in APPLIES_TO.get(kind, ()):
             continue
-        if name == "reader" and stored_ids:
-            continue  # readers.pick_reader's choice, measured on these shards, not on images
         if not dali and (name, value) in _DALI_ONLY:
             continue  # measured with DALI; the portable backend streams and decodes on the CPU
+        if name == "reader" and stored_ids:
+            continue  # readers.pick_reader's choice, measured on these shards, not on images
+        if not _possible(name, value, options, dali_readable, say):
+            continue
         if name in AUTOMATIC and tuned.get(name, "auto") == "auto":
             tuned[name] = value
         elif name not in AUTOMATIC and name not in tuned:
             tuned[name] = value
     used = {k: v for k, v in tuned.items() if options.get(k) != v}
-    if used:
+    if used and say:
         log.info("%s loader: %s from the tuning file %s (measured %s: %.0f images/s)", kind,
                  used, path or default_path(), tuning.measured, tuning.images_per_s)
     return tuned
@@ -146,10 +148,12 @@ def apply(kind: str, options: dict[str, Any], path: Path | None, *, dali_readabl
 _DALI_ONLY = {("reader", "dali"), ("decode", "gpu"), ("resize_on", "dali")}
 
 
-def _possible(name: str, value: Any, options: dict[str, Any], dali_readable: bool) -> bool:
+def _possible(name: str, value: Any, options: dict[str, Any], dali_readable: bool,
+              say: bool) -> bool:
     if name == "reader" and value == "dali" and not dali_readable:
-        log.info("tuning file says reader='dali', but these shards are remote or have no .idx "
-                 "files: the streaming reader reads them")
+        if say:
+            log.info("tuning file says reader='dali', but these shards are remote or have no "
+                     ".idx files: the streaming reader reads them")
         return False
     if name == "decode" and value == "gpu":
         return options.get("device", "auto") not in ("cpu",)
