@@ -290,7 +290,10 @@ def deadline(seconds: int) -> Iterator[None]:
     """Raise TimeoutError in the block after `seconds` (main thread only): a test of something
     that must not hang fails instead of hanging the suite."""
 
+    fired = []
+
     def expired(signum: int, frame: object) -> None:
+        fired.append(True)
         raise TimeoutError(f"still running after {seconds} s: hung")
 
     old = signal.signal(signal.SIGALRM, expired)
@@ -300,6 +303,9 @@ def deadline(seconds: int) -> Iterator[None]:
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+    if fired:  # the block went on: code under test caught the TimeoutError (except Exception)
+        raise TimeoutError(f"blocked for {seconds} s, then went on: the code under test "
+                           "caught the deadline's error")
 
 
 def convert_killed(cfg: object, kill_at: int, spec_dir: Path,

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import QuietHandler, RangeHandler, http_server, jpeg_bytes, run_tool
+from conftest import QuietHandler, RangeHandler, deadline, http_server, jpeg_bytes, run_tool
 from PIL import Image, ImageOps
 
 from pipeline import ShardDataset, collate_skipping, image_loader, text_loader
@@ -153,6 +154,16 @@ def test_a_shard_without_an_index_names_the_command_that_makes_one(tmp_path):
     (raw / "manifest.json").unlink()
     with pytest.raises(DataError, match="no index at .*a.idx.*shardflow index"):
         ShardDataset(raw)
+
+
+def test_a_fifo_in_an_index_place_is_refused_not_opened(tmp_path):
+    raw = _with_bad_image(tmp_path)
+    (raw / "a.idx").unlink()
+    (raw / "manifest.json").unlink()
+    os.mkfifo(raw / "a.idx")
+    with deadline(60), pytest.raises(DataError, match="a.idx is not a regular file") as err:
+        ShardDataset(raw)
+    assert err.value.reason == "bad-index" and err.value.source.endswith("a.tar")
 
 
 def test_text_stored_ids_and_point_clouds_decode_as_their_loaders_read_them(tmp_path):

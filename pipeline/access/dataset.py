@@ -224,6 +224,10 @@ class ShardDataset:
 def _read_index(spec: ShardSpec) -> list[Members]:
     import fsspec
 
+    local = None if is_remote(spec.index_url) else spec.index_url.removeprefix("file://")
+    if local is not None and os.path.exists(local) and not os.path.isfile(local):
+        raise DataError("bad-index", f"{redact(spec.index_url)} is not a regular file (opening "
+                        "a FIFO blocks until a writer comes)", source=redact(spec.url))
     try:
         with fsspec.open(spec.index_url, "rb", **spec.storage_options) as f:
             text = f.read().decode()

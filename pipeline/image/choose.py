@@ -142,11 +142,12 @@ def shorter_sides(source: Source) -> list[int]:
     """The stored shorter side of up to PROBES images spread over `source` (read from their
     headers); [] where they cannot be read cheaply (remote shards, no indexes, bad data)."""
     from pipeline.access.dataset import ShardDataset
+    from pipeline.loading.readers import dali_readable
     from pipeline.samples.checks import IMAGE_EXTS
     from pipeline.samples.headers import read_header
-    from pipeline.urls import is_remote
 
-    if not source.shards or any(is_remote(s.url) for s in source.shards):
+    # local shards each with a regular .idx: a FIFO in an index's place would block the probe
+    if not source.shards or not dali_readable(source):
         return []
     try:
         with ShardDataset([s.url for s in source.shards], decode=False) as dataset:
