@@ -51,9 +51,12 @@ def load_rows(img: Image.Image, rows: int, data: Any) -> bool | None:
     width = img.width
     raw = data if isinstance(data, bytes) else bytes(data)
     # A file cut short has no end-of-image marker after its scan (0xFFD9 never occurs inside
-    # entropy-coded data): it is left to the full decode, which says it is truncated.
+    # entropy-coded data): it is left to the full decode, which says it is truncated. One
+    # before the scan does not count: an EXIF thumbnail or a comment holding a JPEG carries
+    # its own. (The last marker is found from the end, at once where the file is whole.)
     whole = extents is not None and tuple(extents) == (0, 0, width, img.height)
-    if not whole or raw.rfind(b"\xff\xd9", offset) < 0:
+    scan = scan_start(raw, offset)
+    if not whole or scan is None or raw.rfind(b"\xff\xd9", scan) < 0:
         return None
     img._size = (width, rows)
     img.load_prepare()
@@ -68,3 +71,26 @@ def load_rows(img: Image.Image, rows: int, data: Any) -> bool | None:
     img.tile = []  # loaded: load() and crop() use these pixels
     last = np.asarray(img.crop((0, rows - 1, width, rows)))
     return not (last == np.asarray(SENTINEL[:bands] if bands > 1 else SENTINEL[0])).all()
+
+
+_STANDALONE = {0x01, *range(0xD0, 0xD9)}  # markers without a length: TEM, RSTn, SOI
+
+
+def scan_start(raw: bytes, at: int = 0) -> int | None:
+    """Where the first scan of the JPEG at `at` starts (its SOS marker), walking the header's
+    segments by their lengths, as libjpeg does (so a thumbnail inside one is skipped whole);
+    None for a header that does not lead to a scan."""
+    i, n = at + 2, len(raw)
+    while i + 4 <= n:
+        if raw[i] != 0xFF:
+            return None
+        marker = raw[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+        elif marker in _STANDALONE:
+            i += 2
+        elif marker == 0xDA:
+            return i
+        else:
+            i += 2 + int.from_bytes(raw[i + 2: i + 4], "big")
+    return None
