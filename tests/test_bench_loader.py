@@ -357,6 +357,39 @@ def test_tune_writes_the_fastest_configuration_for_uint8_and_float(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.dali
+def test_tune_of_one_backend_keeps_what_the_file_said_of_the_other(tmp_path):
+    """--tune --backend portable leaves DALI's choices as they were (with no file: automatic,
+    never the portable run's stream reader); --backend dali leaves the portable threads."""
+    from pipeline.loading.tuning import Tuning, load
+
+    path = tmp_path / "tuning.json"
+    split = [{"side_ratio": 13.7, "dali": 60.0, "portable": 130.0}]
+
+    def tune(backend):
+        run_tool("bench_loader", "--tune", "--backend", backend, "--images", 16,
+                 "--batch-size", 8, "--repeats", 1, "--work", tmp_path / "work",
+                 "--tuning-file", path, check=True)
+        return load(path)
+
+    Tuning("cpu", "dali", 3, 4, 900.0, resize_on="dali", backend_split=split,
+           portable={"threads": 1, "prefetch": 3}).save(path)
+    tuned = tune("portable")
+    assert (tuned.device, tuned.reader, tuned.threads, tuned.prefetch, tuned.resize_on) == \
+        ("cpu", "dali", 3, 4, "dali")
+    assert tuned.backend_split == split  # one backend measured: no new point
+    measured = tuned.portable
+    assert measured["threads"] in (2, 3)  # measured now (the runs' 2 threads, or one more)
+    tuned = tune("dali")
+    assert tuned.portable == measured and tuned.reader in ("dali", "stream")
+    assert {row["backend"] for row in tuned.table} == {"dali"}
+    path.unlink()
+    tuned = tune("portable")
+    assert (tuned.device, tuned.reader) == ("auto", "auto")
+    assert tuned.portable == {k: tuned.table[0][k] for k in ("threads", "prefetch")}
+
+
+@pytest.mark.slow
 def test_the_streaming_benchmark_resumes_fetching_only_what_is_left(tmp_path):
     pytest.importorskip("moto")
     pytest.importorskip("s3fs")

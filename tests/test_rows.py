@@ -14,7 +14,7 @@ from PIL import Image
 
 from pipeline.image.augment import CropParams
 from pipeline.image.portable import decode_window
-from pipeline.image.rows import load_rows, resized_rows
+from pipeline.image.rows import load_rows, resized_rows, scan_start
 
 
 def jpeg(h: int, w: int, mode: str = "RGB", seed: int = 0, **options) -> bytes:
@@ -84,9 +84,26 @@ def test_the_resize_reach_is_inside_the_image() -> None:
     assert resized_rows((0, 500, 100, 998), 224, 1000) == 1000  # the last row at most
 
 
+def mpo() -> bytes:
+    """A phone's MPO: the photo, then a second image (a depth map, say) after its end."""
+    out = io.BytesIO()
+    photo = Image.open(io.BytesIO(KINDS["4:2:0"]()))
+    photo.save(out, "MPO", save_all=True, append_images=[photo.resize((120, 90))], quality=90,
+               comment=jpeg(60, 80))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("kind", ["plain", "thumbnail", "mpo"])
 @pytest.mark.parametrize("keep", [1 / 3, 1 / 2, 0.98])
-def test_a_file_cut_short_is_refused_as_before(keep: float) -> None:
-    data = KINDS["4:2:0"]()
+def test_a_file_cut_short_is_refused_as_before(keep: float, kind: str) -> None:
+    """Also where a JPEG inside the header (a camera's thumbnail; here in a comment) has an
+    end-of-image marker of its own, and in an MPO cut inside its first image: the photo's
+    scan has none all the same."""
+    data = {"plain": KINDS["4:2:0"], "mpo": mpo,
+            "thumbnail": lambda: jpeg(900, 1200, quality=90, comment=jpeg(60, 80))}[kind]()
+    if kind == "mpo":  # cut inside the photo, the second image gone with the rest
+        data = data[:data.index(b"\xff\xd9", scan_start(data)) + 2]
+    assert (data.index(b"\xff\xd9") < data.rindex(b"\xff\xda")) == (kind != "plain")
     short = data[: int(len(data) * keep)]
     window = CropParams(0, 0, 300, 200, False)  # above the cut: the rows are all there
     with pytest.raises(OSError, match="truncated"):
@@ -159,6 +176,35 @@ def test_the_split_moves_only_where_a_measurement_contradicts_it() -> None:
     assert split([point(3, 100, 120), point(5, 100, 90), point(10, 60, 130)]) == \
         pytest.approx(math.sqrt(50))
     assert split([{"side_ratio": 9}, point(-1, 1, 2), {"dali": "x"}]) == LARGE  # hand-edited
+    assert split(None) == split({"x": 1}) == LARGE  # type: ignore[arg-type]
+    assert split([point("6", "90", "80")]) == split([point(6, 90, 80)])  # numbers as text
+    assert split([point(6, float("nan"), 80), point(6, float("inf"), 80)]) == LARGE
+
+
+def test_the_size_probe_reads_long_headers_and_passes_over_a_bad_sample(tmp_path) -> None:
+    """A 100 KB ICC profile takes a photo's header past 64 KB; a sample that says no size is
+    left out, and the others still decide."""
+    from pipeline.convert import ConvertConfig, convert
+    from pipeline.image import choose
+    from pipeline.loading.shardlist import resolve_source
+
+    folder = tmp_path / "photos" / "class_0"
+    folder.mkdir(parents=True)
+    for i in range(4):
+        (folder / f"{i}.jpg").write_bytes(jpeg(900, 1000, seed=i, icc_profile=bytes(100_000)))
+    convert(ConvertConfig(kind="imagefolder", src=str(tmp_path / "photos"),
+                          out=str(tmp_path / "shards"), workers=1, max_count=2))
+    source = resolve_source(str(tmp_path / "shards"))
+    assert choose.shorter_sides(source) == [900] * 4
+
+    class OneBad:
+        def raw(self, i):
+            if i == 1:
+                raise ValueError("unreadable")
+            return {"jpg": b"not an image"} if i == 2 else {"jpg": jpeg(300, 500)}
+
+    sides = [choose._shorter_side(OneBad(), i, ("jpg",)) for i in range(4)]
+    assert sides == [300, None, None, 300]
 
 
 @pytest.mark.dali

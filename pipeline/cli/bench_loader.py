@@ -19,6 +19,7 @@ baselines measured in this same run: the median over the rounds of each round's 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -139,6 +140,7 @@ def print_table(r: dict[str, Any]) -> str:
 def tune(c: bi.Corpus, args: argparse.Namespace) -> None:
     """Every configuration that matters here, alternated; the fastest goes to the file, and
     with backend auto both backends' fastest, as a point of the split choose.py draws."""
+    from pipeline.loading import tuning
     from pipeline.loading.tuning import Tuning, default_path
 
     configs = tune_configs(c, args.backend)
@@ -150,19 +152,31 @@ def tune(c: bi.Corpus, args: argparse.Namespace) -> None:
     for row in table:
         print(row)
     # The file's choices are the DALI backend's where it ran (the portable one has none of
-    # its own beyond threads and prefetch); the split says when to leave DALI.
-    best = next((row for row in table if row["backend"] == "dali"), table[0])
-    portable = next((row for row in table if row["backend"] == "portable"), None)
-    float_on = tune_float(c, args, best) if "resize_on" in best else None
+    # its own beyond threads and prefetch); the split says when to leave DALI. A backend not
+    # measured this time (--backend dali or portable) keeps what the file said of it.
     path = args.tuning_file or default_path()
+    old = tuning.load(path)
+    dali = [row for row in table if row["backend"] == "dali"]
+    portable = next((row for row in table if row["backend"] == "portable"), None)
+    best = dali[0] if dali else table[0]
+    float_on = tune_float(c, args, best) if "resize_on" in best else None
     split = backend_split(c, table, path)
-    Tuning(best["decode"], best["reader"], best["threads"], best["prefetch"],
-           best["images_per_s"], table, hw_decoder_load=best.get("hw_decoder_load"),
-           resize_on=best.get("resize_on"), resize_on_float=float_on, backend_split=split,
-           portable={k: portable[k] for k in ("threads", "prefetch")} if portable else None
-           ).save(path)
-    print(f"fastest: {table[0]}; the file's choices: {best}, with normalize=True, "
-          f"resize_on={float_on}; the portable backend's: {portable}; written to {path}")
+    mine = {k: portable[k] for k in ("threads", "prefetch")} if portable else \
+        (old.portable if old else None)
+    if dali or not dali_importable():  # DALI measured, or no DALI loader here to tune
+        found = Tuning(best["decode"], best["reader"], best["threads"], best["prefetch"],
+                       best["images_per_s"], table, hw_decoder_load=best.get("hw_decoder_load"),
+                       resize_on=best.get("resize_on"), resize_on_float=float_on,
+                       backend_split=split, portable=mine)
+    elif old is not None:  # --backend portable: DALI's choices as the file had them
+        found = dataclasses.replace(old, backend_split=split, portable=mine)
+    else:  # nothing measured on DALI: its decode and reader left automatic
+        found = Tuning("auto", "auto", best["threads"], best["prefetch"],
+                       best["images_per_s"], table, backend_split=split, portable=mine)
+    found.save(path)
+    print(f"fastest: {table[0]}; the file's choices: {found.choices()}, with normalize=True, "
+          f"resize_on={found.resize_on_float}; the portable backend's: {mine}; written to "
+          f"{path}")
     if split:
         print(f"backend='auto' takes the portable backend from a median shorter side of "
               f"{choose.split(split):.2f}x the output size (both backends: {split})")
@@ -206,11 +220,12 @@ def backend_split(c: bi.Corpus, table: list[dict[str, Any]], path: Path
     fastest = {row["backend"]: row["images_per_s"] for row in reversed(table)
                if row["decode"] == "cpu"}
     old = tuning.load(path)
-    kept = list(old.backend_split) if old else []
+    listed = old.backend_split if old and isinstance(old.backend_split, list) else []
+    kept = [o for o in listed if choose.valid(o)]  # the file may have been edited by hand
     ratio = choose.side_ratio(resolve_source(str(c.shards)), c.size)
     if set(fastest) != {"dali", "portable"} or ratio is None:
         return kept
-    kept = [o for o in kept if abs(math.log(o["side_ratio"] / ratio)) > 0.1]
+    kept = [o for o in kept if abs(math.log(float(o["side_ratio"]) / ratio)) > 0.1]
     point = {"side_ratio": round(ratio, 3), "dali": fastest["dali"],
              "portable": fastest["portable"]}
     return sorted([*kept, point], key=lambda o: o["side_ratio"])

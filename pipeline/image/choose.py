@@ -62,7 +62,8 @@ def split(observations: list[dict[str, float]], default: float = LARGE) -> float
     the smallest above it the portable backend won; where a measurement contradicts it, the
     line moves just past that measurement (halfway, geometrically, to the other side's
     nearest win where there is one)."""
-    points = [o for o in observations if _valid(o)]
+    listed = observations if isinstance(observations, list) else []  # edited by hand?
+    points = [{k: float(o[k]) for k in _KEYS} for o in listed if valid(o)]
     dali = [o["side_ratio"] for o in points if o["dali"] >= o["portable"]]
     lo = max(dali, default=0.0)
     portable = [o["side_ratio"] for o in points if o["portable"] > o["dali"] and
@@ -75,10 +76,13 @@ def split(observations: list[dict[str, float]], default: float = LARGE) -> float
     return lo * math.sqrt(2) if lo >= default else hi / math.sqrt(2)
 
 
-def _valid(point: Any) -> bool:
-    """A well-formed point (the file may have been edited by hand): positive numbers."""
+_KEYS = ("side_ratio", "dali", "portable")
+
+
+def valid(point: Any) -> bool:
+    """A well-formed point (the file may have been edited by hand): positive finite numbers."""
     try:
-        return all(float(point[k]) > 0 for k in ("side_ratio", "dali", "portable"))
+        return all(0 < float(point[k]) < math.inf for k in _KEYS)
     except (KeyError, TypeError, ValueError):
         return False
 
@@ -144,7 +148,6 @@ def shorter_sides(source: Source) -> list[int]:
     from pipeline.access.dataset import ShardDataset
     from pipeline.loading.readers import dali_readable
     from pipeline.samples.checks import IMAGE_EXTS
-    from pipeline.samples.headers import read_header
 
     # local shards each with a regular .idx: a FIFO in an index's place would block the probe
     if not source.shards or not dali_readable(source):
@@ -152,15 +155,27 @@ def shorter_sides(source: Source) -> list[int]:
     try:
         with ShardDataset([s.url for s in source.shards], decode=False) as dataset:
             count = len(dataset)
-            sides = []
-            for i in sorted({k * count // PROBES for k in range(PROBES)}):
-                sample = dataset.raw(i) or {}
-                image = next((v for k, v in sample.items()
-                              if k.rsplit(".", 1)[-1].lower() in IMAGE_EXTS), None)
-                if isinstance(image, bytes):
-                    header = read_header(image[:65536])
-                    sides.append(min(header.width, header.height))
-            return sides
+            sides = [_shorter_side(dataset, i, IMAGE_EXTS)
+                     for i in sorted({k * count // PROBES for k in range(PROBES)})]
+            return [side for side in sides if side is not None]
     except Exception as exc:  # noqa: BLE001 - a probe that fails leaves the default choice
         log.debug("backend='auto': could not probe the photos' sizes (%s)", exc)
         return []
+
+
+def _shorter_side(dataset: Any, i: int, exts: Any) -> int | None:
+    """Sample `i`'s stored shorter side; None for a sample that cannot say (a bad one is the
+    loader's to report): the other probes still count."""
+    from pipeline.samples.headers import read_header
+
+    try:
+        sample = dataset.raw(i) or {}
+        image = next((v for k, v in sample.items() if k.rsplit(".", 1)[-1].lower() in exts),
+                     None)
+        if not isinstance(image, bytes):
+            return None
+        header = read_header(image)  # whole: an ICC profile may take the header past 64 KB
+        return min(header.width, header.height)
+    except Exception as exc:  # noqa: BLE001 - as above, for this sample alone
+        log.debug("backend='auto': sample %d says no size (%s)", i, exc)
+        return None
