@@ -283,7 +283,9 @@ def orchestrate(args: argparse.Namespace) -> int:
         shutil.rmtree(work, ignore_errors=True)
         print(f"no CUDA here: {state}; nothing to check (--dry-run runs the orchestration on "
               f"the CPU). Header written to {args.json}")
-        return 0
+        # A CUDA build that sees no GPU is a broken GPU machine (a driver too old for its CUDA,
+        # no device passed through): not a pass for a wrapper that reads the status only.
+        return NO_GPU_SEEN if report["header"].get("cuda_build") else 0
     run_parts(args, report, work)
     report["finished"] = True
     write_json(args.json, report)
@@ -291,6 +293,8 @@ def orchestrate(args: argparse.Namespace) -> int:
     print(table(report))
     return exit_status(report)
 
+
+NO_GPU_SEEN = 3  # the exit status of a CUDA build of torch that sees no GPU
 
 def exit_status(report: dict[str, Any]) -> int:
     """1 when any part did not pass (failed, error, timeout; a skip is a pass: no DALI, one
