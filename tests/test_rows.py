@@ -14,7 +14,8 @@ from PIL import Image
 
 from pipeline.image.augment import CropParams
 from pipeline.image.portable import decode_window
-from pipeline.image.rows import load_rows, resized_rows, scan_start
+from pipeline.image.rows import load_rows, resized_rows
+from pipeline.samples.headers import scan_start
 
 
 def jpeg(h: int, w: int, mode: str = "RGB", seed: int = 0, **options) -> bytes:

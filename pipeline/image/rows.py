@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageFile
 
+from pipeline.samples.headers import scan_start
+
 SENTINEL = (13, 247, 61, 7)  # a row of this colour is left by no photo, and if one were,
 # the caller's full decode would give the same pixels: the sentinel costs time, never pixels
 
@@ -72,25 +74,3 @@ def load_rows(img: Image.Image, rows: int, data: Any) -> bool | None:
     last = np.asarray(img.crop((0, rows - 1, width, rows)))
     return not (last == np.asarray(SENTINEL[:bands] if bands > 1 else SENTINEL[0])).all()
 
-
-_STANDALONE = {0x01, *range(0xD0, 0xD9)}  # markers without a length: TEM, RSTn, SOI
-
-
-def scan_start(raw: bytes, at: int = 0) -> int | None:
-    """Where the first scan of the JPEG at `at` starts (its SOS marker), walking the header's
-    segments by their lengths, as libjpeg does (so a thumbnail inside one is skipped whole);
-    None for a header that does not lead to a scan."""
-    i, n = at + 2, len(raw)
-    while i + 4 <= n:
-        if raw[i] != 0xFF:
-            return None
-        marker = raw[i + 1]
-        if marker == 0xFF:  # fill byte
-            i += 1
-        elif marker in _STANDALONE:
-            i += 2
-        elif marker == 0xDA:
-            return i
-        else:
-            i += 2 + int.from_bytes(raw[i + 2: i + 4], "big")
-    return None

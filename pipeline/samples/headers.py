@@ -100,6 +100,26 @@ def _jpeg_header(data: bytes) -> ImageHeader:
     return ImageHeader(*size, orientation or 1)
 
 
+def scan_start(data: bytes, at: int = 0) -> int | None:
+    """Where the first scan of the JPEG at `at` starts (its SOS marker), walking the header's
+    segments by their lengths as `_jpeg_header` does (so a thumbnail inside one is skipped
+    whole); None for a header that does not lead to a scan."""
+    i, n = at + 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+        elif marker in _STANDALONE:
+            i += 2
+        elif marker == 0xDA:
+            return i
+        else:
+            i += 2 + struct.unpack(">H", data[i + 2: i + 4])[0]
+    return None
+
+
 def _png_orientation(data: bytes) -> int:
     """The orientation in a PNG's eXIf chunk (before or after the image data, as PIL reads
     it); 1 without one. Only chunk headers are read: the walk skips over the data."""
