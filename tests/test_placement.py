@@ -103,6 +103,31 @@ def test_loaders_say_where_they_decode_and_deliver(no_cuda, sources, kind):
         _loader(kind, sources[kind], device="cpu", decode="gpu")
 
 
+@pytest.mark.dali
+@pytest.mark.parametrize("kind", ["image", "pointcloud"])
+@pytest.mark.parametrize("decode", ["cpu", "gpu"])
+def test_a_graph_that_decodes_on_the_cpu_opens_no_cuda_device(monkeypatch, kind, decode):
+    """Batches bound for cuda:3: the graph takes device_id=3 only when it decodes there; a
+    CPU-decoding graph is built with device_id=None (the copier moves its batches), so DALI
+    opens no CUDA context and holds no device memory of its own."""
+    from pipeline import dali
+    from pipeline.image.config import ImageConfig
+    from pipeline.image.decode import DecodeStage
+    from pipeline.pointcloud.config import PointCloudConfig
+    from pipeline.pointcloud.decode import DecodeStage as CloudDecodeStage
+
+    built: list[object] = []
+    monkeypatch.setattr(dali, "build", lambda graph, **options: built.append(
+        options["device_id"]))
+    placement = Placement("cuda", 3, decode)  # type: ignore[arg-type]
+    if kind == "image":
+        stage = DecodeStage(ImageConfig(batch_size=4, threads=1), placement, None)
+    else:
+        stage = CloudDecodeStage(PointCloudConfig(batch_size=4, threads=1), placement)
+    stage._build(1)
+    assert built == [3 if decode == "gpu" else None]
+
+
 # -- train.py ---------------------------------------------------------------------------------
 
 def _train(sources: dict[str, Path], tmp_path: Path, *args: str) -> subprocess.CompletedProcess:

@@ -207,7 +207,7 @@ class DecodeStage(ImageStage, GraphStage):
     def _build(self, depth: int, batch_size: int | None = None) -> Any:
         samples = (batch_size or self.cfg.batch_size) * self.per_sample  # a window each
         return image_graph.build(self._spec(), batch_size=samples,
-                                 num_threads=self.cfg.threads, device_id=self.cuda_index,
+                                 num_threads=self.cfg.threads, device_id=self.graph_device,
                                  seed=self.cfg.seed, prefetch_depth=depth)
 
     def _feed(self, graph: Any, item: Item) -> None:

@@ -101,6 +101,10 @@ class GraphStage(BackendStage):
         # 1.10-1.20x more batches a second at prefetch + 1 = 3; --tune tries prefetch 2 and
         # 4). A GPU graph does it all: `prefetch` deep, as before, its memory on the device.
         depth = prefetch + 1 if placement.decode == "cpu" else prefetch
+        # The device the graph itself runs on: a CPU-decoding graph takes device_id=None even
+        # when its batches go to CUDA (the copier moves them), so that DALI opens no CUDA
+        # context of its own and holds no device memory for a graph that never uses it.
+        self.graph_device = placement.cuda_index if placement.decode == "gpu" else None
         self.runner = dali.GraphRunner(self._build, self._feed, self._fetch,
                                        lambda item: not len(item[0]), depth=depth)
         # The one-sample graph that traces a failed batch to its samples, kept between

@@ -165,7 +165,7 @@ class DecodeStage(CloudStage, GraphStage):
 
     def _build(self, depth: int, batch_size: int | None = None) -> pointcloud_graph.Outputs:
         graph = pointcloud_graph.build(self.spec, batch_size=batch_size or self.cfg.batch_size,
-                                       num_threads=self.cfg.threads, device_id=self.cuda_index,
+                                       num_threads=self.cfg.threads, device_id=self.graph_device,
                                        seed=self.cfg.seed, prefetch_depth=depth)
         return pointcloud_graph.Outputs(graph)
 
