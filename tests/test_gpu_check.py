@@ -72,6 +72,11 @@ def test_dry_run_records_every_part_and_the_header(tmp_path: Path) -> None:
         dali = report["parts"]["dali"]
         assert set(dali["stage_seconds"]) >= {"corpus_and_conversion", "large_photos"}
         assert dali["key"]["large_portable"] > 0 and dali["key"]["large_dali_cpu_decode"] > 0
+        agreement = dali["agreement"]  # on the CPU: torch's resize against the graph's
+        assert agreement["keys_and_labels_equal"] and agreement["batches"] == 2
+        assert 0 < agreement["mean_abs_pixel_diff"] < 3
+    scenes = report["parts"]["text_pointcloud"]["scenes"]
+    assert scenes["batches_equal_to_cpu"] and scenes["voxel_rows_equal_to_cpu"]
     parts = report["parts"]
     assert parts["amp_step"]["model"] == "resnet50-local"  # the torchvision-free ResNet-50
     ddp = parts["ddp"]["runs"]  # every mode's hook on every step; int8 a quarter of fp32

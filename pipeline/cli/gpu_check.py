@@ -20,7 +20,7 @@ report and work folder (in the temp dir, wiped at the start and the end), and a 
 ends itself when the orchestrating one is killed. Report: {"header": {...}, "parts": {name:
 {"status": ok|failed|error|timeout|skipped|pending, "seconds", "timeout_s", "key": {key
 figures}, ...}}, "finished": bool}. The parts, most valuable first, and their default timeouts
-(515 s in all, plus 30 s for the header; about 6.5 minutes at worst on one GPU without DALI) are
+(525 s in all, plus 30 s for the header; about 6.5 minutes at worst on one GPU without DALI) are
 pipeline/bench/gpu's PARTS: described at the end of --help, listed by --list.
 
 Without CUDA (and without --dry-run) it says whether torch is a CPU-only build or a CUDA build

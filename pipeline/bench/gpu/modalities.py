@@ -1,8 +1,9 @@
 """The modality parts: text_pointcloud (GPT-style and BERT-style steps of
 trainers.text_task fed by the text loader on the device; voxelize on the device in a side stream,
-checked against the CPU, also under TF32 matmuls; LiDAR scenes with voxel rows delivered to the
-device, equal to the CPU loader's) and dali (CPU vs mixed decode images/s and a
-hw_decoder_load sweep, "skipped" when nvidia.dali does not import; DALI is imported only there).
+equal to the CPU's; LiDAR scenes with voxel rows delivered to the device, equal to the CPU
+loader's, and segvoxels on the device equal to it on the CPU) and dali (CPU vs mixed decode
+images/s and a hw_decoder_load sweep, the two decodes' eval batches compared, "skipped" when
+nvidia.dali does not import; DALI is imported only there).
 """
 
 from __future__ import annotations
@@ -57,7 +58,10 @@ def lm_rate(ctx: Ctx, shards: Path, objective: str) -> dict[str, Any]:
 
 
 def voxel_rate(ctx: Ctx, mode: str) -> dict[str, Any]:
-    """voxelize on the device in a side stream (points/s), and the result vs the CPU's."""
+    """voxelize on the device in a side stream (points/s), and the result vs the CPU's: equal,
+    or the part fails. Both compute each cell by the same float32 multiply, then add, each
+    rounded once (no fused or reordered arithmetic on either side), then integer indices: a
+    point on a cell boundary lands in the same cell on both."""
     import torch
 
     from pipeline.pointcloud.voxelize import voxelize
@@ -74,24 +78,15 @@ def voxel_rate(ctx: Ctx, mode: str) -> dict[str, Any]:
         with torch.cuda.stream(side) if side else contextlib.nullcontext():
             return voxelize(points, mode, grid=s.voxel_grid, extent=1.0)  # type: ignore[arg-type]
 
-    def diff_vs_cpu() -> float:
-        got = run()
-        sync(ctx)  # the side stream's work is done before the default stream reads it
-        return float((got.cpu() - want).abs().max())
-
     run()  # warm-up
     seconds = timed(ctx, lambda: [run() for _ in range(s.voxel_reps)])
     want = voxelize(host, mode, grid=s.voxel_grid, extent=1.0)  # type: ignore[arg-type]
-    diff = diff_vs_cpu()
-    old = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")  # TF32 matmuls where the GPU has them
-    try:
-        tf32 = diff_vs_cpu()
-    finally:
-        torch.set_float32_matmul_precision(old)
+    got = run()
+    sync(ctx)  # the side stream's work is done before the default stream reads it
+    diff = float((got.cpu() - want).abs().max())
     return {"points_per_s": s.points_batch * s.points_n * s.voxel_reps / seconds,
-            "max_abs_diff_vs_cpu": diff, "max_abs_diff_vs_cpu_tf32": tf32,
-            "grid": s.voxel_grid, "points": [s.points_batch, s.points_n]}
+            "max_abs_diff_vs_cpu": diff, "grid": s.voxel_grid,
+            "points": [s.points_batch, s.points_n], **({"status": "failed"} if diff else {})}
 
 
 def scenes_on_device(ctx: Ctx) -> dict[str, Any]:
@@ -118,13 +113,22 @@ def scenes_on_device(ctx: Ctx) -> dict[str, Any]:
     frame = torch.repeat_interleave(torch.arange(len(batch), device=batch.points.device),
                                     torch.diff(batch.offsets))
     grid = segvoxels.VoxelGrid(lidar.VOXEL_SIZE, lidar.POINT_RANGE)
+
+    def rows(on: Any) -> Any:
+        return segvoxels.voxel_rows(batch.points.to(on), frame.to(on), batch.labels.to(on),
+                                    grid, batch.ignore_label)
+
+    # The loaders above voxelize on the CPU (the portable backend), so segvoxels on the
+    # device is compared here, on the same batch: float64 cells, exact on either side.
+    on_device, on_cpu = rows(batch.points.device), rows("cpu")
+    rows_equal = all(torch.equal(getattr(on_device, f).cpu(), getattr(on_cpu, f))
+                     for f in ("coords", "labels", "counts", "point_voxel"))
     reps = ctx.sizes.voxel_reps
-    seconds = timed(ctx, lambda: [segvoxels.voxel_rows(batch.points, frame, batch.labels, grid,
-                                                       batch.ignore_label)
-                                  for _ in range(reps)])
-    return {"batches_equal_to_cpu": equal, "device": str(batch.points.device),
-            "points": len(batch.points), "voxel_rows_points_per_s": len(batch.points) * reps
-            / seconds, **({} if equal else {"status": "failed"})}
+    seconds = timed(ctx, lambda: [rows(batch.points.device) for _ in range(reps)])
+    return {"batches_equal_to_cpu": equal, "voxel_rows_equal_to_cpu": rows_equal,
+            "device": str(batch.points.device), "points": len(batch.points),
+            "voxel_rows_points_per_s": len(batch.points) * reps / seconds,
+            **({} if equal and rows_equal else {"status": "failed"})}
 
 
 def part_text_pointcloud(ctx: Ctx) -> dict[str, Any]:
@@ -137,13 +141,14 @@ def part_text_pointcloud(ctx: Ctx) -> dict[str, Any]:
     key: dict[str, Any] = {f"{o}_samples_per_s": round(r["samples_per_s"], 1)
                            for o, r in lm.items()}
     key["voxel_Mpoints_per_s"] = round(vox["occupancy"]["points_per_s"] / 1e6, 1)
-    key["voxel_diff_tf32"] = vox["occupancy"]["max_abs_diff_vs_cpu_tf32"]
-    key["scenes_equal_to_cpu"] = scenes["batches_equal_to_cpu"]
+    key["voxels_equal_to_cpu"] = not any(r["max_abs_diff_vs_cpu"] for r in vox.values())
+    key["scenes_equal_to_cpu"] = scenes["batches_equal_to_cpu"] and \
+        scenes["voxel_rows_equal_to_cpu"]
     key["seg_voxel_Mpoints_per_s"] = round(scenes["voxel_rows_points_per_s"] / 1e6, 1)
     out = {"lm": lm, "lm_shape": ctx.sizes.lm_shape, "precision": "bf16" if ctx.cuda else "fp32",
            "voxelize": vox, "scenes": scenes, "key": key}
-    if "status" in scenes:
-        out["status"] = scenes["status"]
+    if any("status" in r for r in (scenes, *vox.values())):
+        out["status"] = "failed"
     return out
 
 
@@ -211,6 +216,37 @@ def large_photo_rates(ctx: Ctx) -> dict[str, float]:
     return rates
 
 
+# The mean of |a - b| over the pixels of two eval batches of the same samples (0..255) above
+# which two decodes disagree: nvJPEG's and libjpeg-turbo's IDCTs, and DALI's resize against
+# torch's, differ by a level or two; a wrong window, flip or channel order by tens.
+PIXELS_APART = 6.0
+
+
+def decode_agreement(ctx: Ctx, shards: Path) -> dict[str, Any]:
+    """Eval batches (centre crops, the stored order) of two decodes of the same shards: on a
+    GPU the CPU decode against nvJPEG's, elsewhere torch's resize against the graph's (the
+    same comparison on the CPU, so that the dry run drives it). The keys and labels must be
+    the same, and the pixels close (PIXELS_APART); "failed" otherwise."""
+    import torch
+
+    from pipeline.image.loader import image_loader
+
+    options: dict[str, Any] = dict(batch_size=ctx.sizes.dali_batch, use_tuning=False,
+                                   train=False, backend="dali", device=ctx.device.type)
+    second: dict[str, Any] = {"decode": "gpu"} if ctx.cuda else \
+        {"decode": "cpu", "resize_on": "dali"}
+    with image_loader(shards, decode="cpu", resize_on="torch", **options) as a, \
+            image_loader(shards, **options, **second) as b:
+        pairs = list(zip(a, b, strict=True))
+    same = all(x.keys == y.keys and torch.equal(x.label.cpu(), y.label.cpu())
+               for x, y in pairs)
+    apart = max(float((x.image.float() - y.image.float()).abs().mean()) for x, y in pairs)
+    return {"compared": "cpu vs nvjpeg decode" if ctx.cuda else "torch vs dali resize",
+            "batches": len(pairs), "keys_and_labels_equal": same,
+            "mean_abs_pixel_diff": round(apart, 3),
+            **({} if same and apart <= PIXELS_APART else {"status": "failed"})}
+
+
 @contextlib.contextmanager
 def stage(seconds: dict[str, float], name: str) -> Iterator[None]:
     """How long a stage of the part took: the report says where its time went."""
@@ -242,10 +278,14 @@ def part_dali(ctx: Ctx) -> dict[str, Any]:
                                                             hw_decoder_load=x)
                                         for x in (0.0, 0.35, 1.0)}
             rates["hw_decoder_load"]["0.65"] = rates["mixed_decode"]
+    with stage(seconds, "agreement"):
+        agreement = decode_agreement(ctx, shards)
     with stage(seconds, "large_photos"):
         rates["large"] = large_photo_rates(ctx)
     key = {k: round(v, 1) for k, v in rates.items() if isinstance(v, float)}
     key.update({f"large_{k}": round(v, 2 if k.endswith("_over_portable") else 1)
                 for k, v in rates["large"].items()})
+    key["pixel_diff"] = agreement["mean_abs_pixel_diff"]
     return {**probe, "images": ctx.sizes.dali_images, "images_per_s": rates, "key": key,
-            "stage_seconds": {k: round(v, 1) for k, v in seconds.items()}}
+            "agreement": agreement, "stage_seconds": {k: round(v, 1) for k, v in seconds.items()},
+            **({"status": "failed"} if "status" in agreement else {})}
