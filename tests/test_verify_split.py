@@ -162,6 +162,39 @@ def test_a_tuning_file_from_another_machine_is_ignored(tmp_path):
     assert load(path) is None
 
 
+@pytest.mark.parametrize("edit", ["null", '"fast"', "[1, 2]", "no version", "threads",
+                                  "portable", "resize_on", "split"])
+def test_a_tuning_file_edited_into_nonsense_is_ignored_with_a_warning(tmp_path, caplog, edit):
+    """What a hand edit can leave: ignored, named in a warning, never a crash of every loader
+    (it was AttributeError, OverflowError or a loader refusing its own option)."""
+    import logging
+
+    from pipeline.image import choose
+    from pipeline.loading.tuning import Tuning, apply, load
+
+    path = tmp_path / "tuning.json"
+    Tuning("cpu", "stream", 1, 3, 100.0).save(path)
+    doc = json.loads(path.read_text())
+    changed = {"no version": {k: v for k, v in doc.items() if k != "version"},
+               "threads": {**doc, "threads": "many"}, "portable": {**doc, "portable": [4, 2]},
+               "resize_on": {**doc, "resize_on": 3}}
+    if edit in changed:
+        path.write_text(json.dumps(changed[edit]))
+    elif edit == "split":  # a number past float's range: the point is left out, the rest kept
+        doc["backend_split"] = [{"side_ratio": 10**400, "dali": 1, "portable": 2}]
+        path.write_text(json.dumps(doc))
+        assert load(path) is not None and choose.tuned_split(path) == choose.LARGE
+        return
+    else:
+        path.write_text(edit)
+    with caplog.at_level(logging.WARNING):
+        assert load(path) is None
+        assert apply("image", {"prefetch": 2}, path, dali_readable=True, dali=False) == \
+            {"prefetch": 2}
+        assert choose.tuned_split(path) == choose.LARGE
+    assert f"ignoring tuning file {path}" in caplog.text
+
+
 def test_image_loader_uses_the_tuning_file_unless_told_not_to(tmp_path):
     from pipeline import image_loader
     from pipeline.loading.tuning import Tuning

@@ -83,7 +83,7 @@ def valid(point: Any) -> bool:
     """A well-formed point (the file may have been edited by hand): positive finite numbers."""
     try:
         return all(0 < float(point[k]) < math.inf for k in _KEYS)
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: 10**400
         return False
 
 

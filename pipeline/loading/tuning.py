@@ -101,9 +101,12 @@ def load(path: Path | None = None) -> Tuning | None:
         return None
     try:
         doc = json.loads(path.read_text())
-        if doc.pop("version") != VERSION:
+        if not isinstance(doc, dict):
+            raise ValueError(f"a JSON {type(doc).__name__}, not an object")
+        if doc.pop("version", None) != VERSION:
             raise ValueError("another version")
         tuning = Tuning(**doc)
+        _check_fields(tuning)
     except (ValueError, TypeError, KeyError) as exc:
         log.warning("ignoring tuning file %s: %s", path, exc)
         return None
@@ -112,6 +115,29 @@ def load(path: Path | None = None) -> Tuning | None:
                  this_machine())
         return None
     return tuning
+
+
+def _check_fields(tuning: Tuning) -> None:
+    """ValueError for a field of the wrong kind (a file edited by hand): a loader would
+    otherwise take it as its own option and refuse it, or crash on it, at every build."""
+    def positive_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+    def text_or_none(value: Any) -> bool:
+        return value is None or isinstance(value, str)
+
+    problems = [name for name, ok in (
+        ("device", isinstance(tuning.device, str)), ("reader", isinstance(tuning.reader, str)),
+        ("threads", positive_int(tuning.threads)), ("prefetch", positive_int(tuning.prefetch)),
+        ("resize_on", text_or_none(tuning.resize_on)),
+        ("resize_on_float", text_or_none(tuning.resize_on_float)),
+        ("hw_decoder_load", tuning.hw_decoder_load is None or
+         isinstance(tuning.hw_decoder_load, (int, float))),
+        ("backend_split", isinstance(tuning.backend_split, list)),
+        ("portable", tuning.portable is None or (isinstance(tuning.portable, dict) and all(
+            positive_int(v) for v in tuning.portable.values())))) if not ok]
+    if problems:
+        raise ValueError(f"{', '.join(problems)}: not what --tune writes")
 
 
 def apply(kind: str, options: dict[str, Any], path: Path | None, *, dali_readable: bool,
