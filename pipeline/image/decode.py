@@ -27,7 +27,7 @@ from pipeline.loading.hostpool import HostPool
 from pipeline.loading.loader import Produced
 from pipeline.loading.prefetch import ahead, one_core_in_this_thread
 from pipeline.loading.readers import Placement
-from pipeline.samples.checks import CheckLimits, check_image
+from pipeline.samples.checks import CheckLimits, allow_pixels, check_image
 
 # (batch, labels (None each with labels=False), windows: a CropParams each, or with views a
 # tuple of one per view)
@@ -66,6 +66,7 @@ class ImageStage(BackendStage):
         self.device_normalizes = cfg.normalize and placement.target == "cuda" and \
             batch_ops is None
         self.limits = CheckLimits(max_pixels=cfg.max_pixels)
+        allow_pixels(cfg.max_pixels)  # the portable decode, and masks, open with PIL
         # Batch buffers written again once the consumer let go of them (hostpool.py): the
         # prefetch queue's batches, the one being made, the one in use, and one more; with
         # CPU ops, those their helpers hold too (up to one more than they run at once)

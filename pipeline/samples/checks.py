@@ -76,6 +76,15 @@ class CheckLimits:
                 raise ValueError(f"{name}={getattr(self, name)}: must be a positive integer")
 
 
+def allow_pixels(max_pixels: int) -> None:
+    """Let PIL open what `max_pixels` allows. Image.open refuses an image over twice
+    Image.MAX_IMAGE_PIXELS (179M by default) before our limit is asked, so a max_pixels above
+    that was PIL's, not the caller's: PIL's is raised to it, process-wide (PIL has no limit
+    per call). Never lowered; None (PIL's limit turned off) is left as it is."""
+    if Image.MAX_IMAGE_PIXELS is not None and max_pixels > Image.MAX_IMAGE_PIXELS:
+        Image.MAX_IMAGE_PIXELS = max_pixels
+
+
 def check_image(data: bytes, limits: CheckLimits) -> str:
     """The one decodability rule: PIL decodes all of the image (a JPEG at 1/8 scale, which
     reads every block; pixel limit checked from the header first) and the loaders would
@@ -93,6 +102,7 @@ def check_image(data: bytes, limits: CheckLimits) -> str:
 def _decode(data: bytes, limits: CheckLimits) -> str:
     """PIL's decode of every byte (a JPEG's entropy data in full, at 1/8 scale); its format
     name, or DataError."""
+    allow_pixels(limits.max_pixels)
     try:
         with Image.open(io.BytesIO(data)) as img:
             width, height = img.size
