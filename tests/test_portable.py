@@ -160,6 +160,57 @@ def test_a_bad_image_is_raised_naming_shard_and_key_or_skipped(tmp_path, backend
     assert sorted(keys) == [f"good{i}" for i in range(6)]
 
 
+@pytest.mark.parametrize("backend", ["portable", "dali"])
+def test_a_jpeg_cut_below_its_window_is_refused_every_time(tmp_path, backend):
+    """A photo missing its last rows, whose windows end above them: DALI's window decode
+    never reached the missing rows, so it was delivered when alone in its batch and refused
+    when another sample failed the batch (PIL's check then ran on all of it). Now refused
+    on both backends, in every batch and epoch; a photo that only lacks its end marker too,
+    as PIL refuses it."""
+    if backend == "dali" and not dali_available():
+        pytest.skip("needs nvidia.dali")
+    whole = jpeg_bytes(5, (800, 600))
+    writer = ShardWriter(tmp_path, "train", max_count=100, max_size=10**8)
+    writer.write({"__key__": "whole", "jpg": whole, "cls": b"1"})
+    writer.write({"__key__": "short", "jpg": whole[: len(whole) * 39 // 40], "cls": b"1"})
+    writer.write({"__key__": "no-end", "jpg": whole[:-2], "cls": b"1"})
+    writer.finish()
+    for train, batch_size in ((False, 1), (True, 1), (True, 3)):
+        with image_loader([str(tmp_path / "train-000000.tar")], batch_size=batch_size,
+                          size=32, backend=backend, reader="stream", on_error="skip",
+                          train=train, crop_scale=(0.05, 0.1), **OPTS) as loader:
+            for _ in range(2):  # epochs
+                assert [k for b in loader for k in b.keys] == ["whole"]
+            assert loader.skip_counts() == {"bad-image": 4}
+            assert "truncated" in loader.skipped[0]["detail"]
+
+
+@pytest.mark.parametrize("backend", ["portable", "dali"])
+def test_max_pixels_above_pils_own_limit_is_the_callers(tmp_path, monkeypatch, backend):
+    """Image.open refuses an image over twice Image.MAX_IMAGE_PIXELS (179M pixels) whatever
+    max_pixels said: the portable backend skipped such photos as too-many-pixels (and its
+    check did, on either backend) where DALI decoded them. At small scale: PIL's limit at
+    2000, photos of 4800 pixels."""
+    from pipeline.samples.checks import CheckLimits, check_image
+
+    if backend == "dali" and not dali_available():
+        pytest.skip("needs nvidia.dali")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 2000)  # restored after the test
+    writer = ShardWriter(tmp_path, "train", max_count=100, max_size=10**8)
+    for i in range(3):
+        writer.write({"__key__": f"big{i}", "jpg": jpeg_bytes(i, (60, 80)), "cls": b"1"})
+    writer.finish()
+    with image_loader([str(tmp_path / "train-000000.tar")], batch_size=2, size=32,
+                      backend=backend, reader="stream", max_pixels=10_000, train=False,
+                      **OPTS) as loader:
+        assert sorted(k for b in loader for k in b.keys) == ["big0", "big1", "big2"]
+        assert loader.skipped == []
+    assert check_image(jpeg_bytes(0, (60, 80)), CheckLimits(max_pixels=10_000)) == "JPEG"
+    with pytest.raises(DataError, match=r"more than max_pixels=1000 \[too-many-pixels\]"):
+        check_image(jpeg_bytes(0, (60, 80)), CheckLimits(max_pixels=1000))
+    assert Image.MAX_IMAGE_PIXELS == 10_000  # raised to the caller's, never lowered
+
+
 # -- EXIF orientation -----------------------------------------------------------------------------
 
 def _oriented_shards(root: Path, side: tuple[int, int]) -> tuple[Path, dict[str, bytes]]:

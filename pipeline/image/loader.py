@@ -37,7 +37,7 @@ from pipeline.loading.options import Device
 from pipeline.loading.rng import sample_rng
 from pipeline.loading.shardlist import Source
 from pipeline.samples import headers, masks
-from pipeline.samples.checks import IMAGE_EXTS, IMAGE_MEMBERS, check_label
+from pipeline.samples.checks import IMAGE_EXTS, IMAGE_MEMBERS, CheckLimits, check_image, check_label
 from pipeline.shards.daliindex import parse_index
 
 log = logging.getLogger(__name__)
@@ -166,6 +166,12 @@ class ImageLoader(GraphLoader):
         for ext in self.cfg.extras:  # parsed here, so a bad one is raised or skipped by key
             enc.extras[ext][i] = parse_extra(ext, enc.extras[ext][i], self.cfg.max_extra_bytes)
         data = enc.data[i].tobytes()
+        if data[:2] == b"\xff\xd8" and not headers.whole_jpeg(data):
+            # Cut short: a window decode that ends above the missing rows would not notice
+            # (DALI's; PIL's cut, rows.py, decodes such a file whole), so whether it is
+            # refused would hang on the batch and the epoch's window. PIL's full decode
+            # refuses it here, every time; a whole scan that only lacks the marker passes.
+            check_image(data, CheckLimits(max_pixels=self.cfg.max_pixels))
         window = self._window(data, enc.keys[i], epoch)
         if not self.cfg.targets:
             return label, window

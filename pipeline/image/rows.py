@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageFile
 
-from pipeline.samples.headers import scan_start
+from pipeline.samples.headers import whole_jpeg
 
 SENTINEL = (13, 247, 61, 7)  # a row of this colour is left by no photo, and if one were,
 # the caller's full decode would give the same pixels: the sentinel costs time, never pixels
@@ -52,13 +52,10 @@ def load_rows(img: Image.Image, rows: int, data: Any) -> bool | None:
     codec, extents, offset, args = img.tile[0]
     width = img.width
     raw = data if isinstance(data, bytes) else bytes(data)
-    # A file cut short has no end-of-image marker after its scan (0xFFD9 never occurs inside
-    # entropy-coded data): it is left to the full decode, which says it is truncated. One
-    # before the scan does not count: an EXIF thumbnail or a comment holding a JPEG carries
-    # its own. (The last marker is found from the end, at once where the file is whole.)
+    # A file cut short (headers.whole_jpeg) is left to the full decode, which says it is
+    # truncated.
     whole = extents is not None and tuple(extents) == (0, 0, width, img.height)
-    scan = scan_start(raw, offset)
-    if not whole or scan is None or raw.rfind(b"\xff\xd9", scan) < 0:
+    if not whole or not whole_jpeg(raw, offset):
         return None
     img._size = (width, rows)
     img.load_prepare()

@@ -120,6 +120,15 @@ def scan_start(data: bytes, at: int = 0) -> int | None:
     return None
 
 
+def whole_jpeg(data: bytes, at: int = 0) -> bool:
+    """Whether the JPEG at `at` has an end-of-image marker after its scan starts: a file cut
+    short has none (0xFFD9 never occurs inside entropy-coded data). One before the scan does
+    not count: an EXIF thumbnail or a comment holding a JPEG carries its own. The last marker
+    is looked for from the end, so a whole file answers at once."""
+    scan = scan_start(data, at)
+    return scan is not None and data.rfind(b"\xff\xd9", scan) >= 0
+
+
 def _png_orientation(data: bytes) -> int:
     """The orientation in a PNG's eXIf chunk (before or after the image data, as PIL reads
     it); 1 without one. Only chunk headers are read: the walk skips over the data."""
