@@ -187,6 +187,11 @@ def test_both_backends_agree_on_the_foreign_formats(twin_shards):
         assert torch.equal(dali[key], portable[key]), key
 
 
+# A lossless WebP with an EXIF chunk, which DALI 2.x's WebP parser refuses ("Unexpected end
+# of stream"): make_shards stores it as PNG, the same pixels, its orientation kept.
+LOSSLESS_TURNED = encode(photo(21, 60, 44), "WEBP", 6, lossless=True)
+
+
 # -- conversion -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -207,6 +212,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
                    exif=turned)
     (src / "class0" / "animated.webp").write_bytes(animated.getvalue())
     (src / "class1" / "cmyk.tiff").write_bytes(encode(photo(20, mode="CMYK"), "TIFF", 6))
+    (src / "class0" / "lossless-turned.webp").write_bytes(LOSSLESS_TURNED)
     out = tmp_path / "out"
     run_tool("make_shards", "imagefolder", src, out, check=True)
     return out
@@ -216,7 +222,7 @@ def test_make_shards_keeps_webp_bmp_and_tiff_bytes_and_converts_only_what_loader
         converted):
     out, kept = converted, {name: data for name, (_, data) in foreign_members().items()}
     samples = {s["__key__"].split("_", 1)[1]: s for s in read_wds(out)}  # class0_lossy
-    assert len(samples) == len(kept) + 2
+    assert len(samples) == len(kept) + 3
     stored = {".JPG": "jpg", ".tif": "tiff"}
     for name, data in kept.items():
         ext = foreign_members()[name][0]
@@ -228,8 +234,12 @@ def test_make_shards_keeps_webp_bmp_and_tiff_bytes_and_converts_only_what_loader
     assert pil_orientation(samples["animated"]["png"]) == 6
     with Image.open(io.BytesIO(samples["cmyk"]["png"])) as cmyk:
         assert cmyk.size == (56, 72) and pil_orientation(samples["cmyk"]["png"]) == 1
+    turned = samples["lossless-turned"]["png"]  # exactly the WebP's pixels, still turned
+    assert pil_orientation(turned) == 6 and np.array_equal(
+        np.asarray(Image.open(io.BytesIO(turned))), np.asarray(Image.open(
+            io.BytesIO(LOSSLESS_TURNED)).convert("RGB")))
     manifest = load_manifest(out)
-    assert manifest["reencoded"] == {"webp-to-png": 1, "tiff-to-png": 1}
+    assert manifest["reencoded"] == {"webp-to-png": 2, "tiff-to-png": 1}
     run_tool("verify_shards", out, check=True)
 
 
@@ -245,7 +255,7 @@ def test_converted_formats_load_in_full(converted, reader, backend):
                           threads=1, train=train, reader=reader, backend=backend,
                           use_tuning=False, on_error="raise") as loader:
             keys = [k for b in loader for k in b.keys]
-        assert len(keys) == len(set(keys)) == len(foreign_members()) + 2
+        assert len(keys) == len(set(keys)) == len(foreign_members()) + 3
 
 
 def test_the_rule_says_why_a_tiff_or_webp_becomes_png():
@@ -255,6 +265,7 @@ def test_the_rule_says_why_a_tiff_or_webp_becomes_png():
     assert "2 frames" in checks.loader_problem(animated.getvalue(), "WEBP")
     cmyk = encode(photo(1, mode="CMYK"), "TIFF")
     assert "mode CMYK" in checks.loader_problem(cmyk, "TIFF")
+    assert "lossless WebP with an EXIF chunk" in checks.loader_problem(LOSSLESS_TURNED, "WEBP")
     for name, (_, data) in foreign_members().items():
         with Image.open(io.BytesIO(data)) as img:
             fmt = str(img.format)

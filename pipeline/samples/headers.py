@@ -16,6 +16,7 @@ left off, so that one parser decides for every backend.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pipeline.errors import DataError
@@ -211,15 +212,22 @@ def _webp_header(data: bytes) -> ImageHeader:
 
 def _webp_orientation(data: bytes) -> int:
     """The orientation in an extended WebP's EXIF chunk (with or without the "Exif\0\0"
-    prefix, as PIL reads it); 1 without one. Only chunk headers are read."""
+    prefix, as PIL reads it); 1 without one."""
+    for kind, start, length in webp_chunks(data):
+        if kind == b"EXIF":
+            exif = data[start: start + length]
+            return tiff_orientation(exif[6:] if exif.startswith(b"Exif\0\0") else exif)
+    return 1
+
+
+def webp_chunks(data: bytes) -> Iterator[tuple[bytes, int, int]]:
+    """(fourcc, where its data starts, its length) of each chunk of a WebP's RIFF body, in
+    order: only chunk headers are read."""
     i, n = 12, len(data)
     while i + 8 <= n:
         kind, length = data[i: i + 4], struct.unpack("<I", data[i + 4: i + 8])[0]
-        if kind == b"EXIF":
-            exif = data[i + 8: i + 8 + length]
-            return tiff_orientation(exif[6:] if exif.startswith(b"Exif\0\0") else exif)
+        yield kind, i + 8, length
         i += 8 + length + (length & 1)  # chunks are padded to an even length
-    return 1
 
 
 def _bmp_header(data: bytes) -> ImageHeader:
