@@ -9,8 +9,10 @@ here, and the crop window drawn from the size).
     BMP   the DIB header (a negative height: stored top-down); BMP has no orientation
     TIFF  ImageWidth, ImageLength and Orientation of the first IFD
 
-The orientation is what PIL's ImageOps.exif_transpose applies to each of them; DALI's own is
-left off, so that one parser decides for every backend.
+The orientation is what PIL's ImageOps.exif_transpose applies to each of them from EXIF;
+DALI's own is left off, so that one parser decides for every backend. An orientation written
+only in XMP (tiff:Orientation) or in a PNG's "Raw profile type exif" text chunk, which
+Pillow's exif_transpose also reads, is not read here: neither backend turns such an image.
 """
 
 from __future__ import annotations
