@@ -402,6 +402,7 @@ def test_the_streaming_benchmark_resumes_fetching_only_what_is_left(tmp_path):
     assert 0 < fetched["resume_at_half"] < fetched["epoch"]
 
 
+@pytest.mark.slow  # a whole benchmark run (the no-DALI pass of the Makefile leaves it out)
 def test_bench_convert_end_to_end(tmp_path):
     """tools/bench_convert.py on 12 photos, 2 repeats: the report's input is the corpus's
     real size, every rate is that size over the median of its timed repeats, tar is the unit,

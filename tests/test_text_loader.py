@@ -407,6 +407,7 @@ def test_language_models_learn_below_the_unigram_entropy(tmp_path, objective, st
     assert summary["eval_loss"] < share * entropy, (summary["eval_loss"], entropy)
 
 
+@pytest.mark.slow  # a whole benchmark run (the no-DALI pass of the Makefile leaves it out)
 def test_text_benchmark_compares_equal_work(tmp_path):
     out = tmp_path / "bench.json"
     run_tool("bench_loader", "--modality", "text", "--docs", 60, "--repeats", 1,
