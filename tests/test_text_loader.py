@@ -93,6 +93,34 @@ def test_truncation_mode_gives_one_row_per_document(corpus):
     assert firsts == want
 
 
+@pytest.mark.parametrize("objective", ["clm", "mlm"])
+def test_truncation_mode_keeps_len_batches_when_a_read_is_all_bad(tmp_path, objective):
+    """Every read is a batch, on every rank: one whose documents were all skipped is a batch
+    of 0 rows (which a trainer skips on every rank), not no batch. A rank yielded one batch
+    fewer than len(), and ranks of one run drifted into different epochs."""
+    for shard in range(2):  # reads of 2 documents: the third read's are both bad
+        writer = ShardWriter(tmp_path, "train", max_count=8, max_size=10**8,
+                             start_index=shard)
+        for i in range(8 * shard, 8 * shard + 8):
+            text = b"\xff\xfe not utf-8" if i in (4, 5) else f"document {i} ".encode() * 3
+            writer.write({"__key__": f"d{i:02d}", "txt": text})
+        writer.finish()
+    options = {**OPTS, "shuffle_buffer": 0, "batch_size": 2, "seq_len": 16, "packing": False,
+               "on_error": "skip", "train": False, "objective": objective}
+    rows = {}
+    for rank, world in ((0, 1), (0, 2), (1, 2)):
+        with text_loader(str(tmp_path), rank=rank, world_size=world, **options) as loader:
+            for _epoch in range(2):
+                batches = passes(loader)
+                assert len(batches) == len(loader) == 8 // world, (rank, world)
+                rows[rank, world] = [len(b.input_ids) for b in batches]
+            if world == 1:
+                assert loader.skip_counts() == {"bad-utf8": 4}  # 2 an epoch
+                assert batches[2].input_ids.shape == (0, 16) and batches[2].keys == []
+    assert rows[0, 1] == [2, 2, 0, 2, 2, 2, 2, 2]
+    assert rows[0, 2] == [2, 2, 0, 2] and rows[1, 2] == [2, 2, 2, 2]  # a shard each
+
+
 # -- masking ------------------------------------------------------------------------------------
 
 def test_mlm_masking_statistics(corpus):
@@ -301,14 +329,18 @@ def test_bad_documents_are_skipped_counted_and_named(tmp_path, reader):
 
 
 @pytest.mark.parametrize("packing", [True, False])
-def test_skips_are_reported_once_across_a_resume_and_no_batch_is_empty(tmp_path, packing):
+def test_skips_are_reported_once_across_a_resume_and_where_batches_are_empty(tmp_path,
+                                                                              packing):
+    """Packed, no batch is empty (the ranks agree where the epoch ends); truncated, a read
+    whose documents were all bad is a batch of 0 rows, so that every rank runs len()."""
     urls = bad_shard(tmp_path)
     make = {"batch_size": 2, "seq_len": 8, "on_error": "skip", "packing": packing,
             "reader": "stream", **OPTS, "shuffle_buffer": 0}
     with text_loader(urls, **make) as whole:
         batches = passes(whole)
         want = sorted(e["key"] for e in whole.skipped)
-    assert all(len(b) for b in batches), "a batch of zero rows"
+    rows = [len(b) for b in batches]
+    assert all(rows) if packing else rows == [2, 2, 2, 0, 0], rows
     for stop in range(1, len(batches)):
         with text_loader(urls, **make) as first:
             for n, _ in enumerate(first, 1):

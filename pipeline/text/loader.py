@@ -324,9 +324,12 @@ class TextLoader(Loader):
             ids, attention, _cut = packing.truncated_rows(docs, c.seq_len,
                                                           self.tokenizer.pad_id,
                                                           self.tokenizer.sep_id)
-            item = self._batch_or_skips(ids, attention, keys, skips, (after, 0), plan.epoch,
-                                        index)
-            index += item[0] is not None
+            # Every read is a batch, even one whose documents were all skipped (0 rows): the
+            # epoch is len() batches on every rank, which step together (a trainer skips a
+            # step some rank has no rows for, on every rank: trainers/run.py).
+            item = self._batch(ids.reshape(-1, c.seq_len), attention.reshape(-1, c.seq_len),
+                               keys, skips, (after, 0), plan.epoch, index)
+            index += 1
             yield item
 
     def _emit(self, cut: packing.Cut, position: tuple[dict[str, Any] | None, int],
