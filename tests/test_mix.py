@@ -120,6 +120,24 @@ def test_per_sample_resume_is_exact_to_the_pixel(sources):
         assert all(torch.equal(x, y) for (_, x), (_, y) in zip(got, batches, strict=True))
 
 
+def test_a_mixture_saved_after_its_epochs_last_batch_resumes_with_the_next_epoch(sources):
+    """A state taken inside the loop after the epoch's last batch (a trainer checkpointing
+    every step) said batch 10 of 10: the resumed mixture's first pass was empty, and every
+    later epoch one pass late. Now that pass is epoch 1, as a plain loader's is."""
+    a, b = sources
+    make = functools.partial(image_loader, [(a, 0.6), (b, 0.4)], seed=3, **OPTS)
+    with make() as whole:
+        epochs = [[batch.keys for batch in whole] for _ in range(3)]
+    with make() as first:
+        for _ in first:
+            state = json.loads(json.dumps(first.state_dict()))
+    assert (state["epoch"], state["batches"]) == (0, 10)
+    with make() as resumed:
+        resumed.load_state_dict(state)
+        assert [[batch.keys for batch in resumed] for _ in range(2)] == epochs[1:]
+        assert resumed.epoch == 3
+
+
 @pytest.mark.parametrize("mixing", ["sample", "stratified", "batch"])
 def test_a_mixture_saved_on_two_ranks_resumes_on_one_with_each_sample_once(sources, mixing):
     a, b = sources

@@ -187,6 +187,10 @@ class MixedLoader:
     # -- iterating -------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
+        if self._batch >= self.epoch_batches:
+            # Saved after the epoch's last batch, before the next pass began (a trainer
+            # checkpointing every step): this pass is the next epoch, as it would have been.
+            self._next_epoch()
         self._iterating = True
         try:
             while self._batch < self.epoch_batches:
@@ -195,6 +199,9 @@ class MixedLoader:
                 yield batch
         finally:
             self._iterating = False
+        self._next_epoch()
+
+    def _next_epoch(self) -> None:
         log.info("mixed epoch %d: %s", self.epoch, ", ".join(
             f"{n} samples from {name}" for name, n in self.counts.items()))
         self.epoch, self._batch, self._given = self.epoch + 1, 0, [0] * len(self._given)
