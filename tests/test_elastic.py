@@ -204,3 +204,87 @@ def test_packed_text_one_rank_to_two_every_token_once(texts):
     left_out = set(docs) - set(_keys(first + rests))
     assert len(left_out) == dropped
     assert _tokens(first + rests) == _expected_tokens(docs, left_out)
+
+
+def test_packed_text_saved_at_its_epochs_end_resumes_on_other_ranks_into_the_next(texts):
+    """A state taken after the epoch's last batch (a trainer checkpointing every step),
+    resumed on 2 ranks: the rest is empty, so that pass is the next epoch, as on 1 rank.
+    Each rank's pass was empty (nothing trained that epoch)."""
+    shards, docs = texts
+    with text_loader(shards, batch_size=3, **TEXT) as one:
+        for _ in one:
+            state = one.state_dict()
+    for rank in range(2):
+        with text_loader(shards, batch_size=3, rank=rank, world_size=2, **TEXT) as loader:
+            loader.load_state_dict(state)
+            batches = list(loader)
+            assert batches and loader.epoch == 2  # epoch 1 read whole on this rank count
+            with text_loader(shards, batch_size=3, rank=rank, world_size=2, **TEXT) as fresh:
+                fresh.set_epoch(1)
+                assert _keys(batches) == _keys(list(fresh))
+
+
+def test_an_evaluation_loader_resumed_on_other_ranks_then_reads_whole_passes(images):
+    """train=False: a pass starts at the epoch's beginning. After an elastic resume (the
+    first pass continues the rest, here cut short: a sanity check), the next passes read
+    all of it, not the rest again."""
+    states = []
+    for rank in range(2):
+        with _images(2, rank, images, train=False) as loader:
+            _take(loader, 2)
+            states.append(loader.state_dict(gather=False))
+    with _images(1, 0, images, train=False) as whole:
+        everything = _keys(list(whole))
+    with _images(1, 0, images, train=False) as one:
+        one.load_state_dict(merge_states(states))
+        assert len(_keys(_take(one, 1))) == 8  # of the rest
+        assert _keys(list(one)) == _keys(list(one)) == everything
+
+
+def test_a_state_is_refused_by_a_loader_holding_out_other_keys(images):
+    """The holdout decides which samples are read: a state saved with one is refused by a
+    loader without it, or with another side or share (a state without the field, saved
+    before it was recorded, is not checked)."""
+    from pipeline.loading.holdout import KeyHoldout
+
+    with _images(1, 0, images) as loader:
+        loader.holdout = KeyHoldout("train", 10)
+        _take(loader, 1)
+        state = loader.state_dict()
+    for other in (None, KeyHoldout("train", 50), KeyHoldout("eval", 10)):
+        with _images(1, 0, images) as loader:
+            loader.holdout = other
+            with pytest.raises(ValueError, match="differs in holdout"):
+                loader.load_state_dict(state)
+    with _images(1, 0, images) as loader:
+        loader.holdout = KeyHoldout("train", 10)
+        loader.load_state_dict(state)
+        loader.holdout = None
+        loader.load_state_dict({k: v for k, v in state.items() if k != "holdout"})
+
+
+def test_little_left_a_lost_shard_is_counted_once_over_the_ranks(images, tmp_path):
+    """With fewer shards left than ranks, every rank reads them and keeps its share: a shard
+    cut short among them was recorded by every rank (4 lost samples counted 8 times on 2
+    ranks). Rank 0 records it: read + skipped is the epoch, on any world size."""
+    import shutil
+
+    shards = tmp_path / "shards"
+    shutil.copytree(images, shards)
+    opts = {"reader": "stream", "on_error": "skip", "shuffle_buffer": 0}
+    with _images(1, 0, shards, **opts) as one:
+        last = Path(one.plan().shards[-1].url)
+        with open(last, "r+b") as f:
+            f.truncate(last.stat().st_size // 2)
+        before = _keys(_take(one, 10))  # 80 of 90 read: the last shard is left
+        state = one.state_dict()
+    for world in (2, 3):
+        read, skipped = list(before), 0
+        for rank in range(world):
+            with _images(world, rank, shards, **opts) as loader:
+                loader.load_state_dict(state)
+                assert loader.plan().stride
+                read += _keys(list(loader))
+                skipped += loader.skipped_samples()
+        assert len(read) == len(set(read)) and 0 < skipped < 10
+        assert len(read) + skipped == 90, world

@@ -160,14 +160,16 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
                                "loader reads and decodes in its own threads; every worker "
                                "would read the whole epoch again)")
         if not self.shuffle and not self._restored:
-            # An evaluation pass starts at its epoch's beginning (module docstring).
-            self._batches_done, self._reader_state = 0, None
+            # An evaluation pass starts at its epoch's beginning (module docstring), whole:
+            # not the rest of one resumed on another number of ranks.
+            self._batches_done, self._reader_state, self._rest = 0, None, None
         self._restored = False
         batches = self._epoch_length(self.plan(), self._rest)
         if batches is not None and self._batches_done >= batches:
             # Saved after the epoch's last batch, before the next pass began: start that pass.
             self._next_epoch()
-        resumed = self._reader_state is not None
+        # a position within the epoch, or the rest of one resumed on another number of ranks
+        resumed = self._reader_state is not None or self._rest is not None
         yielded = yield from self._pass()
         if resumed and not yielded and self._reader_state is None and self._batches_done == 0:
             # Resumed at the very end of an epoch whose length was unknown (packed text): that
@@ -335,7 +337,9 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
                 "shuffle_buffer": self.shuffle_buffer, "epoch": self.epoch,
                 "batches": self._batches_done, "reader_state": resolved(self._reader_state),
                 "skipped": list(self.skips.entries), "rest": self._rest,
-                "subset": self.subset.describe() if self.subset is not None else None}
+                "subset": self.subset.describe() if self.subset is not None else None,
+                "holdout": None if self.holdout is None else
+                {"side": self.holdout.side, "percent": self.holdout.percent}}
 
     # backend before reader: a portable loader streams, and the backend is what to change.
     _MUST_MATCH = ("version", "kind", "source_fingerprint", "seed", "backend", "reader",
@@ -365,7 +369,8 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         if state["backend"] != self.backend:
             raise ValueError(_other_backend(state["backend"], self.backend))
         mine = self._local_state()
-        for field in self._MUST_MATCH:
+        # States saved before the holdout was recorded lack it: not checked there.
+        for field in self._MUST_MATCH + (("holdout",) if "holdout" in state else ()):
             self._check_field(state, field, mine[field])
 
     @staticmethod

@@ -148,6 +148,10 @@ class _Reading:
         if shard is None:
             return
         plan, skips = self.plan, self.skips
+        if plan.stride and plan.rank:
+            # Every rank reads these shards and keeps its share (__iter__): rank 0 records
+            # what they lose, once (each rank did, so a lost shard counted world_size times).
+            skips = SkipLog()
         # The keys read before a resume on another number of ranks are passed over, their
         # skips too (reported by the run that met them).
         ids = plan.ids or tuple(range(len(plan.shards)))
