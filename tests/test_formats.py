@@ -187,8 +187,9 @@ def test_both_backends_agree_on_the_foreign_formats(twin_shards):
         assert torch.equal(dali[key], portable[key]), key
 
 
-# A lossless WebP with an EXIF chunk, which DALI 2.x's WebP parser refuses ("Unexpected end
-# of stream"): make_shards stores it as PNG, the same pixels, its orientation kept.
+# A lossless WebP whose EXIF chunk follows its odd-length image chunk, which DALI 2.x's WebP
+# parser refuses ("Unexpected end of stream"): make_shards stores it as PNG, the same pixels,
+# its orientation kept.
 LOSSLESS_TURNED = encode(photo(21, 60, 44), "WEBP", 6, lossless=True)
 
 
@@ -265,8 +266,51 @@ def test_the_rule_says_why_a_tiff_or_webp_becomes_png():
     assert "2 frames" in checks.loader_problem(animated.getvalue(), "WEBP")
     cmyk = encode(photo(1, mode="CMYK"), "TIFF")
     assert "mode CMYK" in checks.loader_problem(cmyk, "TIFF")
-    assert "lossless WebP with an EXIF chunk" in checks.loader_problem(LOSSLESS_TURNED, "WEBP")
+    assert [(kind, length % 2) for kind, _, length in headers.webp_chunks(LOSSLESS_TURNED)] \
+        == [(b"VP8X", 0), (b"VP8L", 1), (b"EXIF", 0)]
+    assert "EXIF chunk follows a chunk of odd length" in checks.loader_problem(LOSSLESS_TURNED,
+                                                                              "WEBP")
     for name, (_, data) in foreign_members().items():
         with Image.open(io.BytesIO(data)) as img:
             fmt = str(img.format)
         assert checks.loader_problem(data, fmt) is None, name
+
+
+@pytest.mark.dali
+def test_the_webp_rule_flags_every_file_dalis_parser_refuses():
+    """The rule against DALI itself, on WebPs whose chunks have either parity: lossy and
+    lossless, with EXIF behind an ICC profile of odd or even length, with XMP. Every file
+    DALI refuses is flagged (and so stored as PNG); every file left unflagged DALI reads."""
+    pytest.importorskip("nvidia.dali")
+    from nvidia.dali import fn, pipeline_def, types
+
+    exif = Image.Exif()
+    exif[ORIENTATION] = 6
+    files = []
+    for seed in range(8):
+        for lossless in (True, False):
+            for meta in ({"exif": exif}, {"icc_profile": bytes(99), "exif": exif},
+                         {"icc_profile": bytes(100), "exif": exif}, {"xmp": b"<x/>"}):
+                files.append(encode(photo(seed, 30 + seed, 20 + seed), "WEBP",
+                                    lossless=lossless, quality=80, **meta))
+
+    @pipeline_def(batch_size=1, num_threads=1, device_id=None)
+    def decode():
+        data = fn.external_source(name="data", dtype=types.UINT8, ndim=1)
+        return fn.decoders.image(data, device="cpu", output_type=types.RGB)
+
+    refused = flagged = 0
+    for data in files:
+        pipe = decode()
+        pipe.build()
+        pipe.feed_input("data", [np.frombuffer(data, np.uint8)])
+        try:
+            pipe.run()
+            dali_reads = True
+        except RuntimeError:
+            dali_reads = False
+        flag = checks.loader_problem(data, "WEBP") is not None
+        assert flag or dali_reads, [(k, n) for k, _, n in headers.webp_chunks(data)]
+        refused += not dali_reads
+        flagged += flag
+    assert refused >= 8 and flagged <= refused + 2  # both kinds met; few flagged in vain
