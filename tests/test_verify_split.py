@@ -163,7 +163,7 @@ def test_a_tuning_file_from_another_machine_is_ignored(tmp_path):
 
 
 @pytest.mark.parametrize("edit", ["null", '"fast"', "[1, 2]", "no version", "threads",
-                                  "portable", "resize_on", "split"])
+                                  "portable", "resize_on", "device", "split"])
 def test_a_tuning_file_edited_into_nonsense_is_ignored_with_a_warning(tmp_path, caplog, edit):
     """What a hand edit can leave: ignored, named in a warning, never a crash of every loader
     (it was AttributeError, OverflowError or a loader refusing its own option)."""
@@ -177,7 +177,7 @@ def test_a_tuning_file_edited_into_nonsense_is_ignored_with_a_warning(tmp_path, 
     doc = json.loads(path.read_text())
     changed = {"no version": {k: v for k, v in doc.items() if k != "version"},
                "threads": {**doc, "threads": "many"}, "portable": {**doc, "portable": [4, 2]},
-               "resize_on": {**doc, "resize_on": 3}}
+               "resize_on": {**doc, "resize_on": 3}, "device": {**doc, "device": "GPU"}}
     if edit in changed:
         path.write_text(json.dumps(changed[edit]))
     elif edit == "split":  # a number past float's range: the point is left out, the rest kept

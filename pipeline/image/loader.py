@@ -170,7 +170,8 @@ class ImageLoader(GraphLoader):
             # Cut short: a window decode that ends above the missing rows would not notice
             # (DALI's; PIL's cut, rows.py, decodes such a file whole), so whether it is
             # refused would hang on the batch and the epoch's window. PIL's full decode
-            # refuses it here, every time; a whole scan that only lacks the marker passes.
+            # refuses it here, every time, with its reason (it refuses a file that lacks
+            # only the marker too, as make_shards and verify_shards do).
             check_image(data, CheckLimits(max_pixels=self.cfg.max_pixels))
         window = self._window(data, enc.keys[i], epoch)
         if not self.cfg.targets:

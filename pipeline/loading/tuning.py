@@ -123,14 +123,15 @@ def _check_fields(tuning: Tuning) -> None:
     def positive_int(value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
-    def text_or_none(value: Any) -> bool:
-        return value is None or isinstance(value, str)
+    def where(value: Any) -> bool:
+        return value in (None, "torch", "dali")
 
     problems = [name for name, ok in (
-        ("device", isinstance(tuning.device, str)), ("reader", isinstance(tuning.reader, str)),
+        ("device", tuning.device in ("auto", "cpu", "gpu")),
+        ("reader", tuning.reader in ("auto", "dali", "stream", "index")),
         ("threads", positive_int(tuning.threads)), ("prefetch", positive_int(tuning.prefetch)),
-        ("resize_on", text_or_none(tuning.resize_on)),
-        ("resize_on_float", text_or_none(tuning.resize_on_float)),
+        ("resize_on", where(tuning.resize_on)),
+        ("resize_on_float", where(tuning.resize_on_float)),
         ("hw_decoder_load", tuning.hw_decoder_load is None or
          isinstance(tuning.hw_decoder_load, (int, float))),
         ("backend_split", isinstance(tuning.backend_split, list)),

@@ -1,6 +1,6 @@
 """The modality parts: text_pointcloud (GPT-style and BERT-style steps of
 trainers.text_task fed by the text loader on the device; voxelize on the device in a side stream,
-equal to the CPU's; LiDAR scenes with voxel rows delivered to the device, equal to the CPU
+as on the CPU; LiDAR scenes with voxel rows delivered to the device, equal to the CPU
 loader's, and segvoxels on the device equal to it on the CPU) and dali (CPU vs mixed decode
 images/s and a hw_decoder_load sweep, the two decodes' eval batches compared, "skipped" when
 nvidia.dali does not import; DALI is imported only there).
@@ -57,11 +57,18 @@ def lm_rate(ctx: Ctx, shards: Path, objective: str) -> dict[str, Any]:
             "steps": s.lm_steps, "final_loss": last, "batch": s.lm_batch, "seq_len": s.lm_seq}
 
 
+# The largest difference from the CPU's pillar features (means of float32 coordinates in
+# [-1.1, 1.1]) that the order of CUDA's scatter_add_ explains: measured 2.4e-7 on the CPU
+# with the points reordered.
+PILLAR_TOLERANCE = 1e-5
+
+
 def voxel_rate(ctx: Ctx, mode: str) -> dict[str, Any]:
-    """voxelize on the device in a side stream (points/s), and the result vs the CPU's: equal,
-    or the part fails. Both compute each cell by the same float32 multiply, then add, each
-    rounded once (no fused or reordered arithmetic on either side), then integer indices: a
-    point on a cell boundary lands in the same cell on both."""
+    """voxelize on the device in a side stream (points/s), and the result vs the CPU's, or
+    the part fails: occupancy equal (both compute each cell by the same float32 multiply,
+    then add, each rounded once, then integer indices: a point on a cell boundary lands in
+    the same cell on both); pillars within PILLAR_TOLERANCE (their means are sums that
+    CUDA's scatter_add_ adds in no fixed order)."""
     import torch
 
     from pipeline.pointcloud.voxelize import voxelize
@@ -84,9 +91,11 @@ def voxel_rate(ctx: Ctx, mode: str) -> dict[str, Any]:
     got = run()
     sync(ctx)  # the side stream's work is done before the default stream reads it
     diff = float((got.cpu() - want).abs().max())
+    allowed = PILLAR_TOLERANCE if mode == "pillars" else 0.0
     return {"points_per_s": s.points_batch * s.points_n * s.voxel_reps / seconds,
             "max_abs_diff_vs_cpu": diff, "grid": s.voxel_grid,
-            "points": [s.points_batch, s.points_n], **({"status": "failed"} if diff else {})}
+            "points": [s.points_batch, s.points_n],
+            **({"status": "failed"} if diff > allowed else {})}
 
 
 def scenes_on_device(ctx: Ctx) -> dict[str, Any]:
@@ -141,7 +150,7 @@ def part_text_pointcloud(ctx: Ctx) -> dict[str, Any]:
     key: dict[str, Any] = {f"{o}_samples_per_s": round(r["samples_per_s"], 1)
                            for o, r in lm.items()}
     key["voxel_Mpoints_per_s"] = round(vox["occupancy"]["points_per_s"] / 1e6, 1)
-    key["voxels_equal_to_cpu"] = not any(r["max_abs_diff_vs_cpu"] for r in vox.values())
+    key["voxels_as_on_cpu"] = not any("status" in r for r in vox.values())
     key["scenes_equal_to_cpu"] = scenes["batches_equal_to_cpu"] and \
         scenes["voxel_rows_equal_to_cpu"]
     key["seg_voxel_Mpoints_per_s"] = round(scenes["voxel_rows_points_per_s"] / 1e6, 1)
