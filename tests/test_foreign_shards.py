@@ -51,6 +51,8 @@ def read_texts(source: Any, **kw: Any) -> tuple[dict[str, bytes], list[dict[str,
     with text_loader(source, batch_size=1, seq_len=64, packing=False, reader="stream",
                      device="cpu", **kw) as loader:
         for batch in loader:
+            if not len(batch):  # a read whose one document was skipped: a batch of 0 rows
+                continue
             (key,) = batch.keys
             docs[key] = bytes(int(t) for t in batch.input_ids[0] if t < 256)
         return docs, loader.skipped, loader.skipped_samples()

@@ -93,7 +93,8 @@ class TextBatch:
     `labels` is -100 where no loss is taken: for "mlm" every position not chosen for masking,
     for "clm" only padding (labels are the tokens; the model shifts them). Padding appears only
     in the epoch's last batch (or with packing=False) and has `attention_mask` 0. `keys` are
-    the documents that contributed tokens to the batch.
+    the documents that contributed tokens to the batch. With packing=False a batch has 0 rows
+    where all of its read's documents were skipped (`len(batch) == 0`).
     """
 
     input_ids: Any  # torch.Tensor
