@@ -361,3 +361,30 @@ def test_readers_give_the_same_samples_and_without_a_buffer_the_same_order(tmp_p
     stream = _epochs(tmp_path / "out", "stream", 0, 1)
     assert [sorted(e) for e in dali] == [sorted(e) for e in stream]
     assert all(len(e) == 18 for e in dali)
+
+
+# -- keys made safe ------------------------------------------------------------------------------
+
+def test_keys_that_are_made_safe_alike_stay_apart_and_only_a_key_written_twice_is_refused(
+        tmp_path):
+    """Other tools' keys in any script or with punctuation: made safe, `猫` and `狗` would
+    both be `sample`, `img(1)` would be `img_1`, which is another sample's key."""
+    keys = ["猫", "狗", "café", "cafè", "img(1)", "img_1"]
+    (tmp_path / "src").mkdir()
+    for shard, part in (("a", keys), ("b", ["img_1"])):  # the last: a key written twice
+        with wds.TarWriter(str(tmp_path / "src" / f"{shard}-000000.tar")) as writer:
+            for i, key in enumerate(part):
+                writer.write({"__key__": key, "jpg": jpeg_bytes(seed=i), "cls": b"%d" % i})
+    run_tool("make_shards", "shards", tmp_path / "src", tmp_path / "out", "--workers", 1,
+             "--quiet", "--on-error", "skip", check=True)
+    manifest = load_manifest(tmp_path / "out")
+    assert manifest["total_samples"] == len(keys)
+    assert [(e["key"], e["reason"]) for e in manifest["skipped"]] == [("img_1", "duplicate-key")]
+    with image_loader(tmp_path / "out", batch_size=8, backend="portable", size=32) as loader:
+        read = [k for batch in loader for k in batch.keys]
+    assert len(set(read)) == len(keys) and "img_1" in read and "sample" in read
+    assert {k.split("-")[0] for k in read} == {"sample", "caf", "img_1"}
+    result = run_tool("make_shards", "shards", tmp_path / "src", tmp_path / "again",
+                      "--workers", 1, "--quiet")
+    assert result.returncode != 0 and "key 'img_1'" in result.stderr and \
+        "earlier sample" in result.stderr

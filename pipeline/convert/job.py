@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import logging
 import random
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -132,17 +133,34 @@ def _read_shards(urls: list[str], cfg: ConvertConfig, skips: SkipLog
 
 def _unique_keys(stream: Iterable[dict[str, object] | DataError]
                  ) -> Iterator[dict[str, object] | DataError]:
-    seen: set[str] = set()
+    """Each sample's key made safe (sources.make_keys); where that makes it another
+    sample's key (`猫` and `狗` both `sample`, `img(1)` and `img_1`), a hash of the key as
+    written is added, as make_keys adds one to clashing paths. Only a key written twice is a
+    duplicate. Both sets grow with the samples, a few dozen bytes each."""
+    written: set[str] = set()
+    given: set[str] = set()
     for item in stream:
         if isinstance(item, dict):
-            key = make_keys([str(item["__key__"])])[0]
-            if key in seen:
-                item = DataError("duplicate-key", "key already used by an earlier shard",
-                                 source=str(item["__url__"]), key=key)
-            else:
-                seen.add(key)
-                item = {**item, "__key__": key}
+            item = _unique(item, written, given)
         yield item
+
+
+def _unique(item: dict[str, object], written: set[str], given: set[str]
+            ) -> dict[str, object] | DataError:
+    original = str(item["__key__"])
+    if original in written:
+        return DataError("duplicate-key", "the key is already used by an earlier sample",
+                         source=str(item["__url__"]), key=original)
+    written.add(original)
+    key = make_keys([original])[0]
+    if key in given:  # made safe, it meets another sample's key
+        key = f"{key}-{hashlib.sha1(original.encode()).hexdigest()[:10]}"
+        if key in given:  # a key written as that hashed name: nothing is renamed twice
+            return DataError("duplicate-key", f"made safe, the key is {key!r}, which an "
+                             "earlier sample already has", source=str(item["__url__"]),
+                             key=original)
+    given.add(key)
+    return {**item, "__key__": key}
 
 
 def _buffer_shuffle(stream: Iterable[dict[str, object] | DataError], rng: random.Random
