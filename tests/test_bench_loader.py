@@ -281,12 +281,13 @@ def test_the_entropy_floor_decodes_every_photo_whole(tiny_corpus, tmp_path):
 
 def test_the_floor_is_a_contender_on_large_photos_only(bench_tools, tiny_corpus,
                                                        monkeypatch):
-    """--photos large adds the floor beside the loaders, and its ratio is reported."""
+    """--photos large (and camera) adds the floor beside the loaders."""
     bench_loader = bench_tools[0]
     monkeypatch.setattr(bench_loader._command, "OPTIONAL", {})  # the peers are tested below
     small = bench_loader.contenders(tiny_corpus, photos="small")
     large = bench_loader.contenders(tiny_corpus, photos="large")
     assert set(large) - set(small) == {bench_loader.FLOOR}
+    assert set(bench_loader.contenders(tiny_corpus, photos="camera")) == set(large)
     assert large[bench_loader.FLOOR].epoch() == tiny_corpus.images
 
 

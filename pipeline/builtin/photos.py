@@ -9,7 +9,8 @@ high-frequency energy, and the pixel count varies by almost the same factor as t
 The layout matches ``make_image_folder``: ``out/<class>/<class>_<i:05d>.jpg``.
 
 ``make_large_photos`` writes the photos people take today instead (phones, OpenImages and
-CC12M originals): 3000-4000 px on the long side, about 1 MB each (0.6-1.6 MB) at quality 90.
+CC12M originals): 3000-4000 px on the long side, about 1 MB each (0.6-1.6 MB) at quality 90,
+with or without restart markers (cameras' encoders write them; libjpeg's, by default, not).
 Their content is rendered at a quarter of the size and enlarged (a photo's detail is mostly
 coarser than its pixels), then grain at full size is tuned to the drawn file size.
 """
@@ -113,10 +114,10 @@ def _base_of(rng: np.random.Generator, hue: float, height: int, width: int) -> n
     return canvas
 
 
-def _encode(pixels: np.ndarray) -> bytes:
+def _encode(pixels: np.ndarray, restart_rows: int = 0) -> bytes:
     buffer = io.BytesIO()
     image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), "RGB")
-    image.save(buffer, format="JPEG", quality=JPEG_QUALITY)
+    image.save(buffer, format="JPEG", quality=JPEG_QUALITY, restart_marker_rows=restart_rows)
     return buffer.getvalue()
 
 
@@ -164,8 +165,9 @@ def make_photo_corpus(
     return out
 
 
-def render_large_photo(rng: np.random.Generator, hue: float) -> bytes:
-    """The JPEG bytes of one large photo-like image (see the module docstring)."""
+def render_large_photo(rng: np.random.Generator, hue: float, restart_rows: int = 0) -> bytes:
+    """The JPEG bytes of one large photo-like image (see the module docstring), with a
+    restart marker every `restart_rows` MCU rows (0: none)."""
     long_side = int(rng.integers(LARGE_LONG_SIDE[0], LARGE_LONG_SIDE[1] + 1))
     short_side = int(round(long_side * rng.uniform(0.75, 1.0)))
     height, width = (long_side, short_side) if rng.random() < 0.5 else (short_side, long_side)
@@ -177,7 +179,7 @@ def render_large_photo(rng: np.random.Generator, hue: float) -> bytes:
     low, high, data = 0.0, 16.0, b""
     for _ in range(_MAX_ENCODES + 2):  # bisect the grain's strength on the file size
         strength = (low + high) / 2
-        data = _encode(base + np.float32(strength) * grain)
+        data = _encode(base + np.float32(strength) * grain, restart_rows)
         if abs(len(data) - target) < 0.1 * target:
             break
         low, high = (strength, high) if len(data) < target else (low, strength)
@@ -186,10 +188,12 @@ def render_large_photo(rng: np.random.Generator, hue: float) -> bytes:
     return data
 
 
-def make_large_photos(out: str | Path, *, count: int = 60, classes: int = 10, seed: int = 0
-                      ) -> Path:
+def make_large_photos(out: str | Path, *, count: int = 60, classes: int = 10, seed: int = 0,
+                      restart_rows: int = 0) -> Path:
     """``count`` large photo-like JPEGs (render_large_photo), laid out as make_photo_corpus
-    lays out its own; the same arguments give byte-identical files."""
+    lays out its own; the same arguments give byte-identical files. `restart_rows` 1 writes
+    them as phones' and cameras' hardware encoders commonly do: a restart marker every MCU
+    row (image/restarts.py decodes such a photo from the marker above a crop)."""
     out = fresh_out_dir(out)
     names = [f"class_{c:03d}" for c in range(classes)]
     for name in names:
@@ -197,7 +201,7 @@ def make_large_photos(out: str | Path, *, count: int = 60, classes: int = 10, se
     for k in range(count):
         class_index, i = k % classes, k // classes
         rng = np.random.default_rng([seed, class_index, i, 4000])
-        data = render_large_photo(rng, hue=class_index / classes)
+        data = render_large_photo(rng, hue=class_index / classes, restart_rows=restart_rows)
         (out / names[class_index] / f"{names[class_index]}_{i:05d}.jpg").write_bytes(data)
     log.info("wrote %d large photo-like JPEGs to %s", count, out)
     return out

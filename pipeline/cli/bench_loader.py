@@ -50,18 +50,25 @@ BASELINES = {"torchvision-style uint8": "tv", "webdataset + PIL": "wds",
 OPTIONAL = {"MosaicML Streaming": peers.MosaicStreaming, "LitData": peers.LitData,
             "FFCV": beton.Ffcv}  # FFCV: make bench-ffcv
 FLOOR = "PIL 1/8-scale decode of whole photos"  # no loader, no crop: bench/image.py
+LARGE = ("large", "camera")  # the built-in corpora of 3000-4000 px photos
 
 
 def build_corpus(work: Path, images: int, batch: int, threads: int,
                  source: Path | None = None, photos: str = "small") -> bi.Corpus:
     """Shards of `source`, or of the built-in photos: ImageNet-sized ("small") or 3000-4000
-    px of about 1 MB ("large", make_large_photos)."""
-    make = make_large_photos if photos == "large" else make_photo_corpus
-    folder = source or make(work / "photos", count=images)
+    px of about 1 MB ("large", make_large_photos; "camera": the same with a restart marker
+    every MCU row)."""
+    folder = source or _photos(work / "photos", images, photos)
     images = len([p for p in folder.rglob("*") if p.is_file()]) if source else images
     convert(ConvertConfig(kind="imagefolder", src=str(folder), out=str(work / "shards"),
                           max_count=max(images // 8, 1), workers=threads))
     return bi.Corpus(folder, work / "shards", images, batch, threads)
+
+
+def _photos(out: Path, count: int, photos: str) -> Path:
+    if photos == "small":
+        return make_photo_corpus(out, count=count)
+    return make_large_photos(out, count=count, restart_rows=int(photos == "camera"))
 
 
 def contenders(c: bi.Corpus, backend: str = "auto", photos: str = "small") -> dict[str, Any]:
@@ -85,7 +92,7 @@ def contenders(c: bi.Corpus, backend: str = "auto", photos: str = "small") -> di
                      "DALI decode only": bi.DaliByHand(c, decode_only=True)})
     runs.update({name: make(c) for name, make in OPTIONAL.items() if peers.importable(name)
                  and (name != "FFCV" or beton.jpeg_only(c.folder))})
-    if photos == "large":
+    if photos in LARGE:
         runs[FLOOR] = bi.WholeEighthDecode(c)
     return runs
 
@@ -358,9 +365,10 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=positive_int, default=None,
                    help="built-in photos (default 800 small, 120 large)")
-    p.add_argument("--photos", choices=("small", "large"), default="small",
+    p.add_argument("--photos", choices=("small", *LARGE), default="small",
                    help="the built-in corpus: ImageNet-sized photos (350-500 px), or today's "
-                   "(3000-4000 px, about 1 MB each)")
+                   "(3000-4000 px, about 1 MB each); camera: today's with a restart marker "
+                   "every MCU row, as phones' and cameras' encoders write them")
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="default 64; large photos 16; lidar: 2 frames")
     p.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1)
@@ -414,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _defaults(args: argparse.Namespace) -> None:
     """The batch size and corpus size left to the modality and corpus."""
-    large = args.photos == "large"
+    large = args.photos in LARGE
     if args.batch_size is None:  # large photos: 16 a batch, as the photos people train on
         args.batch_size = 2 if args.modality == "lidar" else 16 if large else 64
     if args.images is None:  # several batches an epoch: a loader's prefetch is no epoch

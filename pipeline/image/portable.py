@@ -8,6 +8,8 @@ DALI backend's CPU path does after its region-of-interest decode.
          or, where the window is at least twice `size` on both sides: `draft` asks libjpeg
          for a 1/2, 1/4 or 1/8 scale decode (in the DCT domain: most of the work of a large
          photo is never done) and PIL resizes the window, still larger than `size`, to size
+         (a JPEG is decoded down to the window's last row, rows.py, and, where it has
+         restart markers, from the last one above the window, restarts.py)
       -> resize.batch: the torch resize, EXIF turn and flip of the DALI backend's CPU path
 
 The EXIF orientation is not applied by PIL here: the window is in the stored pixels and
@@ -19,7 +21,9 @@ photos whose crops are small; the draft scale makes up for it where crops are la
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import math
 import struct
 from typing import Any
 
@@ -27,7 +31,7 @@ import numpy as np
 from PIL import Image
 
 from pipeline.errors import DataError
-from pipeline.image import rows
+from pipeline.image import restarts, rows
 from pipeline.image.augment import CropParams
 from pipeline.image.batchops import BatchOps
 from pipeline.image.config import ImageConfig
@@ -80,9 +84,20 @@ def decode_window(data: Any, window: CropParams, size: int, draft: bool = True,
     `size` on both sides, already resized to size x size from a JPEG decoded at 1/2, 1/4 or
     1/8 scale (resize.py's resize of it is then the identity). With `cut`, a JPEG is decoded
     down to the last row the window (and the resize's filter) reads, not below: the same
-    pixels (rows.py)."""
+    pixels (rows.py); and where it has restart markers, from the last one above the window:
+    the same rows, and a drafted window within one level (restarts.py)."""
     # One copy of the bytes: BytesIO shares a bytes object, and rows.py feeds a view of it.
     data = data if isinstance(data, bytes) else bytes(data)
+    if cut:
+        below = _below_restart(data, window, size, draft)
+        if below is not None:
+            return below
+    return _from_the_top(data, window, size, draft, cut)
+
+
+def _from_the_top(data: bytes, window: CropParams, size: int, draft: bool, cut: bool
+                  ) -> np.ndarray:
+    """decode_window without the restart cut."""
     with Image.open(io.BytesIO(data), formats=FORMATS) as img:
         if img.format == "TIFF":
             img = _as_stored(img, headers.read_header(bytes(data)).orientation)
@@ -96,12 +111,32 @@ def decode_window(data: Any, window: CropParams, size: int, draft: bool = True,
                    (window.y + window.height) / scale)
             if cut and rows.load_rows(img, rows.resized_rows(box, size, img.height),
                                       data) is False:
-                return decode_window(data, window, size, draft, cut=False)
+                return _from_the_top(data, window, size, draft, cut=False)
             return _rgb(_as_rgb(img).resize((size, size), Image.Resampling.BILINEAR, box=box))
         right, bottom = window.x + window.width, window.y + window.height
         if cut and rows.load_rows(img, bottom, data) is False:
-            return decode_window(data, window, size, draft, cut=False)
+            return _from_the_top(data, window, size, draft, cut=False)
         return _rgb(img.crop((window.x, window.y, right, bottom)))
+
+
+def _below_restart(data: bytes, window: CropParams, size: int, draft: bool
+                   ) -> np.ndarray | None:
+    """The window decoded from the restart marker above it (restarts.py), or None where
+    there is none, or the file is cut short or does not decode from there (the caller then
+    decodes it from the top, which raises as before)."""
+    scale = draft_scale(window, size) if draft else 1
+    # The first row PIL reads: the window's top, less the resize filter's reach where the
+    # window is drafted (rows.resized_rows, upwards), in whole scaled rows.
+    reach = (window.height / scale / size + 1.0) * scale if scale > 1 else 0.0
+    first = max(0, math.floor((window.y - reach) / scale) - 1) * scale
+    found = restarts.cut_above(data, first)
+    if found is None or not headers.whole_jpeg(data):
+        return None
+    moved = dataclasses.replace(window, y=window.y - found.top)
+    try:
+        return _from_the_top(found.data, moved, size, draft, cut=True)
+    except (OSError, ValueError, SyntaxError, EOFError, IndexError, struct.error):
+        return None
 
 
 def _as_stored(img: Image.Image, orientation: int) -> Image.Image:
