@@ -1,8 +1,9 @@
 """make_shards index: DALI indexes and a manifest for shards made elsewhere (webdataset's own
 ShardWriter, GNU tar), without rewriting them; DALI's reader accepts the indexes, the counts and
 checksums are the files', verify_shards passes, a stopped run goes on where it stopped, and a
-shard the readers would not read as it is is named and left without an index; with --out DIR
-the indexes of read-only or remote (HTTP) shards go to DIR, which the loaders, verify_shards and
+shard the readers would not read as it is, or not alike through an index (whitespace in a name,
+a member twice, a gzipped member), is named and left without an index; with --out DIR the
+indexes of read-only or remote (HTTP) shards go to DIR, which the loaders, verify_shards and
 train.py take as index=DIR.
 """
 
@@ -10,7 +11,11 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import json
+import shutil
+import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -19,7 +24,10 @@ import webdataset as wds
 from conftest import RangeHandler, http_server, jpeg_bytes, run_tool
 
 from pipeline import image_loader
+from pipeline.errors import DataError
 from pipeline.shards import daliindex
+from pipeline.shards.indexing import index_shard
+from pipeline.shards.tarread import TarLimits
 
 
 def wds_shards(folder: Path, shards: int = 3, per_shard: int = 5) -> dict[str, int]:
@@ -114,6 +122,149 @@ def test_a_shard_the_readers_refuse_is_named_and_left_without_an_index(tmp_path)
     assert keys_read(folder, "stream", "portable") == labels  # the manifest's shards
     proc = run_tool("make_shards", "index", folder, "--quiet")
     assert proc.returncode != 0 and "have a manifest already" in proc.stderr
+
+
+# -- shards an index cannot describe as the streaming reader reads them ----------------------
+
+BAD_SHARDS = {  # members in archive order; the key, reason and words make_shards index names
+    # a plain `tar -cf` of a camera's folder: DALI's index splits its lines on whitespace
+    "spaces": ([("IMG 0001.jpg", jpeg_bytes(80)), ("IMG 0001.cls", b"1"),
+                ("IMG_0002.jpg", jpeg_bytes(81)), ("IMG_0002.cls", b"2")],
+               "IMG 0001", "whitespace-name", "'IMG 0001.jpg' holds whitespace"),
+    # a shard extended with `tar -rf`: the streaming reader refuses the key, DALI takes a copy
+    "twice": ([("x1.jpg", jpeg_bytes(82)), ("x1.cls", b"0"), ("x1.cls", b"1"),
+               ("x2.jpg", jpeg_bytes(83)), ("x2.cls", b"1")],
+              "x1", "duplicate-member", "member x1.cls appears twice"),
+    # the streaming reader gunzips it to .cls; an index would point at the packed bytes
+    "packed": ([("y1.jpg", jpeg_bytes(84)), ("y1.cls.gz", gzip.compress(b"0")),
+                ("y2.jpg", jpeg_bytes(85)), ("y2.cls", b"1")],
+               "y1", "compressed-member", "'y1.cls.gz' is gzipped"),
+}
+
+
+def write_tar(path: Path, members: list[tuple[str, bytes]]) -> None:
+    """A tar of exactly these members, in this order (Python's tarfile)."""
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def gnu_tar(path: Path, members: list[tuple[str, bytes]]) -> None:
+    """The same made by GNU tar from files on disk, named in this order."""
+    tar = shutil.which("tar")
+    if tar is None or "GNU" not in subprocess.run([tar, "--version"], capture_output=True,
+                                                  text=True).stdout:
+        pytest.skip("GNU tar is not installed")
+    files = path.parent.parent / f"{path.stem}-files"
+    files.mkdir()
+    for name, data in members:
+        (files / name).write_bytes(data)
+    subprocess.run([tar, "-cf", str(path), "-C", str(files), *(n for n, _ in members)],
+                   check=True)
+
+
+def index_skipping(folder: Path) -> tuple[dict, str]:
+    """make_shards index --on-error skip: the manifest and what the command printed."""
+    proc = run_tool("make_shards", "index", folder, "--on-error", "skip", "--quiet", check=True)
+    return json.loads((folder / "manifest.json").read_text()), proc.stdout
+
+
+def skipped(manifest: dict) -> list[tuple[str, str, str]]:
+    return sorted((Path(e["source"]).name, e["key"], e["reason"]) for e in manifest["skipped"])
+
+
+def read_alike(folder: Path, labels: dict[str, int]) -> None:
+    """verify_shards passes on the indexed folder, and the streaming reader and the index
+    reader (through the .idx files) read the same samples: `labels`."""
+    proc = run_tool("verify_shards", folder)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert keys_read(folder, "stream", "portable") == labels
+    assert keys_read(folder, "index", "portable") == labels
+
+
+@pytest.mark.parametrize("case, maker", [("spaces", write_tar), ("spaces", gnu_tar),
+                                         ("twice", write_tar), ("packed", write_tar)],
+                         ids=["spaces-tarfile", "spaces-gnu-tar", "twice", "packed"])
+def test_a_shard_an_index_cannot_describe_is_named_not_indexed(tmp_path, case, maker):
+    """Indexed, each of these shards gave an index that verify_shards and the loaders reading
+    through it refuse (spaces) or read otherwise than the streaming reader (a member twice, a
+    gzipped member): now the shard, key and member are named, and under skip it is listed
+    and the rest indexed."""
+    folder = tmp_path / "wds"
+    labels = wds_shards(folder, shards=1)
+    members, key, reason, words = BAD_SHARDS[case]
+    bad = folder / f"{case}.tar"
+    maker(bad, members)
+    proc = run_tool("make_shards", "index", folder, "--quiet")
+    assert proc.returncode != 0
+    for part in (str(bad), repr(key), words, f"[{reason}]", "make_shards shards"):
+        assert part in proc.stderr, proc.stderr
+    assert not (folder / "manifest.json").exists() and not bad.with_suffix(".idx").exists()
+    manifest, out = index_skipping(folder)
+    assert skipped(manifest) == [(bad.name, key, reason)]
+    assert [s["name"] for s in manifest["shards"]] == ["part-000000.tar"]
+    assert not bad.with_suffix(".idx").exists() and "left 1 shards without an index" in out
+    read_alike(folder, labels)
+
+
+@pytest.mark.parametrize("name, fix", [
+    ("IMG 0001.jpg", "make_shards shards rewrites it with its keys made safe"),
+    ("my photos/a.jpg", "make_shards shards rewrites it with its keys made safe"),
+    ("tab\tkey.jpg", "make_shards shards rewrites it with its keys made safe"),
+    ("a.final version.jpg", "rename the file and pack it again"),  # extension `final version.jpg`
+])
+def test_whitespace_in_a_member_name_is_refused_with_the_fix_that_works(tmp_path, name, fix):
+    """make_shards shards makes keys safe (`IMG 0001` -> `IMG_0001`) but keeps extensions: the
+    refusal says which applies."""
+    shard = tmp_path / "s.tar"
+    write_tar(shard, [(name, jpeg_bytes(1))])
+    with pytest.raises(DataError) as refused:
+        index_shard(str(shard), TarLimits())
+    assert refused.value.reason == "whitespace-name" and refused.value.source == str(shard)
+    assert repr(name) in refused.value.detail and fix in refused.value.detail
+
+
+@pytest.mark.parametrize("entry", [("jpg", 512, 3, "IMG 0001.jpg"), ("jpg", 512, 3, "a\tb.jpg"),
+                                   ("jpg", 512, 3, "a\nb.jpg"), ("jpg", 512, 3, "a\u2028b.jpg"),
+                                   ("final version.jpg", 512, 3, "p.final version.jpg"),
+                                   ("", 512, 3, "README")])
+def test_format_index_refuses_an_entry_its_lines_cannot_hold(entry):
+    """Whatever writes an index (make_shards index, the converter's ShardWriter): an entry that
+    would shift the fields of its line is refused, not written for the readers to refuse."""
+    with pytest.raises(ValueError, match="cannot hold"):
+        daliindex.format_index([[("cls", 0, 1, "k.cls"), entry]])
+
+
+def test_make_shards_shards_rewrites_what_index_refused_as_the_refusals_say(tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for case, (members, *_) in BAD_SHARDS.items():
+        write_tar(bad / f"{case}.tar", members)
+    with wds.TarWriter(str(bad / "zipped.tar.gz"), compress=True) as sink:
+        sink.write({"__key__": "z1", "jpg": jpeg_bytes(86), "cls": b"3"})
+    out = tmp_path / "out"
+    run_tool("make_shards", "shards", bad, out, "--on-error", "skip", "--quiet", check=True)
+    names = [n for p in out.glob("*.tar") for n in tarfile.open(p).getnames()]
+    assert not any(daliindex.has_whitespace(n) or n.endswith(".gz") for n in names)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [(e["key"], e["reason"]) for e in manifest["skipped"]] == [("x1", "split-key")]
+    read_alike(out, {"IMG_0001": 1, "IMG_0002": 2, "x1": 0, "x2": 1, "y1": 0, "y2": 1,
+                     "z1": 3})  # x1: its first copy
+
+
+@pytest.mark.dali
+def test_dalis_reader_reads_what_index_kept_beside_what_it_named(tmp_path):
+    pytest.importorskip("nvidia.dali")
+    folder = tmp_path / "wds"
+    labels = wds_shards(folder, shards=2)
+    for case, (members, *_) in BAD_SHARDS.items():
+        write_tar(folder / f"{case}.tar", members)
+    manifest, _ = index_skipping(folder)
+    assert [e["reason"] for e in manifest["skipped"]] == [
+        "compressed-member", "whitespace-name", "duplicate-member"]
+    assert keys_read(folder, "dali", "dali") == labels
 
 
 # -- --out DIR: indexes for shards that cannot have them beside (read-only, remote) ----------

@@ -12,10 +12,23 @@ Entry = tuple[str, int, int, str]  # ext, offset of the member's data, size, mem
 
 
 def format_index(samples: list[list[Entry]]) -> str:
+    """The index of `samples`; ValueError for an entry the format cannot hold: its lines are
+    split on whitespace, so an empty extension, or whitespace in one or in a member name,
+    would shift every field after it and the readers would refuse the whole index."""
     lines = [f"{VERSION} {len(samples)}"]
     for members in samples:
+        for ext, _offset, _size, name in members:
+            if not ext or has_whitespace(ext) or has_whitespace(name):
+                raise ValueError(f"index entry {name!r} (extension {ext!r}): a DALI index "
+                                 "cannot hold an empty extension or whitespace in a name")
         lines.append(" ".join(f"{ext} {off} {size} {name}" for ext, off, size, name in members))
     return "\n".join(lines) + "\n"
+
+
+def has_whitespace(text: str) -> bool:
+    """Whether `text` holds a character that parse_index splits a line or the lines on
+    (DALI's parser splits on the ASCII ones among them)."""
+    return any(c.isspace() for c in text)
 
 
 def parse_index(text: str) -> list[list[Entry]]:

@@ -12,11 +12,12 @@ webdataset's writers, GNU tar or another tool made. SRC is a local folder (the i
 beside the shards), or, with `--out DIR`, anything the loaders read: a read-only folder, a
 glob, a brace pattern, an `https://` or `s3://` URL; the loaders then take `index=DIR`
 (shards/indexdir.py). The index lists exactly what the readers read as samples; a shard they
-would not read as it is (gzipped, a key's members apart, a refused member) gets no index and
-is named: `make_shards shards` rewrites such shards. A run that stops goes on where it
-stopped: each indexed shard is journalled (JOURNAL, in the output folder) with its size and
-version (mtime, or a remote store's ETag), and a rerun reads only the shards not yet done or
-changed since.
+would not read as it is (gzipped, a key's members apart or one twice, a refused member), or
+not alike through an index (a gzipped `key.txt.gz` member, whitespace in a member name), gets
+no index and is named with what to do: mostly, `make_shards shards` rewrites it. A run that
+stops goes on where it stopped: each indexed shard is journalled (JOURNAL, in the output
+folder) with its size and version (mtime, or a remote store's ETag), and a rerun reads only
+the shards not yet done or changed since.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from pipeline.samples.checks import check_label, modality_of
 from pipeline.shards import daliindex, indexdir
 from pipeline.shards.listing import list_shards
 from pipeline.shards.manifest import MANIFEST, LabelStats, Manifest, ShardInfo
-from pipeline.shards.tarread import TarLimits, iter_located, split_name
+from pipeline.shards.tarread import Located, TarLimits, iter_located, split_name
 from pipeline.shards.verify import HashingReader
 from pipeline.urls import redact
 
@@ -78,10 +79,7 @@ def index_shard(url: str, limits: TarLimits,
         reader = HashingReader(raw)
         for m in iter_located(reader, shown, limits):  # type: ignore[arg-type]
             key, ext = split_name(m.stored)
-            if isinstance(m.data, DataError):
-                raise DataError(m.data.reason, f"{m.data.detail}; the readers refuse it, so the "
-                                "shard is not indexed as it is (make_shards shards leaves it "
-                                "out)", source=shown, key=key)
+            data = _checked(m, shown)
             if key != current:
                 if key in keys:
                     raise DataError("split-key", "the key's members lie apart (after other "
@@ -90,14 +88,49 @@ def index_shard(url: str, limits: TarLimits,
                 keys.add(key)
                 samples.append([])
                 current = key
+            elif any(e[0] == ext for e in samples[-1]):
+                raise _duplicate(key, ext, shown)
             samples[-1].append((ext, m.offset, m.size, m.stored))
             exts.add(ext)
             if ext == "cls":
-                labels += _label(m.data)
+                labels += _label(data)
         reader.drain()
     info = ShardInfo(indexdir.shard_name(url), len(samples), reader.count, reader.sha.hexdigest())
     return Indexed(info, daliindex.format_index(samples), tuple(sorted(exts)),
                    LabelStats.of(labels) if labels else None)
+
+
+def _checked(m: Located, shown: str) -> bytes:
+    """The member's bytes; DataError for a member the readers refuse, or one an index cannot
+    point them at as the streaming reader reads it."""
+    key, ext = split_name(m.stored)
+    if isinstance(m.data, DataError):
+        raise DataError(m.data.reason, f"{m.data.detail}; the readers refuse it, so the "
+                        "shard is not indexed as it is (make_shards shards leaves it out)",
+                        source=shown, key=key)
+    if m.name != m.stored:  # `key.txt.gz`, which the streaming reader gunzips
+        raise DataError("compressed-member", f"member {m.stored!r} is gzipped: the streaming "
+                        f"reader reads it unpacked as .{split_name(m.name)[1]}, while DALI's "
+                        f"reader and the index reader would take its packed bytes as .{ext}; "
+                        "make_shards shards rewrites it unpacked", source=shown, key=key)
+    if daliindex.has_whitespace(m.stored):
+        # A plain `tar -cf` of a camera's folder gives `IMG 0001.jpg`. The converter makes
+        # keys safe (sources.make_keys) but keeps extensions as they are.
+        fix = ("rename the file and pack it again (make_shards shards keeps extensions as "
+               "they are)" if daliindex.has_whitespace(ext) else "make_shards shards "
+               "rewrites it with its keys made safe ('IMG 0001' -> 'IMG_0001')")
+        raise DataError("whitespace-name", f"member name {m.stored!r} holds whitespace, which "
+                        f"a DALI index cannot hold (its fields are split on it); {fix}",
+                        source=shown, key=key)
+    return m.data
+
+
+def _duplicate(key: str, ext: str, shown: str) -> DataError:
+    """A key with one member twice in a row (a tar extended with `tar -rf`)."""
+    return DataError("duplicate-member", f"member {key}.{ext} appears twice: the streaming "
+                     "reader refuses the key, DALI's reader would take one copy; make_shards "
+                     "shards --on-error skip rewrites it with the first copy (and names the "
+                     "key in its report)", source=shown, key=key)
 
 
 def _label(data: bytes) -> list[int]:
