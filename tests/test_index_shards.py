@@ -2,9 +2,10 @@
 ShardWriter, GNU tar), without rewriting them; DALI's reader accepts the indexes, the counts and
 checksums are the files', verify_shards passes, a stopped run goes on where it stopped, and a
 shard the readers would not read as it is, or not alike through an index (whitespace in a name,
-a member twice, a gzipped member), is named and left without an index; with --out DIR the
-indexes of read-only or remote (HTTP) shards go to DIR, which the loaders, verify_shards and
-train.py take as index=DIR.
+a member twice, a gzipped member), is named and left without an index, as is every other file
+of the folder that looks like a shard and is not indexed; with --out DIR the indexes of
+read-only or remote (HTTP) shards go to DIR, which the loaders, verify_shards and train.py take
+as index=DIR.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import gzip
 import hashlib
 import io
 import json
+import os
 import shutil
 import subprocess
 import tarfile
@@ -252,6 +254,31 @@ def test_make_shards_shards_rewrites_what_index_refused_as_the_refusals_say(tmp_
     assert [(e["key"], e["reason"]) for e in manifest["skipped"]] == [("x1", "split-key")]
     read_alike(out, {"IMG_0001": 1, "IMG_0002": 2, "x1": 0, "x2": 1, "y1": 0, "y2": 1,
                      "z1": 3})  # x1: its first copy
+
+
+def test_index_names_every_file_of_the_folder_it_leaves_out(tmp_path):
+    """Gzipped shards (.tar.gz, .tgz), which the loaders read, were left out without a word,
+    and the manifest written then hid their samples from the loaders; a .TAR, which no loader
+    lists, and a FIFO named .tar are named too (the FIFO never opened: it would block)."""
+    folder = tmp_path / "wds"
+    labels = wds_shards(folder, shards=1)
+    for name, key in (("more-000001.tar.gz", "g1"), ("more-000002.tgz", "g2")):
+        with wds.TarWriter(str(folder / name), compress=True) as sink:
+            sink.write({"__key__": key, "jpg": jpeg_bytes(87), "cls": b"1"})
+    assert keys_read(folder, "stream", "portable") == {**labels, "g1": 1, "g2": 1}
+    with wds.TarWriter(str(folder / "LOUD-000003.TAR")) as sink:
+        sink.write({"__key__": "u1", "jpg": jpeg_bytes(88), "cls": b"1"})
+    os.mkfifo(folder / "pipe.tar")
+    proc = run_tool("make_shards", "index", folder, "--quiet")
+    assert proc.returncode != 0 and "LOUD-000003.TAR" in proc.stderr
+    assert "rename it to LOUD-000003.tar" in proc.stderr
+    manifest, out = index_skipping(folder)
+    assert {Path(e["source"]).name: e["reason"] for e in manifest["skipped"]} == {
+        "more-000001.tar.gz": "compressed-shard", "more-000002.tgz": "compressed-shard",
+        "LOUD-000003.TAR": "unlisted-shard", "pipe.tar": "not-a-regular-file"}
+    assert [s["name"] for s in manifest["shards"]] == ["part-000000.tar"]
+    assert "left 4 shards without an index" in out
+    read_alike(folder, labels)
 
 
 @pytest.mark.dali

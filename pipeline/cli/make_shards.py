@@ -351,7 +351,7 @@ def _index(args: argparse.Namespace) -> int:
         print(f"read them with index={str(folder)!r} (verify_shards SRC --index {folder})")
     if m.skipped:
         print(f"left {len(m.skipped)} shards without an index (listed under 'skipped' in "
-              "manifest.json; make_shards shards rewrites them)")
+              "manifest.json, each with its reason and what to do)")
     return 0
 
 

@@ -1,7 +1,7 @@
 """Indexes for shards made elsewhere (`make_shards index SRC [--out DIR]`), without rewriting
 a shard.
 
-    SRC's .tar shards -> each read once: its DALI index (where every member's bytes lie),
+    SRC's shards      -> each read once: its DALI index (where every member's bytes lie),
                          samples, bytes and sha256, the labels of its .cls members
                       -> NAME.idx beside each shard, or in DIR (written whole, then renamed)
                       -> manifest.json last, beside them or in DIR: counts, checksums,
@@ -14,10 +14,11 @@ glob, a brace pattern, an `https://` or `s3://` URL; the loaders then take `inde
 (shards/indexdir.py). The index lists exactly what the readers read as samples; a shard they
 would not read as it is (gzipped, a key's members apart or one twice, a refused member), or
 not alike through an index (a gzipped `key.txt.gz` member, whitespace in a member name), gets
-no index and is named with what to do: mostly, `make_shards shards` rewrites it. A run that
-stops goes on where it stopped: each indexed shard is journalled (JOURNAL, in the output
-folder) with its size and version (mtime, or a remote store's ETag), and a rerun reads only
-the shards not yet done or changed since.
+no index and is named with what to do: mostly, `make_shards shards` rewrites it. A folder's
+shards are those the loaders list (.tar, .tar.gz, .tgz); a file that only its case hides from
+them (`A.TAR`) is named too. A run that stops goes on where it stopped: each indexed shard is
+journalled (JOURNAL, in the output folder) with its size and version (mtime, or a remote
+store's ETag), and a rerun reads only the shards not yet done or changed since.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pipeline.atomic import write_atomic
 from pipeline.errors import DataError, OnError, SkipLog, handle
 from pipeline.samples.checks import check_label, modality_of
 from pipeline.shards import daliindex, indexdir
-from pipeline.shards.listing import list_shards
+from pipeline.shards.listing import list_shards, regular_file
 from pipeline.shards.manifest import MANIFEST, LabelStats, Manifest, ShardInfo
 from pipeline.shards.tarread import Located, TarLimits, iter_located, split_name
 from pipeline.shards.verify import HashingReader
@@ -70,6 +71,10 @@ def index_shard(url: str, limits: TarLimits,
     exts: set[str] = set()
     labels: list[int] = []
     current: str | None = None
+    try:
+        regular_file(url, samples=None)  # a FIFO named .tar would block the open forever
+    except DataError as err:
+        raise err.located(source=shown) from None
     with fsspec.open(url, "rb", **(storage_options or {})) as raw:
         if raw.read(2) == GZIP_MAGIC:
             raise DataError("compressed-shard", "a gzipped tar: DALI's reader reads members at "
@@ -146,7 +151,7 @@ def index_source(src: str | Path, out: str | Path | None = None, *,
                  limits: TarLimits | None = None, on_error: OnError = "raise",
                  progress: Any = None, storage_options: Mapping[str, Any] | None = None
                  ) -> Manifest:
-    """Index every .tar shard of `src` (see the module's docstring), writing the indexes and
+    """Index every shard of `src` (see the module's docstring), writing the indexes and
     manifest beside the shards (`out` None: `src` must be a local folder) or in the local
     folder `out`; the manifest."""
     limits = limits or TarLimits()
@@ -159,6 +164,8 @@ def index_source(src: str | Path, out: str | Path | None = None, *,
     urls = _shards(src, storage_options)
     done = _journal(folder / JOURNAL)
     skips = SkipLog()
+    for err in _unlisted(src, urls):
+        handle(err, on_error, skips)
     indexed: list[Indexed] = []
     with open(folder / JOURNAL, "a") as journal:
         for url in urls:
@@ -206,20 +213,40 @@ def _output_folder(src: str, out: str | Path | None) -> Path:
 
 
 def _shards(src: str, storage_options: Mapping[str, Any] | None) -> list[str]:
-    """The shards to index: a folder's .tar files, else what the pattern or URL lists; two
-    with one name would share one .idx."""
-    if "://" not in src and Path(src).is_dir():
-        urls = [str(p) for p in sorted(Path(src).glob("*.tar")) if p.is_file()]
-    else:
-        urls = list_shards(src, storage_options)
+    """The shards to index: what the loaders list (a folder's .tar, .tar.gz and .tgz files, so
+    that a gzipped one is named, not left out of a manifest that then hides it from them),
+    else what the pattern or URL lists; two with one name would share one .idx."""
+    urls = list_shards(src, storage_options)
     if not urls:
-        raise ValueError(f"{redact(src)}: no .tar shards to index")
+        odd = [Path(err.source).name for err in _unlisted(src, [])][:5]
+        raise ValueError(f"{redact(src)}: no shards to index (.tar, .tar.gz or .tgz files"
+                         + (f"; {', '.join(odd)}: rename to lower case)" if odd else ")"))
     names = [indexdir.shard_name(u) for u in urls]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"{redact(src)}: shards share a name ({', '.join(twice[:5])}); an "
                          "index folder holds one NAME.idx per name: index them apart")
     return urls
+
+
+def _unlisted(src: str, urls: list[str]) -> list[DataError]:
+    """A local folder's files that only their case keeps from being listed (`A.TAR`): no
+    loader would read them, so they are named rather than passed over in silence."""
+    if "://" in src or not Path(src).is_dir():
+        return []
+    listed = {Path(u).name for u in urls}
+    found = [p for p in sorted(Path(src).iterdir())
+             if p.name.lower().endswith(indexdir.SHARD_SUFFIXES) and p.name not in listed
+             and not p.is_dir()]
+    return [DataError("unlisted-shard", "the loaders list .tar, .tar.gz and .tgz files, in "
+                      f"lower case: none would read it; rename it to {_lowered(p.name)}",
+                      source=str(p)) for p in found]
+
+
+def _lowered(name: str) -> str:
+    """`A.TAR` -> `A.tar`: the name with its shard suffix in lower case."""
+    suffix = next(s for s in indexdir.SHARD_SUFFIXES if name.lower().endswith(s))
+    return name[: -len(suffix)] + suffix
 
 
 def _version(url: str, storage_options: Mapping[str, Any] | None) -> tuple[int, str]:
