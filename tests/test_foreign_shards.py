@@ -388,3 +388,24 @@ def test_keys_that_are_made_safe_alike_stay_apart_and_only_a_key_written_twice_i
                       "--workers", 1, "--quiet")
     assert result.returncode != 0 and "key 'img_1'" in result.stderr and \
         "earlier sample" in result.stderr
+
+
+def test_a_member_extension_with_whitespace_is_a_named_skip_not_a_failed_run(tmp_path):
+    """`p2.final version.jpg`: the key is `p2`, the extension `final version.jpg`, which no
+    shard index can hold (its fields are split on whitespace)."""
+    members = [("p1.jpg", jpeg_bytes(seed=1)), ("p1.cls", b"1"),
+               ("p2.final version.jpg", jpeg_bytes(seed=2)), ("p2.cls", b"0"),
+               ("p3.jpg", jpeg_bytes(seed=3)), ("p3.cls", b"2")]
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a-000000.tar").write_bytes(tar_bytes(members))
+    run_tool("make_shards", "shards", tmp_path / "src", tmp_path / "out", "--workers", 1,
+             "--quiet", "--on-error", "skip", check=True)
+    manifest = load_manifest(tmp_path / "out")
+    assert manifest["total_samples"] == 2
+    assert [(e["key"], e["reason"]) for e in manifest["skipped"]] == [("p2", "whitespace-name")]
+    assert "'final version.jpg'" in manifest["skipped"][0]["detail"]
+    assert run_tool("verify_shards", tmp_path / "out").returncode == 0
+    failed = run_tool("make_shards", "shards", tmp_path / "src", tmp_path / "again",
+                      "--workers", 1, "--quiet")
+    assert failed.returncode != 0 and "key 'p2'" in failed.stderr and \
+        "[whitespace-name]" in failed.stderr

@@ -51,6 +51,7 @@ from pipeline.samples.checks import (
 )
 from pipeline.samples.scans import LABEL_COUNTS, LABELS_EXT, ScanOptions, labels_header
 from pipeline.shards import segstats
+from pipeline.shards.daliindex import has_whitespace
 from pipeline.shards.listing import list_shards, preflight
 from pipeline.shards.manifest import (
     MANIFEST,
@@ -141,8 +142,20 @@ def _unique_keys(stream: Iterable[dict[str, object] | DataError]
     given: set[str] = set()
     for item in stream:
         if isinstance(item, dict):
-            item = _unique(item, written, given)
+            item = _whitespace(item) or _unique(item, written, given)
         yield item
+
+
+def _whitespace(item: dict[str, object]) -> DataError | None:
+    """A member whose extension holds whitespace (`p2.final version.jpg`): the shard's DALI
+    index splits its fields on whitespace, and no loader asks for such a member; the sample
+    is refused (the key is made safe below, the extension is kept as it is)."""
+    odd = next((ext for ext in item if not ext.startswith("__") and has_whitespace(ext)), None)
+    if odd is None:
+        return None
+    return DataError("whitespace-name", f"member extension {odd!r} holds whitespace, which a "
+                     "shard's index cannot hold: rename the file so that its extension has "
+                     "none", source=str(item["__url__"]), key=str(item["__key__"]))
 
 
 def _unique(item: dict[str, object], written: set[str], given: set[str]
