@@ -14,7 +14,7 @@ from PIL import Image
 
 from pipeline.image import restarts
 from pipeline.image.augment import CropParams
-from pipeline.image.portable import decode_window
+from pipeline.image.portable import _from_the_top, decode_window
 from tests.test_rows import jpeg, windows
 
 # Camera-like files: libjpeg writes a restart marker every `restart_marker_rows` MCU rows or
@@ -173,3 +173,28 @@ def test_the_camera_corpus_has_a_marker_every_mcu_row_and_is_cut_at_them() -> No
     window = CropParams(500, found.height // 2, 1200, 1000, False)
     assert np.abs(decode_window(camera, window, 224).astype(int) -
                   decode_window(camera, window, 224, cut=False)).max() <= 1
+
+
+@pytest.mark.parametrize("marker", [0xE0, 0xD9, 0xFE, 0xD8, 0xC4, 0xDA])
+def test_another_marker_above_the_cut_sends_the_file_to_the_decode_from_the_top(marker) -> None:
+    """Damage that reads as a marker in the scan: libjpeg, meeting it where a restart should
+    be, leaves the rest of the scan empty (and some markers fail the decompression's end,
+    which the row cut of rows.py never reaches); the cut, which would never meet it, is not
+    made, so the file is decoded from the top exactly as before."""
+    data = bytearray(KINDS["4:2:0, every row"]())
+    found = restarts.layout(bytes(data))
+    at = restarts.restart_marker(bytes(data), found, 4) - 40  # inside interval 4
+    data[at: at + 2] = bytes([0xFF, marker])
+    data = bytes(data)
+    assert restarts.cut_above(data, 600) is None
+    window = CropParams(100, 600, 500, 200, False)
+    for size in (224, 96):
+        before = _from_the_top(data, window, size, draft=True, cut=True)  # rows.py alone
+        assert np.array_equal(decode_window(data, window, size, cut=True), before)
+
+
+def test_a_file_that_ends_inside_its_scan_header_is_not_cut() -> None:
+    data = KINDS["4:2:0, every row"]()
+    sos = data.index(b"\xff\xda")
+    assert restarts.layout(data[: sos + 6]) is None
+    assert restarts.cut_above(data[: sos + 6] + b"\xff\xdd", 300) is None

@@ -18,8 +18,9 @@ libjpeg, and PIL through it, only when asked (`restart_marker_rows`).
        of a full decode (tests/test_restarts.py)
 
 Every restart marker above the cut is found and its number checked before anything is cut:
-a scan whose markers there are missing, extra or out of order is decoded whole, as before.
-Below the cut, the decoder meets the very bytes a full decode meets, in the same state.
+a scan whose markers there are missing, extra or out of order, or which holds another marker
+there (damage), is decoded whole, as before. Below the cut, the decoder then meets the very
+bytes a full decode meets, in the same state.
 """
 
 from __future__ import annotations
@@ -98,17 +99,18 @@ def layout(data: bytes) -> Layout | None:
     body = data[sof.start + 4: sof.end]  # precision, height, width, components, 3 bytes each
     height, width, count = int.from_bytes(body[1:3], "big"), int.from_bytes(body[3:5], "big"), \
         body[5]
-    factors = [(body[7 + 3 * i] >> 4, body[7 + 3 * i] & 15) for i in range(count)]
     sos = found.scan_start
-    if not interval or dri.end - dri.start != 6 or len(body) < 6 + 3 * count or \
-            not all(1 <= h <= 4 and 1 <= v <= 4 for h, v in factors) or \
-            data[sos + 4] != count:
+    scan_data = sos + 2 + int.from_bytes(data[sos + 2: sos + 4], "big")
+    if scan_data >= len(data) or not interval or dri.end - dri.start != 6 or \
+            len(body) < 6 + 3 * count or data[sos + 4] != count:
+        return None
+    factors = [(body[7 + 3 * i] >> 4, body[7 + 3 * i] & 15) for i in range(count)]
+    if not all(1 <= h <= 4 and 1 <= v <= 4 for h, v in factors):
         return None
     # One component: the MCU is one 8x8 block whatever its sampling factors.
     mcu_w = 8 * max(h for h, _ in factors) if count > 1 else 8
     mcu_h = 8 * max(v for _, v in factors) if count > 1 else 8
-    return Layout(sof.start + 5, height, mcu_h, math.ceil(width / mcu_w), interval,
-                  sos + 2 + int.from_bytes(data[sos + 2: sos + 4], "big"))
+    return Layout(sof.start + 5, height, mcu_h, math.ceil(width / mcu_w), interval, scan_data)
 
 
 def start_row(found: Layout, below: int) -> int | None:
@@ -123,24 +125,31 @@ def start_row(found: Layout, below: int) -> int | None:
 
 def restart_marker(data: bytes, found: Layout, index: int) -> int | None:
     """The offset of the scan's restart marker `index` (from 0), or None unless every marker
-    before it is there, numbered RST0, RST1, ..., RST7, RST0... in order. Only the bytes up
-    to it are searched: first as far as its share of the intervals, and a quarter more."""
+    before it is there, numbered RST0, RST1, ..., RST7, RST0... in order, and no other marker
+    comes before it (damage: libjpeg, meeting one where it expects a restart, leaves the rest
+    of the scan empty, which the cut would not). Only the bytes up to it are searched: first
+    as far as its share of the intervals, and a quarter more."""
     share = (index + 1) / found.intervals()
     guess = found.scan_data + int((len(data) - found.scan_data) * share * 1.25) + 4096
     for stop in (min(guess, len(data)), len(data)):
-        markers = _markers(data, found.scan_data, stop)
+        markers, other = _markers(data, found.scan_data, stop)
         if len(markers) > index:
             break
     else:
         return None
     numbers = np.frombuffer(data, np.uint8)[markers[: index + 1] + 1] - RST0
-    if not np.array_equal(numbers, np.arange(index + 1) % 8):
+    if other <= markers[index] or not np.array_equal(numbers, np.arange(index + 1) % 8):
         return None
     return int(markers[index])
 
 
-def _markers(data: bytes, start: int, stop: int) -> np.ndarray:
-    """Offsets of the restart markers (0xFF, then 0xD0-0xD7) in data[start:stop]: a 0xFF in
-    a scan is followed by 0x00 (a stuffed byte), another 0xFF (fill) or a marker."""
+def _markers(data: bytes, start: int, stop: int) -> tuple[np.ndarray, int]:
+    """Offsets of the restart markers (0xFF, then 0xD0-0xD7) in data[start:stop], and of the
+    first other marker there (`stop` if none): in a whole scan, a 0xFF is followed by 0x00
+    (a stuffed byte), another 0xFF (fill) or a restart marker."""
     scan = np.frombuffer(data, np.uint8, stop - start, start)
-    return np.flatnonzero((scan[:-1] == 0xFF) & ((scan[1:] & 0xF8) == RST0)) + start
+    ff, after = scan[:-1] == 0xFF, scan[1:]
+    restart = ff & ((after & 0xF8) == RST0)
+    other = ff & (after != 0) & (after != 0xFF) & ~restart
+    first = int(np.argmax(other)) if other.any() else stop - start
+    return np.flatnonzero(restart) + start, first + start
