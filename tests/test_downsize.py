@@ -90,3 +90,18 @@ def test_reencode_all_and_refusals(folder, tmp_path):
     assert manifest["reencoded"] == {"resized": 3, "reencoded-at-quality": 1}
     proc = run_tool("make_shards", "imagefolder", src, tmp_path / "x", "--reencode-all")
     assert proc.returncode != 0 and "give --max-side N" in proc.stderr
+
+
+def test_a_16_bit_tiff_resized_keeps_its_levels(tmp_path):
+    """A big-endian 16-bit TIFF (I;16B) above N is stored as a 16-bit PNG of the resized
+    values, not as a JPEG clipped to white."""
+    ramp = (np.arange(192 * 256, dtype=np.int64).reshape(192, 256) * 5).astype(np.uint16)
+    src = tmp_path / "src" / "c"
+    src.mkdir(parents=True)
+    (src / "scan.tif").write_bytes(saved(Image.fromarray(ramp.astype(">u2")), "TIFF"))
+    got = convert(tmp_path / "src", tmp_path / "out", "--max-side", 64)
+    with Image.open(io.BytesIO(got["scan"]["png"])) as img:
+        assert img.size == (64, 48) and img.mode == "I;16"
+        small = np.asarray(img).astype(int)
+    want = np.asarray(Image.fromarray(ramp).resize((64, 48), Image.LANCZOS)).astype(int)
+    assert np.abs((small >> 8) - (want >> 8)).max() <= 1

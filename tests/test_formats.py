@@ -314,3 +314,44 @@ def test_the_webp_rule_flags_every_file_dalis_parser_refuses():
         refused += not dali_reads
         flagged += flag
     assert refused >= 8 and flagged <= refused + 2  # both kinds met; few flagged in vain
+
+
+# -- 16-bit grey TIFF --------------------------------------------------------------------------
+
+# A ramp over the whole 16-bit range (0..65520), and the levels the loaders give of it (the
+# high byte); TIFFs of it in PIL's three grey modes above 8 bits.
+RAMP16 = np.arange(64 * 64, dtype=np.int64).reshape(64, 64) * 16
+GRAY16_TIFFS = {"big-endian": ">u2", "little-endian": "<u2", "32-bit": "<i4"}
+
+
+def test_16_bit_grey_tiffs_are_stored_as_16_bit_png_of_the_same_values():
+    """A 16-bit TIFF in either byte order (PIL's I;16B and I;16) or a 32-bit one (I), which
+    the loaders do not read as TIFF, becomes a 16-bit PNG of exactly its values: not RGB
+    clipped at 255 (almost all white)."""
+    for name, dtype in GRAY16_TIFFS.items():
+        data = encode(Image.fromarray(RAMP16.astype(dtype)), "TIFF")
+        stored = checks.prepare_image(data, checks.CheckLimits())
+        assert (stored.ext, stored.repairs) == ("png", ("tiff-to-png",)), name
+        with Image.open(io.BytesIO(stored.data)) as img:
+            assert img.mode == "I;16", name
+            assert np.array_equal(np.asarray(img), RAMP16), name
+
+
+@pytest.mark.parametrize("backend", [pytest.param("dali", marks=pytest.mark.dali), "portable"])
+def test_16_bit_grey_tiffs_load_as_their_high_byte(tmp_path, backend):
+    """Converted, each loads as the ramp's high byte in every channel (DALI rounds where the
+    portable backend truncates: within 1)."""
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+    src = tmp_path / "src" / "c"
+    src.mkdir(parents=True)
+    for name, dtype in GRAY16_TIFFS.items():
+        (src / f"{name}.tif").write_bytes(encode(Image.fromarray(RAMP16.astype(dtype)), "TIFF"))
+    run_tool("make_shards", "imagefolder", tmp_path / "src", tmp_path / "out", check=True)
+    with image_loader(str(tmp_path / "out"), batch_size=1, size=64, device="cpu", threads=1,
+                      train=False, crop_fraction=1.0, reader="stream", backend=backend,
+                      use_tuning=False) as loader:
+        got = {b.keys[0]: b.image[0].numpy().astype(int) for b in loader}
+    assert sorted(got) == sorted(f"c_{name}" for name in GRAY16_TIFFS)
+    for key, image in got.items():
+        assert np.abs(image - (RAMP16 >> 8)).max() <= 1, key

@@ -18,7 +18,7 @@ from PIL import Image
 
 from pipeline.errors import DataError
 from pipeline.samples import headers, jpegscan, masks, pointcloud_io, scans
-from pipeline.samples.downsize import Downsize, downsized
+from pipeline.samples.downsize import GRAY16_MODES, Downsize, downsized, gray16
 
 log = logging.getLogger(__name__)
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif", "ppm", "pgm")
@@ -281,10 +281,13 @@ def reencode_jpeg(data: bytes) -> bytes:
 def reencode_png(data: bytes) -> bytes:
     """Lossless PNG of an image the loaders do not read as it is (GIF, an animated WebP's
     first frame, a CMYK TIFF...), its EXIF orientation kept (an eXIf chunk of that tag
-    alone), so that it still turns upright as PIL's exif_transpose turns the original."""
+    alone), so that it still turns upright as PIL's exif_transpose turns the original;
+    16-bit grey stays 16-bit (I;16, whichever byte order or width PIL read it in)."""
     with Image.open(io.BytesIO(data)) as img:
         img.load()  # first: PIL's TIFF plugin turns its pixels upright and drops the tag
         orientation = img.getexif().get(_ORIENTATION)
+        if img.mode in GRAY16_MODES:
+            img = gray16(img)
         if img.mode not in ("RGB", "RGBA", "L", "LA", "I;16"):
             img = img.convert("RGBA" if "A" in img.getbands() or "transparency" in img.info
                               else "RGB")

@@ -14,10 +14,13 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 
+import numpy as np
 from PIL import Image, ImageOps
 
 RESIZED = "resized"  # the repair counted in the manifest's `reencoded`
 REENCODED = "reencoded-at-quality"
+# PIL's modes of 16- and 32-bit grey: stored as I;16 (gray16)
+GRAY16_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 
 
 @dataclass(frozen=True)
@@ -46,13 +49,15 @@ def downsized(data: bytes, how: Downsize) -> tuple[bytes, str, str] | None:
         upright = ImageOps.exif_transpose(img)
     if "exif" in upright.info:  # its orientation is applied: the tag must not turn it again
         del upright.info["exif"]
+    if upright.mode in GRAY16_MODES:
+        upright = gray16(upright)
     resized = max(upright.size) > how.max_side
     if resized:
         scale = how.max_side / max(upright.size)
         size = (max(1, round(upright.width * scale)), max(1, round(upright.height * scale)))
         upright = upright.resize(size, Image.Resampling.LANCZOS)
     out = io.BytesIO()
-    if upright.mode in ("RGBA", "LA", "I;16", "I") or "transparency" in upright.info:
+    if upright.mode in ("RGBA", "LA", "I;16") or "transparency" in upright.info:
         upright.save(out, format="PNG")
         ext = "png"
     else:
@@ -60,3 +65,11 @@ def downsized(data: bytes, how: Downsize) -> tuple[bytes, str, str] | None:
             out, format="JPEG", quality=how.jpeg_quality)
         ext = "jpg"
     return out.getvalue(), ext, RESIZED if resized else REENCODED
+
+
+def gray16(img: Image.Image) -> Image.Image:
+    """A 16- or 32-bit grey image as I;16, clipped to 0..65535: the samples the loaders read
+    and scale to 8 bits by their high byte (image/portable.py `_rgb`, DALI likewise), kept
+    at 16 bits. Through numpy: PIL's convert("I;16") of I;16B clips to 255, and its
+    convert("RGB") of any of them clips to 255 (a white image)."""
+    return Image.fromarray(np.asarray(img).clip(0, 65535).astype(np.uint16))
