@@ -355,3 +355,85 @@ def test_16_bit_grey_tiffs_load_as_their_high_byte(tmp_path, backend):
     assert sorted(got) == sorted(f"c_{name}" for name in GRAY16_TIFFS)
     for key, image in got.items():
         assert np.abs(image - (RAMP16 >> 8)).max() <= 1, key
+
+
+def dali_decoded(data: bytes) -> np.ndarray | None:
+    """DALI's CPU decode of one file (HWC RGB), or None where DALI refuses it."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    @pipeline_def(batch_size=1, num_threads=1, device_id=None)
+    def decode():
+        data = fn.external_source(name="data", dtype=types.UINT8, ndim=1)
+        return fn.decoders.image(data, device="cpu", output_type=types.RGB)
+
+    pipe = decode()
+    pipe.build()
+    pipe.feed_input("data", [np.frombuffer(data, np.uint8)])
+    try:
+        (out,) = pipe.run()
+    except RuntimeError:
+        return None
+    return np.array(out.as_array()[0])
+
+
+# -- animated PNG ------------------------------------------------------------------------------
+
+def apng(default_is_frame: bool) -> bytes:
+    """A PNG of three distinct pictures (photos 30, 31, 32), its default image (IDAT) photo
+    30: the first frame of the animation (the usual kind), or, with `default_is_frame` False,
+    a picture apart from an animation of photos 31 and 32 (APNG writers' "default image")."""
+    first, *rest = (photo(30 + i) for i in range(3))
+    out = io.BytesIO()
+    first.save(out, format="PNG", save_all=True, append_images=rest,
+               default_image=not default_is_frame)
+    return out.getvalue()
+
+
+def test_an_apng_whose_default_image_is_no_frame_is_stored_as_that_image(tmp_path):
+    """An APNG whose default image is its first frame is kept byte for byte; one whose default
+    image is not a frame (DALI would decode another picture) is stored as a still PNG of the
+    default image, counted; verify_shards names the latter in shards made elsewhere."""
+    assert checks.loader_problem(apng(True), "PNG") is None
+    assert "default image is not one of them" in checks.loader_problem(apng(False), "PNG")
+    src = tmp_path / "src" / "c"
+    src.mkdir(parents=True)
+    (src / "first.png").write_bytes(apng(True))
+    (src / "apart.png").write_bytes(apng(False))
+    out = tmp_path / "out"
+    run_tool("make_shards", "imagefolder", tmp_path / "src", out, check=True)
+    samples = {s["__key__"].split("_", 1)[1]: s for s in read_wds(out)}
+    assert samples["first"]["png"] == apng(True)
+    with Image.open(io.BytesIO(samples["apart"]["png"])) as img:
+        assert getattr(img, "n_frames", 1) == 1 and "default_image" not in img.info
+        assert np.array_equal(np.asarray(img.convert("RGB")), np.asarray(photo(30)))
+    assert load_manifest(out)["reencoded"] == {"apng-to-png": 1}
+    run_tool("verify_shards", out, check=True)
+    hand = tmp_path / "hand"
+    hand.mkdir()
+    write_shard(hand / "hand-000000.tar", {"apart": ("png", apng(False))})
+    proc = run_tool("verify_shards", hand / "hand-000000.tar", "--jobs", 1)
+    assert proc.returncode == 1 and "unsupported-image-format" in proc.stdout
+    assert "animated PNG" in proc.stdout
+
+
+@pytest.mark.dali
+def test_dali_decodes_an_apngs_first_frame_and_the_rule_flags_where_that_is_not_pils(tmp_path):
+    """What the rule rests on, against DALI itself: DALI decodes an APNG's first frame, PIL
+    its default image. The same picture when the default image is the first frame (kept);
+    another when it is not (flagged), whose repair both then decode alike."""
+    pytest.importorskip("nvidia.dali")
+    default, frame = np.asarray(photo(30)), np.asarray(photo(31))
+    assert np.array_equal(dali_decoded(apng(True)), default)
+    assert np.array_equal(dali_decoded(apng(False)), frame)
+    repaired = checks.prepare_image(apng(False), checks.CheckLimits())
+    assert repaired.repairs == ("apng-to-png",)
+    assert np.array_equal(dali_decoded(repaired.data), default)
+    src = tmp_path / "src" / "c"
+    src.mkdir(parents=True)
+    for name, data in (("first", apng(True)), ("apart", apng(False))):
+        (src / f"{name}.png").write_bytes(data)
+    run_tool("make_shards", "imagefolder", tmp_path / "src", tmp_path / "out", check=True)
+    dali, portable = (batches_by_key(tmp_path / "out", b, False) for b in ("dali", "portable"))
+    assert sorted(dali) == sorted(portable) == ["c_apart", "c_first"]
+    for key in dali:
+        assert torch.equal(dali[key], portable[key]), key

@@ -35,7 +35,8 @@ OFFSET_EXT = pointcloud_io.OFFSET_EXT
 # What the image loader decodes (headers.py reads their sizes; DALI's CPU decoder and PIL give
 # the same pixels of each), by PIL's format name, with the extension make_shards stores it
 # under: kept byte for byte. Anything else is re-encoded to PNG. MPO is a JPEG followed by
-# more images: the loaders decode its first one, as PIL does.
+# more images: the loaders decode its first one, as PIL does. An animated PNG is kept where
+# every decoder gives the same picture of it (_png_problem).
 KEEP_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp", "BMP": "bmp",
                 "TIFF": "tiff"}
 # The TIFF modes both decoders give the same pixels of (measured: DALI's libtiff refuses
@@ -143,8 +144,8 @@ def loader_problem(data: bytes, fmt: str) -> str | None:
     (decoding in DALI per image would cost a pipeline run per file)."""
     if fmt not in KEEP_FORMATS:
         return f"a {fmt} image; the loaders decode JPEG, PNG, WebP, BMP and TIFF"
-    if fmt == "PNG":
-        return None  # PIL found IHDR first, where the header parser reads the size
+    if fmt == "PNG":  # PIL found IHDR first, where the header parser reads the size
+        return _png_problem(data)
     if fmt in ("WEBP", "BMP", "TIFF"):
         return _still_problem(data, fmt)
     try:
@@ -175,6 +176,21 @@ def _still_problem(data: bytes, fmt: str) -> str | None:
     if said != size:
         return f"{fmt} header says {said[0]}x{said[1]}, PIL decodes {size[0]}x{size[1]}"
     return None
+
+
+def _png_problem(data: bytes) -> str | None:
+    """An animated PNG whose default image (IDAT) is not a frame of its animation: DALI
+    decodes the animation's first frame, PIL and the portable backend the default image, two
+    pictures. The default image is taken as the image (reencode_png keeps it alone): it is
+    what every viewer without APNG support shows, and what PIL gives. An APNG whose default
+    image is its first frame (the usual kind) gives every decoder that picture: kept."""
+    with Image.open(io.BytesIO(data)) as img:
+        # acTL, then IDAT before any fcTL (PIL reads to the first IDAT as it opens)
+        if not img.info.get("default_image"):
+            return None
+        frames = getattr(img, "n_frames", 1)
+    return (f"an animated PNG of {frames} frames whose default image is not one of them; "
+            "DALI decodes the first frame, PIL the default image")
 
 
 def _exif_after_odd_chunk(data: bytes) -> bool:
@@ -253,7 +269,8 @@ def _fit_for_loader(data: bytes, fmt: str, limits: CheckLimits, repairs: tuple[s
         if fixed is not None:
             return PreparedImage(fixed, "jpg", (*repairs, "jpeg-header-junk"))
         return PreparedImage(reencode_jpeg(data), "jpg", (*repairs, "jpeg-reencoded"))
-    return PreparedImage(reencode_png(data), "png", (*repairs, f"{fmt.lower()}-to-png"))
+    name = "apng" if fmt == "PNG" else fmt.lower()  # a PNG is re-encoded for its frames
+    return PreparedImage(reencode_png(data), "png", (*repairs, f"{name}-to-png"))
 
 
 def _rebuilt_jpeg(data: bytes, limits: CheckLimits) -> bytes | None:
