@@ -105,3 +105,58 @@ def test_a_16_bit_tiff_resized_keeps_its_levels(tmp_path):
         small = np.asarray(img).astype(int)
     want = np.asarray(Image.fromarray(ramp).resize((64, 48), Image.LANCZOS)).astype(int)
     assert np.abs((small >> 8) - (want >> 8)).max() <= 1
+
+
+# An XMP packet whose tiff:Orientation (6) Pillow's exif_transpose applies; the loaders read
+# the orientation from EXIF only (pipeline/samples/headers.py).
+XMP_TURNED = (b'<?xpacket begin="" id="W5M0MpCehiHzreSzNTczkc9d"?><x:xmpmeta xmlns:x="adobe:ns:'
+              b'meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#"><rdf:'
+              b'Description rdf:about="" xmlns:tiff="http://ns.adobe.com/tiff/1.0/" tiff:'
+              b'Orientation="6"/></rdf:RDF></x:xmpmeta><?xpacket end="w"?>')
+
+
+def raw_profile_png(img: Image.Image, orientation: int) -> bytes:
+    """A PNG whose orientation is only in a "Raw profile type exif" text chunk (ImageMagick
+    writes them), which Pillow reads and the loaders do not."""
+    from PIL import PngImagePlugin
+
+    exif = Image.Exif()
+    exif[ORIENTATION] = orientation
+    raw = exif.tobytes().hex()
+    info = PngImagePlugin.PngInfo()
+    info.add_text("Raw profile type exif", f"\nexif\n{len(raw) // 2:8d}\n{raw}\n")
+    out = io.BytesIO()
+    img.save(out, format="PNG", pnginfo=info)
+    return out.getvalue()
+
+
+def test_an_orientation_the_loaders_do_not_read_turns_nothing_when_resized(tmp_path):
+    """Orientations only in XMP or in a PNG's text chunk: the loaders leave such an image as
+    stored, and so does --max-side (large images of a dataset are not turned where the small
+    ones are not): the resized image is the stored one, and loads as the original does."""
+    src = tmp_path / "src" / "c"
+    src.mkdir(parents=True)
+    out = io.BytesIO()
+    photo(8, 200, 100).save(out, format="JPEG", quality=95, xmp=XMP_TURNED)
+    files = {"xmp.jpg": out.getvalue(), "raw.png": raw_profile_png(photo(9, 200, 100), 6)}
+    for name, data in files.items():
+        with Image.open(io.BytesIO(data)) as img:
+            assert img.getexif().get(ORIENTATION) == 6  # Pillow turns it
+        (src / name).write_bytes(data)
+    run_tool("make_shards", "imagefolder", tmp_path / "src", tmp_path / "plain", check=True)
+    got = convert(tmp_path / "src", tmp_path / "small", "--max-side", 64)
+    for name, data in files.items():
+        with Image.open(io.BytesIO(got[name.split(".")[0]]["jpg"])) as img:
+            assert img.size == (64, 32), name  # stored as it was: wide, not turned
+            small = np.asarray(img.convert("RGB")).astype(int)
+        with Image.open(io.BytesIO(data)) as img:
+            want = np.asarray(img.convert("RGB").resize((64, 32), Image.LANCZOS)).astype(int)
+        assert np.abs(small - want).mean() < 3, name
+    loaded = []
+    for folder in ("plain", "small"):
+        with image_loader(str(tmp_path / folder), batch_size=1, size=16, device="cpu",
+                          train=False, crop_fraction=1.0, reader="stream", backend="portable",
+                          use_tuning=False, threads=1) as loader:
+            loaded.append({b.keys[0]: b.image[0].float() for b in loader})
+    for key in loaded[0]:
+        assert (loaded[0][key] - loaded[1][key]).abs().mean() < 6, key  # no turn on either

@@ -437,3 +437,19 @@ def test_dali_decodes_an_apngs_first_frame_and_the_rule_flags_where_that_is_not_
     assert sorted(dali) == sorted(portable) == ["c_apart", "c_first"]
     for key in dali:
         assert torch.equal(dali[key], portable[key]), key
+
+
+def test_an_orientation_only_in_xmp_is_not_made_exif_when_stored_as_png():
+    """An animated WebP (stored as PNG) whose orientation is only in XMP: the loaders read
+    the orientation from EXIF only (headers.py), so the PNG gets no EXIF tag from it, which
+    would turn an image no loader turned (Pillow's getexif() takes XMP's)."""
+    xmp = (b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/'
+           b'02/22-rdf-syntax-ns#"><rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/"'
+           b' tiff:Orientation="6"/></rdf:RDF></x:xmpmeta>')
+    frames = [photo(i) for i in range(2)]
+    animated = io.BytesIO()
+    frames[0].save(animated, format="WEBP", save_all=True, append_images=frames[1:], xmp=xmp)
+    assert pil_orientation(animated.getvalue()) == 6
+    stored = checks.prepare_image(animated.getvalue(), checks.CheckLimits())
+    assert stored.repairs == ("webp-to-png",)
+    assert headers.read_header(stored.data) == headers.ImageHeader(72, 56, 1)

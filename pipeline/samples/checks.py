@@ -298,11 +298,11 @@ def reencode_jpeg(data: bytes) -> bytes:
 def reencode_png(data: bytes) -> bytes:
     """Lossless PNG of an image the loaders do not read as it is (GIF, an animated WebP's
     first frame, a CMYK TIFF...), its EXIF orientation kept (an eXIf chunk of that tag
-    alone), so that it still turns upright as PIL's exif_transpose turns the original;
+    alone), so that it still turns upright as the loaders would turn the original;
     16-bit grey stays 16-bit (I;16, whichever byte order or width PIL read it in)."""
     with Image.open(io.BytesIO(data)) as img:
         img.load()  # first: PIL's TIFF plugin turns its pixels upright and drops the tag
-        orientation = img.getexif().get(_ORIENTATION)
+        orientation = _exif_orientation(img.info)
         if img.mode in GRAY16_MODES:
             img = gray16(img)
         if img.mode not in ("RGB", "RGBA", "L", "LA", "I;16"):
@@ -314,6 +314,16 @@ def reencode_png(data: bytes) -> bytes:
         out = io.BytesIO()
         img.save(out, format="PNG", **({"exif": exif} if len(exif) else {}))
         return out.getvalue()
+
+
+def _exif_orientation(info: dict[str | tuple[int, int], object]) -> int:
+    """The orientation of the image's EXIF block, read by the loaders' parser (headers.py);
+    not PIL's getexif(), which falls back to XMP and PNG text chunks the loaders never read
+    (a tag added from one would turn an image the original did not)."""
+    raw = info.get("exif")
+    if not isinstance(raw, bytes):
+        return 1
+    return headers.tiff_orientation(raw[6:] if raw.startswith(b"Exif\0\0") else raw)
 
 
 def check_text(data: bytes, limits: CheckLimits) -> str:

@@ -2,7 +2,8 @@
 
 FFCV's most used option (`max_resolution` + `jpeg_quality`): ImageNet stored at 256 px is a
 fraction of its bytes, and every epoch then decodes that much less. An image whose longer side
-is above N is turned upright by its EXIF orientation (the tag is then dropped, so nothing turns
+is above N is turned upright by its EXIF orientation, read as the loaders read it (headers.py:
+an orientation only in XMP turns nothing here either; the tag is then dropped, so nothing turns
 it twice), resized so that its longer side is N (PIL's antialiased Lanczos, from a JPEG drafted
 at the largest DCT scale that still gives at least N), and stored as JPEG at quality Q: grey
 stays grey, an image with transparency or 16 bits becomes PNG instead. An image within N keeps
@@ -15,7 +16,9 @@ import io
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image
+
+from pipeline.samples import headers
 
 RESIZED = "resized"  # the repair counted in the manifest's `reencoded`
 REENCODED = "reencoded-at-quality"
@@ -44,11 +47,10 @@ def downsized(data: bytes, how: Downsize) -> tuple[bytes, str, str] | None:
     with Image.open(io.BytesIO(data)) as img:
         if max(img.size) <= how.max_side and not how.reencode_all:
             return None
+        orientation = _orientation(data, str(img.format))
         if img.format == "JPEG":  # decode at 1/2..1/8 scale where that still gives max_side
             img.draft(img.mode, (how.max_side, how.max_side))
-        upright = ImageOps.exif_transpose(img)
-    if "exif" in upright.info:  # its orientation is applied: the tag must not turn it again
-        del upright.info["exif"]
+        upright = turned(img, orientation)
     if upright.mode in GRAY16_MODES:
         upright = gray16(upright)
     resized = max(upright.size) > how.max_side
@@ -65,6 +67,28 @@ def downsized(data: bytes, how: Downsize) -> tuple[bytes, str, str] | None:
             out, format="JPEG", quality=how.jpeg_quality)
         ext = "jpg"
     return out.getvalue(), ext, RESIZED if resized else REENCODED
+
+
+def _orientation(data: bytes, fmt: str) -> int:
+    """The EXIF orientation the loaders turn the image by: the header parser's (headers.py),
+    not Pillow's exif_transpose, which also reads XMP and PNG text chunks the loaders never
+    do. 1 for a TIFF: PIL's TIFF plugin turns its pixels upright as it loads them."""
+    return 1 if fmt == "TIFF" else headers.read_header(data).orientation
+
+
+def turned(img: Image.Image, orientation: int) -> Image.Image:
+    """The stored pixels turned upright by an EXIF orientation, as the loaders turn them
+    (headers.ORIENTATIONS: transpose, then the flips); a new image, without EXIF."""
+    transpose, hflip, vflip = headers.ORIENTATIONS[orientation]
+    img.load()
+    out = img.copy() if orientation == 1 else img
+    for on, how in ((transpose, Image.Transpose.TRANSPOSE),
+                    (hflip, Image.Transpose.FLIP_LEFT_RIGHT),
+                    (vflip, Image.Transpose.FLIP_TOP_BOTTOM)):
+        if on:
+            out = out.transpose(how)
+    out.info.pop("exif", None)  # its orientation is applied: nothing may turn it again
+    return out
 
 
 def gray16(img: Image.Image) -> Image.Image:
