@@ -160,3 +160,22 @@ def test_an_orientation_the_loaders_do_not_read_turns_nothing_when_resized(tmp_p
             loaded.append({b.keys[0]: b.image[0].float() for b in loader})
     for key in loaded[0]:
         assert (loaded[0][key] - loaded[1][key]).abs().mean() < 6, key  # no turn on either
+
+
+def test_a_jpeg_resized_by_its_draft_alone_is_counted_resized(tmp_path):
+    """A JPEG exactly 2x the side (the DCT draft at 1/2 gives N already) is as resized as
+    any other, and the summary does not call --max-side's work a repair."""
+    src = tmp_path / "src" / "c"
+    src.mkdir(parents=True)
+    (src / "square.jpg").write_bytes(saved(photo(5, 512, 512), "JPEG"))
+    (src / "wide.jpg").write_bytes(saved(photo(6, 500, 300), "JPEG"))
+    (src / "small.jpg").write_bytes(saved(photo(7, 200, 100), "JPEG"))
+    out = tmp_path / "out"
+    proc = run_tool("make_shards", "imagefolder", tmp_path / "src", out, "--max-side", 256,
+                    "--reencode-all", check=True)
+    sizes = {s["__key__"]: Image.open(io.BytesIO(s["jpg"])).size for s in read_wds(out)}
+    assert sizes == {"c_square": (256, 256), "c_wide": (256, 154), "c_small": (200, 100)}
+    assert json.loads((out / "manifest.json").read_text())["reencoded"] == {
+        "resized": 2, "reencoded-at-quality": 1}
+    assert "--max-side: reencoded-at-quality=1, resized=2" in proc.stdout
+    assert "would refuse" not in proc.stdout

@@ -45,7 +45,7 @@ from pipeline.convert.tabular import PRESETS, TabularOptions, options_from_schem
 from pipeline.errors import DataError
 from pipeline.executor import WorkerError
 from pipeline.samples.checks import CheckLimits
-from pipeline.samples.downsize import Downsize
+from pipeline.samples.downsize import OUTCOMES, Downsize
 from pipeline.samples.scans import ScanOptions, with_learning_map
 from pipeline.shards.manifest import Manifest, load_manifest, merge_parts
 from pipeline.urls import redact
@@ -319,10 +319,7 @@ def print_summary(m: Manifest, out: str, seconds: float) -> None:
               f"({seg['points_per_frame']['min']}-{seg['points_per_frame']['max']} a frame), "
               f"{len(seg['label_counts'])} classes present of {seg['num_classes']}, ignore "
               f"label {seg['ignore_label']}")
-    if m.reencoded:
-        print("repaired images the loaders would refuse: " + ", ".join(
-            f"{reason}={n}" for reason, n in m.reencoded.items())
-            + " (counted under 'reencoded' in manifest.json)")
+    _print_reencoded(m.reencoded)
     if m.offset_clouds:
         print(f"{m.offset_clouds} point clouds far from the origin stored relative to an "
               "offset (member .offset.npy; the loader returns it as batch.offset)")
@@ -334,6 +331,18 @@ def print_summary(m: Manifest, out: str, seconds: float) -> None:
     if m.ignored:
         print(f"passed over {len(m.ignored)} files that are not inputs of this kind "
               "(listed under 'ignored' in manifest.json)")
+
+
+def _print_reencoded(reencoded: dict[str, int]) -> None:
+    """The manifest's `reencoded` in two lines: the repairs of images the loaders would
+    refuse, and what --max-side did (resized, or re-encoded at its quality), which is no
+    repair."""
+    for what, names in (("repaired images the loaders would refuse",
+                         [r for r in reencoded if r not in OUTCOMES]),
+                        ("--max-side", [r for r in reencoded if r in OUTCOMES])):
+        if names:
+            print(f"{what}: " + ", ".join(f"{name}={reencoded[name]}" for name in names)
+                  + " (counted under 'reencoded' in manifest.json)")
 
 
 def _index(args: argparse.Namespace) -> int:

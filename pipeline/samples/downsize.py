@@ -20,8 +20,10 @@ from PIL import Image
 
 from pipeline.samples import headers
 
-RESIZED = "resized"  # the repair counted in the manifest's `reencoded`
+RESIZED = "resized"  # counted in the manifest's `reencoded`, as the repairs are
 REENCODED = "reencoded-at-quality"
+# What --max-side did, as counted in the manifest's `reencoded` beside the repairs
+OUTCOMES = (RESIZED, REENCODED)
 # PIL's modes of 16- and 32-bit grey: stored as I;16 (gray16)
 GRAY16_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 
@@ -48,25 +50,19 @@ def downsized(data: bytes, how: Downsize) -> tuple[bytes, str, str] | None:
         if max(img.size) <= how.max_side and not how.reencode_all:
             return None
         orientation = _orientation(data, str(img.format))
+        # The size decides, before a draft has scaled a JPEG down (to max_side, maybe)
+        size = img.size[::-1] if headers.ORIENTATIONS[orientation][0] else img.size
+        resized = max(size) > how.max_side
         if img.format == "JPEG":  # decode at 1/2..1/8 scale where that still gives max_side
             img.draft(img.mode, (how.max_side, how.max_side))
         upright = turned(img, orientation)
     if upright.mode in GRAY16_MODES:
         upright = gray16(upright)
-    resized = max(upright.size) > how.max_side
     if resized:
-        scale = how.max_side / max(upright.size)
-        size = (max(1, round(upright.width * scale)), max(1, round(upright.height * scale)))
-        upright = upright.resize(size, Image.Resampling.LANCZOS)
-    out = io.BytesIO()
-    if upright.mode in ("RGBA", "LA", "I;16") or "transparency" in upright.info:
-        upright.save(out, format="PNG")
-        ext = "png"
-    else:
-        upright.convert("L" if upright.mode in ("L", "1") else "RGB").save(
-            out, format="JPEG", quality=how.jpeg_quality)
-        ext = "jpg"
-    return out.getvalue(), ext, RESIZED if resized else REENCODED
+        scale = how.max_side / max(size)
+        upright = upright.resize((max(1, round(size[0] * scale)), max(1, round(size[1] * scale))),
+                                 Image.Resampling.LANCZOS)
+    return _encoded(upright, how) + (RESIZED if resized else REENCODED,)
 
 
 def _orientation(data: bytes, fmt: str) -> int:
@@ -97,3 +93,14 @@ def gray16(img: Image.Image) -> Image.Image:
     at 16 bits. Through numpy: PIL's convert("I;16") of I;16B clips to 255, and its
     convert("RGB") of any of them clips to 255 (a white image)."""
     return Image.fromarray(np.asarray(img).clip(0, 65535).astype(np.uint16))
+
+
+def _encoded(img: Image.Image, how: Downsize) -> tuple[bytes, str]:
+    """JPEG at how.jpeg_quality (grey stays grey), or PNG for transparency and 16 bits."""
+    out = io.BytesIO()
+    if img.mode in ("RGBA", "LA", "I;16") or "transparency" in img.info:
+        img.save(out, format="PNG")
+        return out.getvalue(), "png"
+    img.convert("L" if img.mode in ("L", "1") else "RGB").save(
+        out, format="JPEG", quality=how.jpeg_quality)
+    return out.getvalue(), "jpg"
