@@ -179,3 +179,69 @@ def test_a_jpeg_resized_by_its_draft_alone_is_counted_resized(tmp_path):
         "resized": 2, "reencoded-at-quality": 1}
     assert "--max-side: reencoded-at-quality=1, resized=2" in proc.stdout
     assert "would refuse" not in proc.stdout
+
+
+def masked_photo(orientation: int) -> tuple[bytes, bytes]:
+    """A 64x48 JPEG, left half red, with an EXIF orientation, and its mask (1 where red) as
+    stored: aligned with the stored pixels, as masks are (pipeline/samples/masks.py)."""
+    arr = np.zeros((48, 64, 3), np.uint8)
+    arr[:, :32] = (220, 30, 30)
+    mask = np.zeros((48, 64), np.uint8)
+    mask[:, :32] = 1
+    out = io.BytesIO()
+    Image.fromarray(mask, "L").save(out, format="PNG")
+    return saved(Image.fromarray(arr), "JPEG", orientation), out.getvalue()
+
+
+def test_segmentation_shards_keep_image_and_mask_aligned(tmp_path):
+    """make_shards shards --max-side over images with masks: neither is resized or turned
+    (a mask must fit its image), both stored as they were, counted kept-for-its-mask; verify
+    passes and the loader's mask covers the red half of its image."""
+    import webdataset as wds
+
+    src = tmp_path / "src"
+    src.mkdir()
+    samples = {f"k{i}": masked_photo(orientation) for i, orientation in enumerate((1, 6))}
+    with wds.TarWriter(str(src / "seg-000000.tar")) as sink:
+        for key, (image, mask) in samples.items():
+            sink.write({"__key__": key, "jpg": image, "seg.png": mask, "cls": b"0"})
+    out = tmp_path / "out"
+    run_tool("make_shards", "shards", src, out, "--max-side", 32, check=True)
+    for sample in read_wds(out):
+        assert (sample["jpg"], sample["seg.png"]) == samples[sample["__key__"]]
+    assert json.loads((out / "manifest.json").read_text())["reencoded"] == {
+        "kept-for-its-mask": 2}
+    run_tool("verify_shards", out, "--jobs", 1, check=True)
+    with image_loader(str(out), batch_size=2, size=16, device="cpu", train=False,
+                      reader="stream", backend="portable", use_tuning=False, threads=1,
+                      targets={"mask": "seg.png"}) as loader:
+        (batch,) = list(loader)
+    red = (batch.image[:, 0] > 128) & (batch.image[:, 1] < 100)
+    assert (red == (batch.targets["mask"] == 1)).float().mean() > 0.9
+
+
+def test_only_samples_of_one_image_are_downsized():
+    """repair_sample, which make_shards shards runs per sample: an image beside a second
+    image member (a mask under another name) is kept as it is, one alone is resized."""
+    from pipeline.samples.checks import CheckLimits, repair_sample
+    from pipeline.samples.downsize import Downsize
+
+    limits = CheckLimits(downsize=Downsize(32))
+    image, mask = masked_photo(1)
+    paired = repair_sample({"__key__": "a", "jpg": image, "png": mask}, limits)
+    assert (paired["jpg"], paired["png"]) == (image, mask)
+    assert paired["__repairs__"] == ("kept-for-its-mask",)
+    alone = repair_sample({"__key__": "b", "jpg": image}, limits)
+    assert Image.open(io.BytesIO(alone["jpg"])).size == (32, 24)
+    assert alone["__repairs__"] == ("resized",)
+    small = repair_sample({"__key__": "c", "jpg": image, "png": mask},
+                          CheckLimits(downsize=Downsize(64)))
+    assert "__repairs__" not in small  # within N: nothing was asked of --max-side
+
+
+def test_max_side_with_mask_column_is_refused_saying_why(tmp_path):
+    listing = tmp_path / "list.csv"
+    listing.write_text("path,label,mask\na.jpg,0,a.png\n")
+    proc = run_tool("make_shards", "manifest", listing, tmp_path / "out", "--mask-column",
+                    "mask", "--max-side", 32)
+    assert proc.returncode != 0 and "keeps its size" in proc.stderr

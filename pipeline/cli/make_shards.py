@@ -134,7 +134,8 @@ def _kind_options(p: argparse.ArgumentParser, kind: str) -> None:
                        help="refuse images declaring more pixels, before decoding them")
         p.add_argument("--max-side", type=positive_int, default=None, metavar="N",
                        help="store images whose longer side is above N turned upright and "
-                       "resized to N, as JPEG (PNG where they have transparency)")
+                       "resized to N, as JPEG (PNG where they have transparency or 16 bits); "
+                       "a sample with a mask or a second image keeps them as they are")
         p.add_argument("--jpeg-quality", type=positive_int, default=90, metavar="Q",
                        help="with --max-side: the JPEG quality of what is re-encoded (90)")
         p.add_argument("--reencode-all", action="store_true",
@@ -335,8 +336,8 @@ def print_summary(m: Manifest, out: str, seconds: float) -> None:
 
 def _print_reencoded(reencoded: dict[str, int]) -> None:
     """The manifest's `reencoded` in two lines: the repairs of images the loaders would
-    refuse, and what --max-side did (resized, or re-encoded at its quality), which is no
-    repair."""
+    refuse, and what --max-side did (resized, re-encoded at its quality, or kept whole for a
+    mask), which is no repair."""
     for what, names in (("repaired images the loaders would refuse",
                          [r for r in reencoded if r not in OUTCOMES]),
                         ("--max-side", [r for r in reencoded if r in OUTCOMES])):
@@ -371,8 +372,9 @@ def _downsize(args: argparse.Namespace) -> Downsize | None:
                              "give --max-side N")
         return None
     if getattr(args, "mask_column", None):
-        raise SystemExit("error: --max-side with --mask-column: the masks would have to be "
-                         "resized with their images; not built yet")
+        raise SystemExit("error: --max-side with --mask-column: an image with a mask keeps "
+                         "its size (the mask must fit it), so --max-side would change none; "
+                         "leave it out")
     return Downsize(args.max_side, args.jpeg_quality, args.reencode_all)
 
 

@@ -11,14 +11,14 @@ import io
 import logging
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from PIL import Image
 
 from pipeline.errors import DataError
 from pipeline.samples import headers, jpegscan, masks, pointcloud_io, scans
-from pipeline.samples.downsize import GRAY16_MODES, Downsize, downsized, gray16
+from pipeline.samples.downsize import GRAY16_MODES, KEPT_FOR_MASK, Downsize, downsized, gray16
 
 log = logging.getLogger(__name__)
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif", "ppm", "pgm")
@@ -298,8 +298,8 @@ def reencode_jpeg(data: bytes) -> bytes:
 def reencode_png(data: bytes) -> bytes:
     """Lossless PNG of an image the loaders do not read as it is (GIF, an animated WebP's
     first frame, a CMYK TIFF...), its EXIF orientation kept (an eXIf chunk of that tag
-    alone), so that it still turns upright as the loaders would turn the original;
-    16-bit grey stays 16-bit (I;16, whichever byte order or width PIL read it in)."""
+    alone), so that it still turns upright as the loaders would turn the original; 16-bit
+    grey stays 16-bit (I;16, whichever byte order or width PIL read it in)."""
     with Image.open(io.BytesIO(data)) as img:
         img.load()  # first: PIL's TIFF plugin turns its pixels upright and drops the tag
         orientation = _exif_orientation(img.info)
@@ -427,16 +427,18 @@ def check_member(ext: str, data: bytes, limits: CheckLimits, num_classes: int | 
 def repair_sample(sample: dict[str, object], limits: CheckLimits) -> dict[str, object]:
     """A sample of existing shards as make_shards stores it: every member checked, image
     members the loaders would refuse repaired (`prepare_image`) and renamed when the stored
-    format changed (a .gif member becomes .png); the repairs listed under "__repairs__". The
+    format changed (a .gif member becomes .png); the repairs listed under "__repairs__". A
+    sample of several images (a mask beside its image) is not downsized (`_kept_whole`). The
     error carries the sample's key and URL."""
     key, url = str(sample.get("__key__", "")), str(sample.get("__url__", ""))
+    limits, kept = _kept_whole(sample, limits)
     out: dict[str, object] = {}
     repairs: list[str] = []
     for ext, data in sample.items():
         try:
             if ext == masks.MASK_EXT:  # a label map: never "repaired" into colours
                 masks.check_mask(data, _image_size(sample))  # type: ignore[arg-type]
-            elif not ext.startswith("__") and ext.rsplit(".", 1)[-1].lower() in IMAGE_EXTS:
+            elif _is_image(ext):
                 image = prepare_image(data, limits)  # type: ignore[arg-type]
                 if image.repairs:
                     ext, data = _renamed(ext, image.ext, sample), image.data
@@ -446,9 +448,37 @@ def repair_sample(sample: dict[str, object], limits: CheckLimits) -> dict[str, o
         except DataError as err:
             raise err.located(source=url, key=key) from None
         out[ext] = data
-    if repairs:
-        out["__repairs__"] = tuple(repairs)
+    if repairs or kept:
+        out["__repairs__"] = (*repairs, *((KEPT_FOR_MASK,) if kept else ()))
     return out
+
+
+def _is_image(ext: str) -> bool:
+    return not ext.startswith("__") and ext.rsplit(".", 1)[-1].lower() in IMAGE_EXTS
+
+
+def _kept_whole(sample: dict[str, object], limits: CheckLimits) -> tuple[CheckLimits, bool]:
+    """The limits to repair the sample's images with, and whether --max-side would have
+    changed one of them. Images whose pixels must stay aligned with each other (a `.seg.png`
+    mask, or a second image member: maybe a mask or depth map under another name) are never
+    resized or turned: each alone would no longer fit the other (a Lanczos-resized label map,
+    stored as JPEG, would even have new labels). Kept as they are and counted, no sample
+    lost; the other repairs keep the pixel grid and still apply."""
+    if limits.downsize is None or sum(_is_image(ext) for ext in sample) < 2:
+        return limits, False
+    sizes = [_stored_size(data) for ext, data in sample.items()  # type: ignore[arg-type]
+             if _is_image(ext) and ext != masks.MASK_EXT]
+    kept = any(limits.downsize.acts_on(size) for size in sizes)
+    return replace(limits, downsize=None), kept
+
+
+def _stored_size(data: bytes) -> tuple[int, int]:
+    """PIL's (width, height); (0, 0) where PIL cannot open it (its check says why later)."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return img.size
+    except (OSError, ValueError, SyntaxError):
+        return (0, 0)
 
 
 def _renamed(ext: str, stored: str, sample: dict[str, object]) -> str:

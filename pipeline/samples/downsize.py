@@ -7,7 +7,8 @@ an orientation only in XMP turns nothing here either; the tag is then dropped, s
 it twice), resized so that its longer side is N (PIL's antialiased Lanczos, from a JPEG drafted
 at the largest DCT scale that still gives at least N), and stored as JPEG at quality Q: grey
 stays grey, an image with transparency or 16 bits becomes PNG instead. An image within N keeps
-its bytes, unless `reencode_all` (then it is re-encoded as above, at its size).
+its bytes, unless `reencode_all` (then it is re-encoded as above, at its size). A sample whose
+images must stay aligned (a mask beside its image) is left alone by checks.repair_sample.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from pipeline.samples import headers
 
 RESIZED = "resized"  # counted in the manifest's `reencoded`, as the repairs are
 REENCODED = "reencoded-at-quality"
+KEPT_FOR_MASK = "kept-for-its-mask"  # left as it is: its mask would no longer fit it
 # What --max-side did, as counted in the manifest's `reencoded` beside the repairs
-OUTCOMES = (RESIZED, REENCODED)
+OUTCOMES = (RESIZED, REENCODED, KEPT_FOR_MASK)
 # PIL's modes of 16- and 32-bit grey: stored as I;16 (gray16)
 GRAY16_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 
@@ -42,12 +44,16 @@ class Downsize:
         if not 1 <= self.jpeg_quality <= 100:
             raise ValueError(f"jpeg_quality={self.jpeg_quality}: must be in 1..100")
 
+    def acts_on(self, size: tuple[int, int]) -> bool:
+        """Whether an image of `size` is re-encoded (resized, or all are re-encoded)."""
+        return max(size) > self.max_side or self.reencode_all
+
 
 def downsized(data: bytes, how: Downsize) -> tuple[bytes, str, str] | None:
     """(bytes, extension, the repair's name) of the image made smaller or re-encoded, or None
     where it keeps its bytes (within max_side, and reencode_all off)."""
     with Image.open(io.BytesIO(data)) as img:
-        if max(img.size) <= how.max_side and not how.reencode_all:
+        if not how.acts_on(img.size):
             return None
         orientation = _orientation(data, str(img.format))
         # The size decides, before a draft has scaled a JPEG down (to max_side, maybe)

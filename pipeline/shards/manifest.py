@@ -120,7 +120,7 @@ class TokenForm:
 class Manifest:
     """The JSON document; `shards` in name order, `skipped` each with source and reason.
     `reencoded` counts the images repaired so that the loaders decode them, per reason, and
-    what --max-side did to images (downsize.OUTCOMES: resized, re-encoded at its quality);
+    what --max-side did to images (downsize.OUTCOMES: resized, re-encoded, kept for a mask);
     `offset_clouds` the point clouds stored relative to an offset; `labels` the label
     statistics (None: no labels, or a manifest written before they were recorded)."""
 
