@@ -542,6 +542,8 @@ CATEGORIES: dict[str, list[str]] = {
         "test_realworld_convert::test_gpt2_style_tokenizer_reads_for_clm_and_pads_with_end_of_text"],
     "point clouds in geographic coordinates: no silent precision loss": [
         "test_realworld_convert::test_geographic_clouds_keep_their_precision_and_plain_ones_are_unchanged"],
+    "added: a PLY header comment naming end_header (the body starts after the real line)": [
+        "test_pointcloud_io::test_ply_comment_naming_end_header_is_not_the_end"],
     "an epoch in which every sample was skipped is an error, never a silent empty epoch": [
         "test_realworld_images::test_an_epoch_in_which_every_sample_was_skipped_is_an_error"],
 }

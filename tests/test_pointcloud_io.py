@@ -122,6 +122,26 @@ def test_ply_type_aliases_and_crlf_header() -> None:
     np.testing.assert_array_equal(out, [[0, 0, 1], [1.5, 2, 3]])
 
 
+@pytest.mark.parametrize("where", ["element vertex", "end_header"])
+@pytest.mark.parametrize("order", ["<", ">"])
+def test_ply_comment_naming_end_header_is_not_the_end(where: str, order: str) -> None:
+    # Exporters write comments such as "data follows end_header"; only the line that is
+    # end_header alone ends the header. Before the vertex element, the bare word made a valid
+    # file read as one without vertices; after it, the body started inside the header.
+    rec = vertex_records()
+    comment = b"comment exported by a tool; data follows end_header\n"
+    data = ply_binary(rec, order).replace(where.encode(), comment + where.encode(), 1)
+    np.testing.assert_array_equal(read_points(data, "ply"), expected_channels(rec))
+    ascii_data = ply_ascii(rec).replace(where.encode(), comment + where.encode(), 1)
+    np.testing.assert_array_equal(read_points(ascii_data, "ply"), expected_channels(rec))
+
+
+def test_ply_end_header_line_with_trailing_blanks() -> None:
+    rec = vertex_records()
+    data = ply_binary(rec).replace(b"end_header\n", b"end_header \t\r\n", 1)
+    np.testing.assert_array_equal(read_points(data, "ply"), expected_channels(rec))
+
+
 def test_binary_ply_skips_scalar_element_before_vertex() -> None:
     rec = vertex_records()
     data = ply_binary(rec)

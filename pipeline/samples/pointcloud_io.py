@@ -289,6 +289,9 @@ _PLY_TYPES = {
 }  # fmt: skip
 _PLY_BYTE_ORDERS = {"ascii": "", "binary_little_endian": "<", "binary_big_endian": ">"}
 _LIST = "list"  # the type code we store for a list property
+# The header ends at a line that is end_header alone (trailing blanks and a CR allowed): a
+# comment may mention the word, and a bare find would start the body inside the header.
+_PLY_END = re.compile(rb"^end_header[ \t\r]*$", re.MULTILINE)
 
 
 @dataclass
@@ -323,11 +326,11 @@ def _split_ply_header(data: bytes) -> tuple[list[list[str]], int]:
     """The header's tokenised lines (after 'ply') and the offset where the body starts."""
     if not data.startswith(b"ply"):
         raise PointCloudFormatError("bad-format", "not a PLY file: it does not start with 'ply'")
-    end = data.find(b"end_header")
-    if end < 0:
+    found = _PLY_END.search(data)
+    if found is None:
         raise PointCloudFormatError("bad-format", "PLY header has no 'end_header' line")
-    newline = data.find(b"\n", end)
-    body_start = len(data) if newline < 0 else newline + 1
+    end = found.start()
+    body_start = min(found.end() + 1, len(data))  # past the line's newline, when it has one
     try:
         text = data[:end].decode("ascii")
     except UnicodeDecodeError as err:
