@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -258,6 +259,44 @@ def test_bad_blocks_are_raised_or_counted(tmp_path, reader):
                         train=False) as loader, \
             pytest.raises(DataError, match="key 'b'.*bad-block"):
         epoch(loader)
+
+
+def converted_with_a_lost_block(root: Path, rows: int) -> Path:
+    """`rows` Criteo rows converted in blocks of 20, then the first block's bytes damaged in
+    place (same size: the index still points at it)."""
+    root.mkdir()
+    (root / "day.tsv").write_text("\n".join(criteo_lines(rows)) + "\n")
+    convert(ConvertConfig(kind="tabular", src=str(root / "day.tsv"), out=root / "out",
+                          workers=1, max_count=5,
+                          tabular=TabularOptions(preset="criteo", rows_per_block=20)))
+    shard = sorted((root / "out").glob("*.tar"))[0]
+    data = bytearray(shard.read_bytes())
+    with tarfile.open(shard) as tar:
+        member = next(m for m in tar.getmembers() if m.name.endswith(".npz"))
+    data[member.offset_data:member.offset_data + 4] = b"XXXX"  # not a zip any more
+    shard.write_bytes(bytes(data))
+    return root / "out"
+
+
+@pytest.mark.parametrize("reader", ["dali", "stream"])
+def test_a_lost_block_counts_its_rows_so_read_plus_skipped_is_the_manifest_rows(tmp_path,
+                                                                                 reader):
+    # 200 rows: every block full, so the lost one held 20 rows and the sum is exact
+    out = converted_with_a_lost_block(tmp_path / "full", 200)
+    with tabular_loader(out, batch_size=32, device="cpu", on_error="skip",
+                        reader=reader) as loader:
+        read = sum(len(b.label) for b in loader)
+        assert loader.skip_counts() == {"bad-block": 1}
+        assert read == 180 and read + loader.skipped_samples() == loader.schema.rows == 200
+        assert loader.skipped_of_unknown_size() == 0
+    # 190 rows: one block is short and the manifest does not say which, so the lost block's
+    # size is unknown, and said to be (not counted as 1 row, or as 20)
+    out = converted_with_a_lost_block(tmp_path / "short", 190)
+    with tabular_loader(out, batch_size=32, device="cpu", on_error="skip",
+                        reader=reader) as loader:
+        read = sum(len(b.label) for b in loader)
+        assert read == 170 and loader.skipped_samples() == 0
+        assert loader.skipped_of_unknown_size() == 1 and loader.skipped[0]["samples"] is None
 
 
 def test_shards_of_another_modality_are_refused(tmp_path, shards):

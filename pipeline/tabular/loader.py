@@ -166,13 +166,30 @@ class TabularLoader(Loader):
             before = enc.state
 
     def _block(self, enc: EncodedBatch, i: int) -> Block:
-        block = decode_block(enc.data[i].tobytes())
+        """Block `i` decoded and checked. A block refused costs its rows, not one sample: the
+        skip says so, so that rows read + skipped_samples() is the manifest's rows."""
+        try:
+            block = decode_block(enc.data[i].tobytes())
+        except DataError as err:
+            raise DataError(err.reason, err.detail, samples=self._lost_block_rows()) from None
         schema = self.info.schema
         if block.dense_names != schema.dense or block.cat_names != schema.categorical:
             raise DataError("schema-mismatch", f"the block holds dense {list(block.dense_names)}"
                             f" and categorical {list(block.cat_names)}; the source's schema is "
-                            f"dense {list(schema.dense)}, categorical {list(schema.categorical)}")
+                            f"dense {list(schema.dense)}, categorical {list(schema.categorical)}",
+                            samples=block.rows)
         return block
+
+    def _lost_block_rows(self) -> int | None:
+        """The rows of a block that does not decode: rows_per_block where the manifest's
+        counts say every block is full; else unknown (None, which skipped_of_unknown_size()
+        counts), since the manifest does not say which blocks are short (a part's last, those
+        with bad rows left out at conversion)."""
+        info = self.info
+        if info.rows is not None and info.blocks is not None and \
+                info.rows == info.blocks * info.rows_per_block:
+            return info.rows_per_block
+        return None
 
     def _window(self, before: dict[str, Any] | None, enc: EncodedBatch,
                 blocks: list[Block]) -> Window:
