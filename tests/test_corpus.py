@@ -542,6 +542,8 @@ CATEGORIES: dict[str, list[str]] = {
         "test_realworld_convert::test_gpt2_style_tokenizer_reads_for_clm_and_pads_with_end_of_text"],
     "point clouds in geographic coordinates: no silent precision loss": [
         "test_realworld_convert::test_geographic_clouds_keep_their_precision_and_plain_ones_are_unchanged"],
+    "added: a LiDAR frame with no point within crop_range (never a scene of 0 points)": [
+        "test_scene_loader::test_a_frame_with_no_point_in_crop_range_is_a_counted_skip"],
     "added: a PLY header comment naming end_header (the body starts after the real line)": [
         "test_pointcloud_io::test_ply_comment_naming_end_header_is_not_the_end"],
     "an epoch in which every sample was skipped is an error, never a silent empty epoch": [

@@ -337,3 +337,31 @@ def test_crops_keep_points_within_range_and_never_empty_a_scene(scenes) -> None:
                            backend="portable", crop_range=3.0, crop_box=(0.5, 0.5)) as loader:
         for batch in loader:
             assert (torch.diff(batch.offsets) > 0).all()  # a box about an in-range point
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("box", [None, (2.0, 2.0)])
+def test_a_frame_with_no_point_in_crop_range_is_a_counted_skip(tmp_path: Path, backend: str,
+                                                               box: tuple | None) -> None:
+    """A frame far from the sensor keeps no point through crop_range: it is named and counted
+    (read + skipped == total), or raised naming shard and key, never a scene of 0 points."""
+    rng = np.random.default_rng(3)
+    labels = rng.integers(0, 3, 200).astype(np.uint16)
+    write_shard(tmp_path / "s-000000.tar", [
+        {"__key__": "near", "npy": npy(rng.uniform(-4, 4, (200, 3)).astype(np.float32)),
+         "labels.npy": npy(labels)},
+        {"__key__": "far", "npy": npy(rng.uniform(20, 30, (200, 3)).astype(np.float32)),
+         "labels.npy": npy(labels)}])
+    options = dict(batch_size=2, per_point_labels=True, backend=backend, num_classes=3,
+                   crop_range=5.0, crop_box=box, rotate=0, scale=(1, 1), jitter=0,
+                   voxel_size=0.5)
+    with pointcloud_loader(str(tmp_path / "s-000000.tar"), on_error="skip",
+                           **options) as loader:
+        batches = list(loader)
+        assert [s["reason"] for s in loader.skipped] == ["empty-after-crop"]
+        assert loader.skipped[0]["key"] == "far" and loader.skipped_samples() == 1
+    assert [b.keys for b in batches] == [["near"]]
+    assert (torch.diff(batches[0].offsets) > 0).all() and len(batches[0].voxel_coords)
+    with pointcloud_loader(str(tmp_path / "s-000000.tar"), **options) as loader, \
+            pytest.raises(DataError, match=r"s-000000.tar key 'far': .*crop_range"):
+        list(loader)

@@ -6,6 +6,7 @@ the reader stage, and the decode stage's last step to a ragged `ScanBatch`.
     decode stage (either backend): each scene's points (augmented: sample.scene_params)
       -> bad values found as for clouds (NaN, Inf, one position) -> raised or skipped
       -> labels of the kept rows -> training: the crop (range, box) on points and labels alike
+         (a frame with no point within crop_range: raised or skipped, `empty-after-crop`)
       -> concatenated, offsets -> sparse voxels with majority labels (segvoxels.py)
       -> moved to the device -> ScanBatch
 
@@ -69,6 +70,7 @@ def finish(stage: Any, item: tuple[Any, list[np.ndarray], list[SampleParams]],
         device = pieces[0].device if pieces else torch.device("cpu")
         frames = [_frame(stage.cfg, p, lab, par, device)
                   for p, lab, par in zip(pieces, labels, params, strict=True)]
+        _drop_empty(stage, item, frames)
         points, point_labels, offsets, frame = _joined(frames, device)
         rows = None
         grid = stage.cfg.voxel_grid()
@@ -110,6 +112,23 @@ def _good(stage: Any, item: tuple[Any, ...], pieces: list[Any], finite: np.ndarr
             del column[i]
         del pieces[i]
     return pieces
+
+
+def _drop_empty(stage: Any, item: tuple[Any, ...], frames: list[tuple[Any, Any]]) -> None:
+    """Raise or record the frames the crop left without a point (no point within crop_range
+    of the sensor), and remove them from `frames` and every column of `item`: a scene of 0
+    points would be a sample with nothing to learn from, passed on as if read."""
+    enc = item[0]
+    empty = [i for i, (points, _) in enumerate(frames) if not len(points)]
+    for i in empty:
+        stage._handle(DataError("empty-after-crop", "no point of the frame lies within "
+                                f"crop_range={stage.cfg.crop_range} m of the sensor (x, y)"),
+                      enc, i)
+    for i in reversed(empty):
+        enc.drop(i)
+        for column in item[1:]:
+            del column[i]
+        del frames[i]
 
 
 def _frame(cfg: Any, points: Any, labels: np.ndarray, params: SampleParams, device: Any
