@@ -541,7 +541,8 @@ CATEGORIES: dict[str, list[str]] = {
     "a tokenizer.json without a pad token (GPT-2 style) for causal LM": [
         "test_realworld_convert::test_gpt2_style_tokenizer_reads_for_clm_and_pads_with_end_of_text"],
     "point clouds in geographic coordinates: no silent precision loss": [
-        "test_realworld_convert::test_geographic_clouds_keep_their_precision_and_plain_ones_are_unchanged"],
+        "test_realworld_convert::test_geographic_clouds_keep_their_precision_and_plain_ones_are_unchanged",
+        "test_pointcloud_loader::test_geographic_float64_clouds_from_other_tools_keep_their_precision"],
     "added: a LiDAR frame with no point within crop_range (never a scene of 0 points)": [
         "test_scene_loader::test_a_frame_with_no_point_in_crop_range_is_a_counted_skip"],
     "added: a PLY header comment naming end_header (the body starts after the real line)": [

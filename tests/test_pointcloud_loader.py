@@ -329,6 +329,47 @@ def test_other_dtypes_byte_orders_and_layouts_decode_to_the_same_points(tmp_path
         np.testing.assert_allclose(got[key].numpy(), expected, atol=1e-5, err_msg=key)
 
 
+GEO = np.array([5_123_456.0, 4_987_654.0, 120.0])  # metres in a projected CRS
+
+
+@pytest.mark.parametrize("backend", ["dali", "portable"])
+def test_geographic_float64_clouds_from_other_tools_keep_their_precision(tmp_path, backend):
+    """Shards written by webdataset's TarWriter, float64 clouds about 5e6 m from the origin
+    (and integer centimetres): the loader takes an offset, as make_shards does, so points +
+    batch.offset are the file's coordinates within float32's resolution of the cloud's extent,
+    and the normalized cloud is the one near the origin. An offset member of the sample's own
+    adds to the one taken."""
+    import webdataset as wds
+
+    local = np.random.default_rng(0).uniform(-1, 1, (64, 3))
+    own = np.array([1e6, 2e6, 0.0])
+    truth = {"geo": local + GEO, "both": local + GEO, "loc": local,
+             "cm": np.round((local + GEO) * 100)}
+    stored = {"geo": npy(truth["geo"]), "both": npy(truth["both"] - own), "loc": npy(local),
+              "cm": npy(truth["cm"].astype(np.int64))}
+    with wds.TarWriter(str(tmp_path / "s-000000.tar")) as sink:
+        for key, data in stored.items():
+            extra = {"offset.npy": npy(own)} if key == "both" else {}
+            sink.write({"__key__": key, "npy": data, "cls": b"0", **extra})
+    options = dict(batch_size=4, train=False, num_points=64, backend=backend, **OPTS)
+    with pointcloud_loader(str(tmp_path / "s-000000.tar"), normalize=False,
+                           **options) as loader:
+        batch = next(iter(loader))
+    assert batch.offset.dtype == torch.float64 and sorted(batch.keys) == sorted(truth)
+    for key, points, offset in zip(batch.keys, batch.points, batch.offset, strict=True):
+        want = truth[key]
+        if key == "loc":  # near the origin: no offset, the float32 cast as before
+            assert not offset.any() and np.array_equal(points.numpy(), want.astype(np.float32))
+            continue
+        assert offset.abs().max() > 1e5, key
+        got = points.double().numpy() + offset.numpy()
+        assert np.abs(got - want).max() <= 1e-6 * np.ptp(want, axis=0).max(), key
+    with pointcloud_loader(str(tmp_path / "s-000000.tar"), **options) as loader:
+        normalized = by_key(loader)
+    for key in ("geo", "both"):
+        torch.testing.assert_close(normalized[key], normalized["loc"], atol=1e-5, rtol=0)
+
+
 @pytest.mark.dali  # a failure inside DALI's graph (numpy decodes big-endian data itself)
 def test_a_graph_failure_is_traced_to_its_sample(tmp_path, monkeypatch):
     # Big-endian data is normally rewritten before DALI, whose decoder refuses it; without

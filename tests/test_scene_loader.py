@@ -365,3 +365,21 @@ def test_a_frame_with_no_point_in_crop_range_is_a_counted_skip(tmp_path: Path, b
     with pointcloud_loader(str(tmp_path / "s-000000.tar"), **options) as loader, \
             pytest.raises(DataError, match=r"s-000000.tar key 'far': .*crop_range"):
         list(loader)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_geographic_float64_scene_from_another_tool_keeps_its_precision(tmp_path: Path,
+                                                                         backend: str) -> None:
+    """A float64 scene about 5e6 m from the origin in a TarWriter shard: points relative to
+    the offset the loader takes, batch.offset that offset, labels in step."""
+    rng = np.random.default_rng(4)
+    truth = rng.uniform(-20, 20, (300, 3)) + np.array([5_123_456.0, 4_987_654.0, 120.0])
+    labels = rng.integers(0, 3, 300).astype(np.uint16)
+    write_shard(tmp_path / "s-000000.tar", [
+        {"__key__": "geo", "npy": npy(truth), "labels.npy": npy(labels)}])
+    with pointcloud_loader(str(tmp_path / "s-000000.tar"), batch_size=1, train=False,
+                           per_point_labels=True, backend=backend, num_classes=3) as loader:
+        (batch,) = list(loader)
+    got = batch.points.double().numpy() + batch.offset[0].numpy()
+    assert batch.offset[0].abs().max() > 1e5 and batch.labels.tolist() == labels.tolist()
+    assert np.abs(got - truth).max() <= 1e-6 * np.ptp(truth, axis=0).max()

@@ -129,18 +129,25 @@ class PointCloudLoader(GraphLoader):
         if enc.labels[i] is None:
             raise DataError("missing-field", "no .cls member")
         label = check_label(enc.labels[i] or b"", self.num_classes)
-        enc.data[i], rows = check_npy(enc.data[i], self.cfg.max_points)
-        offsets = enc.extras.get(OFFSET_EXT)
-        if offsets is not None and offsets[i] is not None:
-            offsets[i] = check_offset(offsets[i])  # the column drops with its sample
+        rows = self._check_cloud(enc, i)
         return label, sample_params(self._augment, rows, enc.keys[i], epoch)
 
     def _check_scene(self, enc: EncodedBatch, i: int, epoch: int
                      ) -> tuple[np.ndarray, SampleParams]:
-        enc.data[i], rows = check_npy(enc.data[i], self.cfg.max_points)
+        rows = self._check_cloud(enc, i)
         labels = scene.check_labels(enc.extras[LABELS_EXT][i], rows, self.num_classes,
                                     self.ignore_label)
-        offsets = enc.extras.get(OFFSET_EXT)
-        if offsets is not None and offsets[i] is not None:
-            offsets[i] = check_offset(offsets[i])
         return labels, sample_params(self._augment, rows, enc.keys[i], epoch)
+
+    def _check_cloud(self, enc: EncodedBatch, i: int) -> int:
+        """Sample `i`'s cloud checked (made plain, relative to an offset where float32 would
+        damage it) and its offset member parsed: the offset column holds the sum of both
+        (float64), so that points + batch.offset are the file's coordinates whoever wrote
+        the shard. The cloud's point count."""
+        enc.data[i], rows, taken = check_npy(enc.data[i], self.cfg.max_points)
+        offsets = enc.extras.setdefault(OFFSET_EXT, [None] * len(enc))  # drops with its sample
+        own = None if offsets[i] is None else check_offset(offsets[i])
+        if taken is not None:  # a sample with an offset member of its own too: both add
+            own = taken if own is None else own + taken
+        offsets[i] = own
+        return rows

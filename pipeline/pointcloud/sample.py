@@ -1,9 +1,11 @@
 """The point-cloud reader stage's work on each sample, before the graph: `.npy` header ->
-checks (refuse, or rewrite as plain little-endian float data) -> point count -> the sample's
-parameters (rows kept, angle, scale, jitter) for the graph.
+checks (refuse, or rewrite as plain little-endian float data; relative to an offset where
+float32 would round a cloud far from the origin) -> point count -> the sample's parameters
+(rows kept, angle, scale, jitter) for the graph.
 
 Bad clouds are found here where the header tells: object or other wrong dtype, wrong shape,
-empty or single point, more than max_points, truncated. Nothing is allocated or unpickled.
+empty or single point, more than max_points, truncated. Nothing is unpickled, and nothing
+allocated before the header is checked.
 
 Everything random is drawn in numpy from (seed, epoch, key) and fed to the graph: the angle,
 the scale, which points are kept and the jitter. DALI's random operators are stateful per
@@ -23,24 +25,43 @@ import numpy as np
 from pipeline.errors import DataError
 from pipeline.loading.rng import sample_rng
 from pipeline.pointcloud.config import AugmentSpec
+from pipeline.samples import pointcloud_io
 
 # numpy refuses .npy headers above 10,000 bytes by default; this covers the magic, the length
 # field and such a header.
 NPY_HEAD_BYTES = 10_240
 
 
-def check_npy(data: np.ndarray, max_points: int) -> tuple[np.ndarray, int]:
-    """(the `.npy` bytes DALI is to decode, their point count): checked from the header
-    alone (DataError with pointcloud_io's reasons), and rewritten as little-endian C-order
-    version 1.0 when they are not (DALI's decoder refuses big-endian data, and needs CUDA for
-    Fortran order)."""
+def check_npy(data: np.ndarray, max_points: int) -> tuple[np.ndarray, int, np.ndarray | None]:
+    """(the `.npy` bytes DALI is to decode, their point count, the float64 offset (3,) taken
+    from their x, y, z or None): checked from the header alone (DataError with
+    pointcloud_io's reasons), and rewritten as little-endian C-order version 1.0 when they
+    are not (DALI's decoder refuses big-endian data, and needs CUDA for Fortran order).
+
+    A cloud the float32 cast would damage (float64 or wide integers far from the origin:
+    geographic coordinates, in shards other tools wrote) is rewritten relative to an offset,
+    as make_shards stores it (pointcloud_io.precision_offset): points + offset are the file's
+    coordinates, the loader returns the offset as batch.offset."""
     if not len(data):
         raise DataError("missing-field", "no .npy member")
     version, shape, fortran, dtype, start = npy_header(data)
     _check_header(shape, dtype, max_points, len(data) - start)
+    if _cast_may_lose(dtype):
+        array = _loaded(data)
+        offset = pointcloud_io.precision_offset(array)
+        if offset is not None:
+            relative = array.astype(np.float64)
+            relative[:, :3] -= offset
+            return _plain(relative), shape[0], offset
     if version == (1, 0) and dtype.byteorder != ">" and not (fortran and shape[1] > 1):
-        return data, shape[0]
-    return _repacked(data), shape[0]
+        return data, shape[0], None
+    return _repacked(data), shape[0], None
+
+
+def _cast_may_lose(dtype: np.dtype) -> bool:
+    """Whether float32 may round values of `dtype`: float64, and integers of 4 bytes or
+    more (float32 holds integers exactly up to 2**24 only)."""
+    return dtype.itemsize > 4 or (dtype.kind in "iu" and dtype.itemsize == 4)
 
 
 # A header's version, shape, Fortran order, dtype, and where the data starts.
@@ -105,12 +126,21 @@ def _check_header(shape: tuple[int, ...], dtype: np.dtype, max_points: int, pres
 
 
 def _repacked(data: np.ndarray) -> np.ndarray:
-    """Big-endian, Fortran-order or version 2.0 `.npy` as the plain form (checked first, so
-    the size is bounded; allow_pickle=False all the same)."""
+    """Big-endian, Fortran-order or version 2.0 `.npy` as the plain form."""
+    return _plain(_loaded(data))
+
+
+def _loaded(data: np.ndarray) -> np.ndarray:
+    """The array of `.npy` bytes whose header was checked (so the size is bounded);
+    allow_pickle=False all the same."""
     try:
-        array = np.load(io.BytesIO(data.tobytes()), allow_pickle=False)
+        return np.load(io.BytesIO(data.tobytes()), allow_pickle=False)
     except ValueError as exc:
         raise DataError("bad-format", f"unreadable .npy data: {exc}") from None
+
+
+def _plain(array: np.ndarray) -> np.ndarray:
+    """`array` as the `.npy` bytes of little-endian C-order float32, version 1.0 (uint8)."""
     out = io.BytesIO()
     np.save(out, np.ascontiguousarray(array, dtype="<f4"), allow_pickle=False)
     return np.frombuffer(out.getvalue(), dtype=np.uint8)
