@@ -327,6 +327,20 @@ def test_identical_points_are_degenerate(points: np.ndarray) -> None:
     assert err.reason == "degenerate" and "zero extent" in str(err)
 
 
+@pytest.mark.parametrize("ext", ["npy", "xyz"])
+def test_nan_in_an_extra_channel_is_kept_as_the_loader_reads_it(ext: str) -> None:
+    # x, y, z are the coordinates the loader checks (its graph reads only those): a NaN
+    # intensity is no reason to refuse a cloud here and read it there
+    points = np.hstack([XYZ, np.ones((7, 1), np.float32)]).astype(np.float64)
+    points[3, 3] = np.nan
+    data = npy_bytes(points) if ext == "npy" else text_rows(points).encode()
+    out = read_points(data, ext)
+    assert np.isnan(out[3, 3]) and np.isfinite(out[:, :3]).all()
+    points[3, 2] = np.inf
+    data = npy_bytes(points) if ext == "npy" else text_rows(points).encode()
+    assert reason_of(data, ext).reason == "non-finite"
+
+
 def test_extra_channels_do_not_rescue_identical_positions() -> None:
     points = np.zeros((4, 4))
     points[:, 3] = np.arange(4)

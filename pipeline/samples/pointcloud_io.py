@@ -32,7 +32,7 @@ Reason = Literal[
     "too-many-points",  # more than max_points, found before allocating
     "truncated",  # fewer bytes or rows than the header declares
     "empty",  # zero points
-    "non-finite",  # NaN or Inf (also values that overflow float32)
+    "non-finite",  # NaN or Inf x, y or z (also values that overflow float32)
     "degenerate",  # all x, y, z identical (includes a single point)
     "unknown-ext",  # not one of EXTENSIONS
 ]
@@ -179,7 +179,10 @@ def check_points(points: np.ndarray, *, max_points: int = DEFAULT_MAX_POINTS) ->
     """Validate an (N, C) array and return it as float32 C-contiguous.
 
     Refuses: not 2-D, C < 3, a dtype other than real int/float, N == 0, N > max_points,
-    NaN/Inf (after the float32 cast), and all x, y, z identical ("degenerate").
+    NaN/Inf in x, y or z (after the float32 cast), and all x, y, z identical ("degenerate").
+    Extra channels may hold NaN (a missing intensity): they are not coordinates, and the
+    point-cloud loader, which reads x, y, z alone, checks those three only; one rule for the
+    loader, its numpy check, ShardDataset and make_shards.
     """
     _check_max_points(max_points)
     if not isinstance(points, np.ndarray):
@@ -189,11 +192,11 @@ def check_points(points: np.ndarray, *, max_points: int = DEFAULT_MAX_POINTS) ->
     # Values beyond float32's range become Inf here and are refused just below.
     with np.errstate(over="ignore", invalid="ignore"):
         out = np.ascontiguousarray(points, dtype=np.float32)
-    bad_rows = np.flatnonzero(~np.isfinite(out).all(axis=1))
+    bad_rows = np.flatnonzero(~np.isfinite(out[:, :3]).all(axis=1))
     if bad_rows.size:
         raise PointCloudFormatError(
             "non-finite",
-            f"{bad_rows.size} of {len(out)} points have NaN or Inf values "
+            f"{bad_rows.size} of {len(out)} points have NaN or Inf x, y or z values "
             f"(first at row {bad_rows[0]})",
         )
     if (out[:, :3] == out[0, :3]).all():
