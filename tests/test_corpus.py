@@ -543,6 +543,12 @@ CATEGORIES: dict[str, list[str]] = {
     "point clouds in geographic coordinates: no silent precision loss": [
         "test_realworld_convert::test_geographic_clouds_keep_their_precision_and_plain_ones_are_unchanged",
         "test_pointcloud_loader::test_geographic_float64_clouds_from_other_tools_keep_their_precision"],
+    "a LiDAR frame whose label count differs from its points, NaN points, a bad label": [
+        "test_scene_loader::test_bad_scenes_are_named_and_skipped",
+        "test_dataset::test_scene_labels_agree_with_the_loader"],
+    "added: random access (ShardDataset) and the loader agree on clouds, offsets, reasons": [
+        "test_dataset::test_point_clouds_and_their_offsets_agree_with_the_loader",
+        "test_dataset::test_scene_labels_agree_with_the_loader"],
     "added: a LiDAR frame with no point within crop_range (never a scene of 0 points)": [
         "test_scene_loader::test_a_frame_with_no_point_in_crop_range_is_a_counted_skip"],
     "added: a PLY header comment naming end_header (the body starts after the real line)": [

@@ -234,3 +234,102 @@ def test_stats_count_a_bad_label_apart(tmp_path):
     found = stats.gather(ShardDataset(raw))
     assert found["bad"] == {"bad-label": 1} and found["classes"] == {"1": 1, "2": 1}
     assert found["width"]["bins"][0][2] == 2  # the bad sample is counted nowhere else
+
+
+def _npy(array: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    np.save(out, array, allow_pickle=False)
+    return out.getvalue()
+
+
+def _foreign_shard(folder: Path, samples: dict[str, dict[str, bytes]]) -> Path:
+    """A shard as webdataset's TarWriter writes it, indexed (`shardflow index`)."""
+    import webdataset as wds
+
+    from pipeline.shards.indexing import index_folder
+
+    folder.mkdir()
+    with wds.TarWriter(str(folder / "s-000000.tar")) as sink:
+        for key, members in samples.items():
+            sink.write({"__key__": key, **members})
+    index_folder(folder)
+    return folder
+
+
+def _read_both(folder: Path, backend: str, **options) -> tuple[dict, dict, dict, dict]:
+    """({key: sample} of ShardDataset, {key: (points, offset, labels)} of the loader, and
+    each one's {key: skip reason}), both under on_error="skip"."""
+    from pipeline.pointcloud.loader import pointcloud_loader
+
+    ds = ShardDataset(folder, on_error="skip")
+    samples = {k: s for k in ds.keys() if (s := ds.get(k)) is not None}
+    got = {}
+    with pointcloud_loader(folder, batch_size=8, train=False, normalize=False, device="cpu",
+                           backend=backend, on_error="skip", threads=1, **options) as loader:
+        for b in loader:
+            rows = b.offsets.tolist() if options.get("per_point_labels") else None
+            for i, key in enumerate(b.keys):
+                if rows is None:
+                    got[key] = (b.points[i].numpy(), b.offset[i].numpy(), None)
+                else:
+                    got[key] = (b.points[rows[i]:rows[i + 1]].numpy(), b.offset[i].numpy(),
+                                b.labels[rows[i]:rows[i + 1]].numpy())
+        reasons = {e["key"]: e["reason"] for e in loader.skipped}
+    return samples, got, {e["key"]: e["reason"] for e in ds.skipped.entries}, reasons
+
+
+@pytest.mark.parametrize("backend", ["dali", "portable"])
+def test_point_clouds_and_their_offsets_agree_with_the_loader(tmp_path, backend):
+    """The same keys, points, offsets and skip reasons from ShardDataset and the loader:
+    a float64 cloud far from the origin (offset taken), one stored relative to its own
+    offset member, NaN in x (non-finite) or only in a 4th column (read by both: x, y, z are
+    the coordinates), a NaN offset member, too few columns."""
+    rng = np.random.default_rng(0)
+    local = rng.uniform(-1, 1, (64, 4))
+    far = np.array([5_123_456.0, 4_987_654.0, 120.0, 0.0])
+    nan_x, nan_extra = local.astype(np.float32), local.astype(np.float32)
+    nan_x[5, 0], nan_extra[5, 3] = np.nan, np.nan
+    own = np.array([5e6, 4e6, 0.0])
+    bad_offset = _npy(np.array([1.0, np.nan, 0.0]))
+    samples = {
+        "geo": {"npy": _npy(local + far)},
+        "made": {"npy": _npy(local.astype(np.float32)), "offset.npy": _npy(own)},
+        "plain": {"npy": _npy(local.astype(np.float32))},
+        "nan_x": {"npy": _npy(nan_x)},
+        "nan_extra": {"npy": _npy(nan_extra)},
+        "bad_offset": {"npy": _npy(local.astype(np.float32)), "offset.npy": bad_offset},
+        "flat": {"npy": _npy(local[:, :2].astype(np.float32))}}
+    folder = _foreign_shard(tmp_path / "pc", {k: {**m, "cls": b"0"} for k, m in
+                                              samples.items()})
+    access, loaded, access_skips, loader_skips = _read_both(folder, backend, num_points=64)
+    assert sorted(access) == sorted(loaded) == ["geo", "made", "nan_extra", "plain"]
+    assert access_skips == loader_skips == {"nan_x": "non-finite", "bad_offset": "bad-format",
+                                            "flat": "bad-shape"}
+    for key, (points, offset, _) in loaded.items():
+        assert np.array_equal(access[key]["points"][:, :3], points), key
+        assert access[key]["offset"].dtype == np.float64
+        assert np.array_equal(access[key]["offset"], offset), key
+    assert np.array_equal(access["made"]["offset"], own) and access["geo"]["offset"][0] > 5e6
+    assert not access["plain"]["offset"].any()
+    assert np.isnan(access["nan_extra"]["points"][5, 3])  # stored as is, returned as is
+
+
+@pytest.mark.parametrize("backend", ["dali", "portable"])
+def test_scene_labels_agree_with_the_loader(tmp_path, backend):
+    """A scene's labels are checked as the scene loader checks them (one per point, each a
+    class or the ignore label) and returned as "labels"; a scene without them is refused."""
+    rng = np.random.default_rng(1)
+    points = rng.uniform(-4, 4, (200, 3)).astype(np.float32)
+    labels = rng.integers(0, 3, 200).astype(np.uint16)
+    folder = _foreign_shard(tmp_path / "scenes", {
+        "ok": {"npy": _npy(points), "labels.npy": _npy(labels)},
+        "short": {"npy": _npy(points), "labels.npy": _npy(labels[:150])},
+        "negative": {"npy": _npy(points), "labels.npy": _npy(labels.astype(np.int16) - 3)},
+        "float": {"npy": _npy(points), "labels.npy": _npy(labels.astype(np.float32))}})
+    access, loaded, access_skips, loader_skips = _read_both(folder, backend,
+                                                            per_point_labels=True)
+    assert sorted(access) == sorted(loaded) == ["ok"]
+    assert access_skips == loader_skips == {"short": "label-count", "negative": "bad-label",
+                                            "float": "bad-labels"}
+    assert np.array_equal(access["ok"]["labels"], loaded["ok"][2])
+    assert np.array_equal(access["ok"]["points"], loaded["ok"][0])

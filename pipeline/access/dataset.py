@@ -121,7 +121,7 @@ class ShardDataset:
                 return sample
             classes = len(self.source.classes) if self.source.classes else None
             return decoded(sample, self.source.modality, self.source.tokens, classes,
-                           self.max_pixels)
+                           self.max_pixels, self.source.segmentation)
         except DataError as err:
             handle(err.located(source=redact(spec.url), key=key), self.on_error,
                    self.skipped)

@@ -82,7 +82,7 @@ def _points(sample: dict[str, Any]) -> int | None:
     try:
         return len(pointcloud_io.read_points(bytes(sample[cloud]), cloud))
     except pointcloud_io.PointCloudFormatError as exc:
-        raise DataError("bad-points", str(exc)) from None
+        raise DataError(exc.reason, str(exc)) from None
 
 
 def _summary(ds: ShardDataset, counted: int, found: dict[str, list[float]],

@@ -31,6 +31,7 @@ from pipeline.pointcloud import scene, voxelize
 from pipeline.pointcloud.config import PointCloudConfig
 from pipeline.pointcloud.sample import SampleParams
 from pipeline.samples import pointcloud_io
+from pipeline.samples.scans import NO_IGNORE
 
 Item = tuple[EncodedBatch, list[int], list[SampleParams]]  # (batch, labels, parameters)
 # Box sides (largest of a cloud's three) whose normalization stays well inside float32.
@@ -51,7 +52,7 @@ class CloudStage(BackendStage):
 
     what = "bad-cloud"
     cfg: PointCloudConfig
-    ignore_label = scene.NO_IGNORE  # a scene loader's (set by the loader)
+    ignore_label = NO_IGNORE  # a scene loader's (set by the loader)
 
     def _check(self, data: bytes) -> None:
         try:

@@ -29,13 +29,12 @@ from pipeline.loading.batch import EncodedBatch
 from pipeline.loading.graphstage import GraphLoader
 from pipeline.loading.options import Device
 from pipeline.loading.shardlist import Source
-from pipeline.pointcloud import scene
 from pipeline.pointcloud.config import PointCloudConfig, split_augment
 from pipeline.pointcloud.decode import CloudStage, DecodeStage
 from pipeline.pointcloud.portable import PortableCloudStage
 from pipeline.pointcloud.sample import SampleParams, check_npy, sample_params
 from pipeline.samples.checks import OFFSET_EXT, check_label, check_offset
-from pipeline.samples.scans import LABELS_EXT
+from pipeline.samples.scans import LABELS_EXT, NO_IGNORE, check_labels
 
 log = logging.getLogger(__name__)
 MEMBERS = ("npy",)  # what the loader reads: make_shards stores every cloud as .npy
@@ -95,7 +94,7 @@ class PointCloudLoader(GraphLoader):
         self._seg = source.segmentation or {}
         ignore = cfg.ignore_label if cfg.ignore_label is not None else \
             self._seg.get("ignore_label")
-        self.ignore_label: int = scene.NO_IGNORE if ignore is None else int(ignore)
+        self.ignore_label: int = NO_IGNORE if ignore is None else int(ignore)
         self.class_names: list[str] | None = self._seg.get("class_names")
         if cfg.per_point_labels and source.modality == "pointcloud" and not self._seg and \
                 source.shards and source.classes:
@@ -135,7 +134,7 @@ class PointCloudLoader(GraphLoader):
     def _check_scene(self, enc: EncodedBatch, i: int, epoch: int
                      ) -> tuple[np.ndarray, SampleParams]:
         rows = self._check_cloud(enc, i)
-        labels = scene.check_labels(enc.extras[LABELS_EXT][i], rows, self.num_classes,
+        labels = check_labels(enc.extras[LABELS_EXT][i], rows, self.num_classes,
                                     self.ignore_label)
         return labels, sample_params(self._augment, rows, enc.keys[i], epoch)
 

@@ -1,8 +1,9 @@
-"""Scenes labelled per point (pointcloud_loader per_point_labels=True): the labels' check in
-the reader stage, and the decode stage's last step to a ragged `ScanBatch`.
+"""Scenes labelled per point (pointcloud_loader per_point_labels=True): the decode stage's last
+step to a ragged `ScanBatch` (the labels' check of the reader stage is samples/scans.py's).
 
     reader stage: KEY.labels.npy -> header: 1-D, integer, one label per point of KEY.npy
       -> values: each a class in [0, num_classes) or the ignore label -> kept as read
+         (samples/scans.check_labels, which ShardDataset uses too)
     decode stage (either backend): each scene's points (augmented: sample.scene_params)
       -> bad values found as for clouds (NaN, Inf, one position) -> raised or skipped
       -> labels of the kept rows -> training: the crop (range, box) on points and labels alike
@@ -29,33 +30,6 @@ from pipeline.loading.loader import Produced
 from pipeline.pointcloud import segvoxels
 from pipeline.pointcloud.sample import SampleParams
 from pipeline.samples.pointcloud_io import OFFSET_EXT
-from pipeline.samples.scans import MAX_LABEL, labels_header
-
-NO_IGNORE = -100  # the ignore label when the shards name none (torch's cross-entropy default)
-
-
-def check_labels(data: Any, rows: int, num_classes: int | None, ignore_label: int
-                 ) -> np.ndarray:
-    """A scene's labels member (uint8 bytes) as an integer array of `rows` labels, read from
-    the header first (samples/scans.labels_header); DataError when it is missing, not one
-    whole label per point, or a label is neither a class nor the ignore label: below 0 or
-    above 65535 always, at or above num_classes when that is known."""
-    if data is None:
-        raise DataError("missing-labels", "no .labels.npy member (convert with make_shards "
-                        "--layout kitti|scans)")
-    raw = data.tobytes() if hasattr(data, "tobytes") else bytes(data)
-    count, dtype, start = labels_header(raw)
-    if count != rows:
-        raise DataError("label-count", f"{count} labels for {rows} points")
-    array = np.frombuffer(raw, dtype=dtype, count=count, offset=start)
-    if not len(array):
-        return array
-    top = MAX_LABEL if num_classes is None else num_classes - 1
-    wrong = ((array < 0) | (array > top)) & (array != ignore_label)
-    if wrong.any():
-        raise DataError("bad-label", f"label {array[wrong][0]} is outside [0, {top}] and not "
-                        f"the ignore label {ignore_label}")
-    return array
 
 
 def finish(stage: Any, item: tuple[Any, list[np.ndarray], list[SampleParams]],

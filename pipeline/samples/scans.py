@@ -22,6 +22,7 @@ import hashlib
 import io
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,7 @@ LABEL_COUNTS = "__label_counts__"  # a sample's {label: points}, for the manifes
 SCAN_EXTS = ("bin", *pointcloud_io.EXTENSIONS)
 LAYOUTS = ("classes", "scans", "kitti")
 MAX_LABEL = 65_535  # stored as uint16: SemanticKITTI's raw classes reach 259
+NO_IGNORE = -100  # the ignore label when the shards name none (torch's cross-entropy default)
 
 
 @dataclass(frozen=True)
@@ -258,6 +260,30 @@ def check_labels_member(data: bytes, max_points: int) -> None:
     if count > max_points:
         raise DataError("too-many-points", f"{count} labels, more than max_points="
                         f"{max_points}")
+
+
+def check_labels(data: Any, rows: int, num_classes: int | None, ignore_label: int
+                 ) -> np.ndarray:
+    """A scene's labels member (uint8 bytes) as an integer array of `rows` labels, read from
+    the header first (samples/scans.labels_header); DataError when it is missing, not one
+    whole label per point, or a label is neither a class nor the ignore label: below 0 or
+    above 65535 always, at or above num_classes when that is known."""
+    if data is None:
+        raise DataError("missing-labels", "no .labels.npy member (convert with make_shards "
+                        "--layout kitti|scans)")
+    raw = data.tobytes() if hasattr(data, "tobytes") else bytes(data)
+    count, dtype, start = labels_header(raw)
+    if count != rows:
+        raise DataError("label-count", f"{count} labels for {rows} points")
+    array = np.frombuffer(raw, dtype=dtype, count=count, offset=start)
+    if not len(array):
+        return array
+    top = MAX_LABEL if num_classes is None else num_classes - 1
+    wrong = ((array < 0) | (array > top)) & (array != ignore_label)
+    if wrong.any():
+        raise DataError("bad-label", f"label {array[wrong][0]} is outside [0, {top}] and not "
+                        f"the ignore label {ignore_label}")
+    return array
 
 
 def labels_header(data: bytes) -> tuple[int, np.dtype, int]:
