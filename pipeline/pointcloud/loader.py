@@ -135,7 +135,7 @@ class PointCloudLoader(GraphLoader):
                      ) -> tuple[np.ndarray, SampleParams]:
         rows = self._check_cloud(enc, i)
         labels = check_labels(enc.extras[LABELS_EXT][i], rows, self.num_classes,
-                                    self.ignore_label)
+                              self.ignore_label)
         return labels, sample_params(self._augment, rows, enc.keys[i], epoch)
 
     def _check_cloud(self, enc: EncodedBatch, i: int) -> int:
