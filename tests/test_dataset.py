@@ -148,6 +148,19 @@ def test_a_bad_sample_raises_naming_shard_and_key_or_is_skipped_and_counted(tmp_
     assert batch["__key__"] == ["k0", "k2"] and batch["image"].shape == (2, 24, 24, 3)
 
 
+def test_a_shard_given_by_its_path_is_decoded_as_its_members_say(images, tmp_path):
+    """No manifest is read for one shard's path: its members name the modality, so its
+    images are decoded and checked, not handed back as bytes."""
+    first = sorted(images.glob("*.tar"))[0]
+    alone, whole = ShardDataset(str(first)), ShardDataset(images)
+    assert alone.source.modality == "image" and len(alone) == 7
+    for i in range(len(alone)):
+        assert np.array_equal(alone[i]["image"], whole[i]["image"])
+    raw = _with_bad_image(tmp_path)
+    with pytest.raises(DataError, match=r"k1.*\[bad-image\]"):
+        ShardDataset(str(raw / "a.tar"))[1]
+
+
 def test_a_shard_without_an_index_names_the_command_that_makes_one(tmp_path):
     raw = _with_bad_image(tmp_path)
     (raw / "a.idx").unlink()

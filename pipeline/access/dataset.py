@@ -20,6 +20,7 @@ process's) and returned as None, which `collate_skipping` leaves out of a batch.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import operator
 import os
@@ -32,6 +33,7 @@ from pipeline.access.decode import MAX_PIXELS, decoded
 from pipeline.errors import DataError, OnError, SkipLog, check_on_error, handle
 from pipeline.loading.shardcache import ShardCache
 from pipeline.loading.shardlist import ShardSpec, Source, resolve_source
+from pipeline.samples.checks import modality_of
 from pipeline.shards.daliindex import parse_index
 from pipeline.shards.tarread import split_name
 from pipeline.urls import is_remote, redact
@@ -57,6 +59,8 @@ class ShardDataset:
         self._tables: dict[int, list[Members]] = {}
         self._keys: dict[str, tuple[int, int]] | None = None
         self._ends = self._counted()
+        if self.source.modality is None:
+            self.source = dataclasses.replace(self.source, modality=self._members_say())
         # shard -> fd, opened in this process, at most OPEN_FILES (least recently used closed)
         self._files: OrderedDict[int, int] = OrderedDict()
         self._pid = os.getpid()
@@ -176,6 +180,18 @@ class ShardDataset:
         return str(cached) if cached is not None else None
 
     # -- the indexes ---------------------------------------------------------------------------
+
+    def _members_say(self) -> str | None:
+        """Without a manifest (a shard given by its path, a list of URLs), the modality its
+        first samples' members name (checks.modality_of), so that an image is decoded and
+        checked, not handed back as bytes; None when they name none."""
+        exts = {ext for members in (self._table(0)[:16] if self.source.shards else [])
+                for ext, _, _, _ in members}
+        found = modality_of(exts)
+        if found == "unknown":
+            return None
+        log.info("%s: no manifest; its members are read as %s", self.source.describe(), found)
+        return found
 
     def _counted(self) -> list[int]:
         """Cumulative sample counts by shard: the manifest's, else each index's."""
