@@ -111,3 +111,16 @@ def test_an_unknown_key_or_a_bad_grid_is_a_usage_error(shards):
     assert proc.returncode == 2 and "no sample with key 'nope'" in proc.stderr
     proc = run_tool("show_shards", shards["image"], "--grid", "8by8")
     assert proc.returncode == 2 and "COLSxROWS" in proc.stderr
+
+
+def test_stats_of_shards_whose_every_sample_is_bad_say_so(tmp_path):
+    """Not "no labels found" where every sample has a label and a broken image."""
+    import webdataset as wds
+
+    with wds.TarWriter(str(tmp_path / "bad-000000.tar")) as writer:
+        for key in ("a", "b"):
+            writer.write({"__key__": key, "jpg": b"not a jpeg", "cls": b"0"})
+    run_tool("make_shards", "index", tmp_path, check=True)
+    proc = run_tool("show_shards", tmp_path, "--stats", "--out", tmp_path / "s.png")
+    assert proc.returncode == 2
+    assert "every sample counted is bad (bad-image=2)" in proc.stderr

@@ -137,8 +137,11 @@ def _stats(ds: Any, args: argparse.Namespace) -> int:
             panels.append(view.histogram(title, [f"{a}-{b}" for a, b, _ in bins],
                                          [c for _, _, c in bins]))
     if not panels:
-        raise ValueError(f"{ds.source.describe()}: nothing to count (no labels, images, text "
-                         "or clouds found)")
+        bad = ", ".join(f"{reason}={n}" for reason, n in found["bad"].items())
+        every = found["bad"] and sum(found["bad"].values()) == found["counted"]
+        why = (f"every sample counted is bad ({bad})" if every
+               else "no labels, images, text or clouds found")
+        raise ValueError(f"{ds.source.describe()}: nothing to count: {why}")
     view.sheet(panels).save(out)
     out.with_suffix(".json").write_text(json.dumps(found, indent=1) + "\n")
     print(f"{out}, {out.with_suffix('.json')}: {found['counted']} of {found['samples']} "
