@@ -453,3 +453,14 @@ def test_an_orientation_only_in_xmp_is_not_made_exif_when_stored_as_png():
     stored = checks.prepare_image(animated.getvalue(), checks.CheckLimits())
     assert stored.repairs == ("webp-to-png",)
     assert headers.read_header(stored.data) == headers.ImageHeader(72, 56, 1)
+
+
+def test_a_floating_point_tiff_is_refused_not_clipped_to_rgb():
+    """Mode F (a depth map, a scientific image): its values have no fixed range, and RGB
+    would clip them at 255; refused with what to do, and named by the check verify runs."""
+    values = np.linspace(0.0, 1000.0, 600, dtype=np.float32).reshape(20, 30)
+    out = io.BytesIO()
+    Image.fromarray(values, "F").save(out, "TIFF")
+    with pytest.raises(DataError, match=r"floating-point.*\[unsupported-image-format\]"):
+        checks.prepare_image(out.getvalue(), checks.CheckLimits())
+    assert "mode F" in checks.loader_problem(out.getvalue(), "TIFF")

@@ -305,6 +305,10 @@ def reencode_png(data: bytes) -> bytes:
         orientation = _exif_orientation(img.info)
         if img.mode in GRAY16_MODES:
             img = gray16(img)
+        if img.mode == "F":  # no range to map to 8 or 16 bits: RGB would clip it to 0..255
+            raise DataError("unsupported-image-format", "a floating-point image (PIL mode F): "
+                            "its values have no fixed range to store in 8 or 16 bits; convert "
+                            "it to 8- or 16-bit first, with the scaling that suits it")
         if img.mode not in ("RGB", "RGBA", "L", "LA", "I;16"):
             img = img.convert("RGBA" if "A" in img.getbands() or "transparency" in img.info
                               else "RGB")
