@@ -121,6 +121,8 @@ ODD_BUT_VALID = {
     "restart.jpg": (lambda: after_soi(b"\xff\xd0"), ("repaired", "jpeg-header-junk", "jpg")),
     "jfif_short.jpg": (short_jfif, ("repaired", "short-app-segment", "jpg")),
     "anim.gif": (lambda: encode(photo().convert("P"), "GIF"), ("repaired", "gif-to-png", "png")),
+    "trns.gif": (lambda: encode(photo().convert("P"), "GIF", transparency=0),
+                 ("repaired", "gif-to-png", "png")),
 }
 # The header-junk repairs remove exactly what the surgery added: the base JPEG comes back.
 BACK_TO_BASE = ("prefixed.jpg", "ff00.jpg", "ff00_scan.jpg", "adobe_short.jpg", "restart.jpg")
@@ -164,7 +166,7 @@ def test_the_strict_rule_matches_what_dali_and_the_header_parser_refuse():
     refused = set()
     for name, (make, _) in ODD_BUT_VALID.items():
         data = make()
-        if name in ("prefixed.jpg", "jfif_short.jpg", "anim.gif"):
+        if name in ("prefixed.jpg", "jfif_short.jpg", "anim.gif", "trns.gif"):
             continue  # PIL cannot open the first two; the header parser takes no GIF
         fmt = Image.open(io.BytesIO(data)).format
         strict = loader_problem(data, str(fmt)) is None
@@ -196,6 +198,18 @@ def test_reencoding_keeps_gray_and_exif():
                                                       exif=Image.open(io.BytesIO(
                                                           exif_jpeg())).info["exif"]))))
     assert cmyk.mode == "RGB" and cmyk.getexif()[0x0112] == 6
+
+
+def test_a_palette_gif_stays_a_palette_png_with_its_indices():
+    """The loaders read a palette PNG as they read the GIF; a label map kept as GIF keeps its
+    labels (its palette indices), which RGB would have lost."""
+    for options in ({}, {"transparency": 0}):
+        gif = encode(photo().convert("P"), "GIF", **options)
+        stored = prepare_image(gif, CheckLimits())
+        assert (stored.ext, stored.repairs) == ("png", ("gif-to-png",))
+        with Image.open(io.BytesIO(stored.data)) as png, Image.open(io.BytesIO(gif)) as src:
+            assert png.mode == "P" and np.array_equal(np.asarray(png), np.asarray(src))
+            assert np.array_equal(np.asarray(png.convert("RGB")), np.asarray(src.convert("RGB")))
 
 
 def odd_folder(root: Path) -> Path:

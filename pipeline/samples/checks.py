@@ -299,7 +299,8 @@ def reencode_png(data: bytes) -> bytes:
     """Lossless PNG of an image the loaders do not read as it is (GIF, an animated WebP's
     first frame, a CMYK TIFF...), its EXIF orientation kept (an eXIf chunk of that tag
     alone), so that it still turns upright as the loaders would turn the original; 16-bit
-    grey stays 16-bit (I;16, whichever byte order or width PIL read it in)."""
+    grey stays 16-bit (I;16, whichever byte order or width PIL read it in), a palette a
+    palette."""
     with Image.open(io.BytesIO(data)) as img:
         img.load()  # first: PIL's TIFF plugin turns its pixels upright and drops the tag
         orientation = _exif_orientation(img.info)
@@ -309,7 +310,9 @@ def reencode_png(data: bytes) -> bytes:
             raise DataError("unsupported-image-format", "a floating-point image (PIL mode F): "
                             "its values have no fixed range to store in 8 or 16 bits; convert "
                             "it to 8- or 16-bit first, with the scaling that suits it")
-        if img.mode not in ("RGB", "RGBA", "L", "LA", "I;16"):
+        # A palette stays a palette: the loaders read palette PNGs as they read the GIF,
+        # and a label map's indices (a mask kept as GIF) stay its labels.
+        if img.mode not in ("RGB", "RGBA", "L", "LA", "I;16", "P"):
             img = img.convert("RGBA" if "A" in img.getbands() or "transparency" in img.info
                               else "RGB")
         exif = Image.Exif()
