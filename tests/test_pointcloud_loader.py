@@ -528,3 +528,26 @@ def test_the_cpu_voxelizer_is_the_torch_one(mode, grid, extent, dtype):
     assert torch.equal(got, vox._device_grid(points, mode, grid, extent))
     assert got.shape == (5, 1, grid, grid, grid) and got.dtype == torch.float32
     assert got.sum() > 0
+
+
+def test_the_quick_bound_takes_an_offset_exactly_where_the_full_rule_does():
+    """check_npy decides most float64 and integer clouds from their columns' bounds, without
+    loading them (pointcloud_sample._cast_keeps): where it says the float32 cast keeps them,
+    pointcloud_io.precision_offset must say no offset either, and the bytes go on as they
+    were."""
+    from pipeline.samples.pointcloud_io import precision_offset
+
+    rng = np.random.default_rng(4)
+    for centre in (0.0, 1e3, 1e5, 1e6, 5e6, 1e8):
+        for extent in (0.5, 20.0, 4000.0):
+            cloud = rng.uniform(-extent / 2, extent / 2, (500, 4)) + [centre, -centre, 7, 0]
+            for array in (cloud, np.round(cloud * 100).astype(np.int64),
+                          cloud.astype(">f8"), np.asfortranarray(cloud)):
+                data = np.frombuffer(npy(array), np.uint8)
+                out, rows, offset = pointcloud_sample.check_npy(data, 10_000)
+                full = precision_offset(np.asarray(array))
+                assert (offset is None) == (full is None), (centre, extent, array.dtype)
+                if full is not None:
+                    assert np.array_equal(offset, full)
+                elif array.dtype == np.dtype("<f8") and array.flags.c_contiguous:
+                    assert out is data  # untouched

@@ -46,7 +46,7 @@ def check_npy(data: np.ndarray, max_points: int) -> tuple[np.ndarray, int, np.nd
         raise DataError("missing-field", "no .npy member")
     version, shape, fortran, dtype, start = npy_header(data)
     _check_header(shape, dtype, max_points, len(data) - start)
-    if _cast_may_lose(dtype):
+    if _cast_may_lose(dtype) and not _cast_keeps(data, shape, fortran, dtype, start):
         array = _loaded(data)
         offset = pointcloud_io.precision_offset(array)
         if offset is not None:
@@ -62,6 +62,27 @@ def _cast_may_lose(dtype: np.dtype) -> bool:
     """Whether float32 may round values of `dtype`: float64, and integers of 4 bytes or
     more (float32 holds integers exactly up to 2**24 only)."""
     return dtype.itemsize > 4 or (dtype.kind in "iu" and dtype.itemsize == 4)
+
+
+def _cast_keeps(data: np.ndarray, shape: tuple[int, ...], fortran: bool, dtype: np.dtype,
+                start: int) -> bool:
+    """Whether the float32 cast certainly keeps x, y, z within OFFSET_PRECISION of the extent
+    (then precision_offset gives None too): it rounds a value v by at most |v| * 2**-24, so
+    the columns' bounds, taken from a view of the bytes, decide most clouds without the
+    copies a load and precision_offset make (9 ms for 120,000 float64 points; this, 0.3)."""
+    count = shape[0] * shape[1]
+    if len(data) - start < count * dtype.itemsize:
+        return False  # cut short: the load names it
+    flat = np.frombuffer(data, dtype, count, start)
+    xyz = flat.reshape(shape, order="F" if fortran else "C")[:, :3]
+    # column by column: numpy reduces a strided column 20x faster than along axis 0
+    low = np.array([float(xyz[:, i].min()) for i in range(3)])
+    high = np.array([float(xyz[:, i].max()) for i in range(3)])
+    largest = float(np.maximum(np.abs(low), np.abs(high)).max())
+    if not np.isfinite(largest) or largest >= float(np.finfo(np.float32).max):
+        return False  # NaN, or beyond float32: the slow path decides
+    extent = float((high - low).max())
+    return largest * 2.0**-24 <= pointcloud_io.OFFSET_PRECISION * extent
 
 
 # A header's version, shape, Fortran order, dtype, and where the data starts.
