@@ -239,6 +239,31 @@ def test_only_samples_of_one_image_are_downsized():
     assert "__repairs__" not in small  # within N: nothing was asked of --max-side
 
 
+def test_a_bomb_beside_an_image_is_a_named_skip_with_max_side_as_without():
+    """A second image member declaring 30000 x 30000 pixels: the sizes --max-side looks at are
+    read from headers, so the member's own check names it (too-many-pixels, with the key),
+    not a DecompressionBombError out of PIL."""
+    import struct
+    import zlib
+
+    from pipeline.errors import DataError
+    from pipeline.samples.checks import CheckLimits, repair_sample
+    from pipeline.samples.downsize import Downsize
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + \
+            struct.pack(">I", zlib.crc32(kind + body))
+
+    bomb = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 30000, 30000, 8, 0, 0,
+                                                                0, 0)) + \
+        chunk(b"IDAT", zlib.compress(bytes(100))) + chunk(b"IEND", b"")
+    image, _ = masked_photo(1)
+    for downsize in (None, Downsize(32)):
+        with pytest.raises(DataError, match=r"key 'k'.*\[too-many-pixels\]"):
+            repair_sample({"__key__": "k", "__url__": "s.tar", "jpg": image, "depth.png": bomb},
+                          CheckLimits(downsize=downsize))
+
+
 def test_max_side_with_mask_column_is_refused_saying_why(tmp_path):
     listing = tmp_path / "list.csv"
     listing.write_text("path,label,mask\na.jpg,0,a.png\n")

@@ -394,7 +394,8 @@ def test_an_apng_whose_default_image_is_no_frame_is_stored_as_that_image(tmp_pat
     image is not a frame (DALI would decode another picture) is stored as a still PNG of the
     default image, counted; verify_shards names the latter in shards made elsewhere."""
     assert checks.loader_problem(apng(True), "PNG") is None
-    assert "default image is not one of them" in checks.loader_problem(apng(False), "PNG")
+    assert "animated PNG of 2 frames whose default image is not one of them" in \
+        checks.loader_problem(apng(False), "PNG")  # photos 31 and 32; 30 is the default
     src = tmp_path / "src" / "c"
     src.mkdir(parents=True)
     (src / "first.png").write_bytes(apng(True))

@@ -188,7 +188,7 @@ def _png_problem(data: bytes) -> str | None:
         # acTL, then IDAT before any fcTL (PIL reads to the first IDAT as it opens)
         if not img.info.get("default_image"):
             return None
-        frames = getattr(img, "n_frames", 1)
+        frames = getattr(img, "n_frames", 1) - 1  # PIL counts the default image as one
     return (f"an animated PNG of {frames} frames whose default image is not one of them; "
             "DALI decodes the first frame, PIL the default image")
 
@@ -480,11 +480,19 @@ def _kept_whole(sample: dict[str, object], limits: CheckLimits) -> tuple[CheckLi
 
 
 def _stored_size(data: bytes) -> tuple[int, int]:
-    """PIL's (width, height); (0, 0) where PIL cannot open it (its check says why later)."""
+    """(width, height) from the header (headers.py: nothing decoded, no pixel limit met
+    before the member's own check names it), else PIL's for the formats the header parser
+    does not read (GIF...); (0, 0) where neither can (the member's check says why later)."""
     try:
-        with Image.open(io.BytesIO(data)) as img:
-            return img.size
-    except (OSError, ValueError, SyntaxError):
+        return headers.header_size(data)
+    except DataError:
+        pass
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as img:
+                return img.size
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
         return (0, 0)
 
 
