@@ -299,6 +299,29 @@ def test_a_lost_block_counts_its_rows_so_read_plus_skipped_is_the_manifest_rows(
         assert loader.skipped_of_unknown_size() == 1 and loader.skipped[0]["samples"] is None
 
 
+@pytest.mark.parametrize("reader", ["dali", "stream"])
+def test_a_shard_cut_short_counts_the_rows_it_loses(tmp_path, reader):
+    """The second of two shards cut inside its third block: DALI's reader drops the shard
+    before the epoch (its 5 blocks), the streaming reader reads two blocks and loses the
+    rest (3): either way in rows, so that rows read + skipped is the manifest's 200."""
+    root = tmp_path / "cut"
+    root.mkdir()
+    (root / "day.tsv").write_text("\n".join(criteo_lines(200)) + "\n")
+    convert(ConvertConfig(kind="tabular", src=str(root / "day.tsv"), out=root / "out",
+                          workers=1, max_count=5,
+                          tabular=TabularOptions(preset="criteo", rows_per_block=20)))
+    shard = sorted((root / "out").glob("*.tar"))[1]
+    with tarfile.open(shard) as tar:
+        third = [m for m in tar.getmembers() if m.name.endswith(".npz")][2]
+    shard.write_bytes(shard.read_bytes()[:third.offset_data + 100])
+    with tabular_loader(root / "out", batch_size=32, device="cpu", on_error="skip",
+                        reader=reader) as loader:
+        read = sum(len(b.label) for b in loader)
+        assert read == {"dali": 100, "stream": 140}[reader]
+        assert read + loader.skipped_samples() == loader.schema.rows == 200
+        assert loader.skipped_of_unknown_size() == 0 and len(loader.skipped) == 1
+
+
 def test_shards_of_another_modality_are_refused(tmp_path, shards):
     (tmp_path / "t.txt").write_text("hello")
     convert(ConvertConfig(kind="text", src=str(tmp_path / "t.txt"), out=tmp_path / "text",

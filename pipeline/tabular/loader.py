@@ -92,6 +92,7 @@ class TabularLoader(Loader):
                                                    gpu_decode=False)
         self.device, self.decode = self.placement.device, self.placement.decode
         self._init_from_config(source, cfg, rank, world_size)
+        self._in_rows(self.skips.entries)  # shards dropped before the epoch was planned
         if self.subset is not None:  # a sample here is a block of rows, not a keyed record
             raise ValueError("subsample, keys, exclude and select take samples by key; the "
                              "tabular loader's samples are blocks of rows with no keys of "
@@ -158,6 +159,7 @@ class TabularLoader(Loader):
         for enc in self._encoded(plan, before, (BLOCK_EXT,)):
             if stop.is_set():
                 return
+            self._in_rows(enc.skips)  # the reader's, before _block adds its own (in rows)
             blocks = self._check_each(enc, self._block)
             window = self._window(before, enc, blocks)
             if self.shuffle:
@@ -179,6 +181,15 @@ class TabularLoader(Loader):
                             f"dense {list(schema.dense)}, categorical {list(schema.categorical)}",
                             samples=block.rows)
         return block
+
+    def _in_rows(self, entries: list[dict[str, Any]]) -> None:
+        """The readers' skips count what they lose in samples, here blocks (a shard's count in
+        the manifest is of its blocks): made rows, as _block's are, so that rows read +
+        skipped_samples() is the manifest's rows; unknown where blocks may be short."""
+        per = self._lost_block_rows()
+        for entry in entries:
+            if entry.get("samples") is not None:
+                entry["samples"] = entry["samples"] * per if per is not None else None
 
     def _lost_block_rows(self) -> int | None:
         """The rows of a block that does not decode: rows_per_block where the manifest's
