@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import webdataset as wds
+from badfiles import tar_bytes
 from conftest import RangeHandler, http_server, jpeg_bytes, run_tool
 
 from pipeline import image_loader
@@ -146,11 +146,7 @@ BAD_SHARDS = {  # members in archive order; the key, reason and words make_shard
 
 def write_tar(path: Path, members: list[tuple[str, bytes]]) -> None:
     """A tar of exactly these members, in this order (Python's tarfile)."""
-    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+    path.write_bytes(tar_bytes(members))
 
 
 def gnu_tar(path: Path, members: list[tuple[str, bytes]]) -> None:
