@@ -39,6 +39,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check pipeline trainers tools tests
+	$(PY) tools/checkout.py build/checkout >/dev/null  # mypy reads the package there
 	$(PY) -m mypy
 
 demo: $(STAMP)

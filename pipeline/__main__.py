@@ -1,5 +1,5 @@
-"""`python -m pipeline` is the `shardflow` command (pipeline/cli/main.py)."""
+"""`python -m shardflow` is the `shardflow` command (tools/main.py)."""
 
-from pipeline.cli.main import main
+from shardflow.tools.main import main
 
 main()

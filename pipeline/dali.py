@@ -1,7 +1,7 @@
 """DALI helpers every graph shares: building a graph fed from Python, running it ahead of its
 consumer (`GraphRunner`), copying a GPU output into a torch tensor, and a DALI error in one line.
 
-DALI is imported inside the functions: `import pipeline` works where DALI is not installed.
+DALI is imported inside the functions: `import shardflow` works where DALI is not installed.
 """
 
 from __future__ import annotations

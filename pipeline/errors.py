@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pipeline.urls import redact
+from shardflow.urls import redact
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from pipeline.atomic import write_atomic
-from pipeline.urls import is_remote, redact, scrub
+from shardflow.atomic import write_atomic
+from shardflow.urls import is_remote, redact, scrub
 
 StorageOptions = Mapping[str, Any]  # fsspec's keyword arguments, e.g. {"anon": True}
 

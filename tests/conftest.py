@@ -35,7 +35,7 @@ def gpu_available() -> bool:
 
 
 def dali_available() -> bool:
-    from pipeline.loading.readers import dali_importable
+    from shardflow.loading.readers import dali_importable
 
     return dali_importable()
 
@@ -174,7 +174,7 @@ def make_image_folder(root: Path, classes: int = 3, per_class: int = 5) -> Path:
 @pytest.fixture(scope="module")
 def photos(tmp_path_factory: pytest.TempPathFactory) -> list[Image.Image]:
     """Six built-in photo-like JPEGs at 96 x 72, RGB: what the ops are checked on."""
-    from pipeline.builtin import make_photo_corpus
+    from shardflow.builtin import make_photo_corpus
 
     folder = make_photo_corpus(tmp_path_factory.mktemp("ops") / "photos", count=6)
     return [Image.open(f).convert("RGB").resize((96, 72)) for f in sorted(folder.rglob("*.jpg"))]
@@ -211,7 +211,7 @@ def resumed_run(make, after: int = 2):  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def op_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """40 built-in images of 40 px in 10 classes, 8 a shard: what the ops tests load."""
-    from pipeline.builtin import make_image_folder as builtin_folder
+    from shardflow.builtin import make_image_folder as builtin_folder
 
     root = tmp_path_factory.mktemp("opshards")
     src = builtin_folder(root / "src", per_class=4, size=40)

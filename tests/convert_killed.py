@@ -12,7 +12,7 @@ import pickle
 import signal
 import sys
 
-from pipeline.convert import convert
+from shardflow.convert import convert
 
 with open(sys.argv[1], "rb") as f:
     spec = pickle.load(f)  # noqa: S301 - written by the test that started this process

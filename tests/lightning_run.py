@@ -20,7 +20,7 @@ import lightning as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from pipeline import image_loader
+from shardflow import image_loader
 
 parser = argparse.ArgumentParser()
 parser.add_argument("shards")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from pipeline import text_loader
+from shardflow import text_loader
 
 x, y, at, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
 dist.init_process_group("gloo")

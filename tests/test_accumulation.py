@@ -16,13 +16,13 @@ import torch
 from conftest import run_tool
 from torch import nn
 
-from pipeline.builtin import make_image_folder
-from pipeline.loading.batch import ImageBatch
-from pipeline.loading.shardlist import ShardSpec, Source, resolve_source
-from trainers.classify import Classification
-from trainers.distributed import DistInfo
-from trainers.loop import TrainConfig, Trainer
-from trainers.wiring import TaskOptions, build_task, eval_share, split_eval
+from shardflow.builtin import make_image_folder
+from shardflow.loading.batch import ImageBatch
+from shardflow.loading.shardlist import ShardSpec, Source, resolve_source
+from shardflow.trainers.classify import Classification
+from shardflow.trainers.distributed import DistInfo
+from shardflow.trainers.loop import TrainConfig, Trainer
+from shardflow.trainers.wiring import TaskOptions, build_task, eval_share, split_eval
 
 CPU = torch.device("cpu")
 
@@ -118,7 +118,7 @@ def _counted_ddp(info: DistInfo, calls: list[int], compile_backend: str | None =
     gradient bucket counted by a communication hook."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from trainers.distributed import wrap, wrap_then_compile
+    from shardflow.trainers.distributed import wrap, wrap_then_compile
 
     def counting(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads annotations
         calls.append(bucket.buffer().numel())
@@ -150,7 +150,7 @@ def _compile_after_ddp(info: DistInfo, run: Path) -> dict[str, Any]:
     from torch._dynamo.eval_frame import OptimizedModule
     from torch.nn.parallel import DistributedDataParallel
 
-    from trainers.distributed import distributed_module, unwrap, wrap_then_compile
+    from shardflow.trainers.distributed import distributed_module, unwrap, wrap_then_compile
 
     task = LinearTask()
     bare = task.model

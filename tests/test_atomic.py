@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, load_manifest, run_tool
 
-from pipeline.builtin import make_image_folder
+from shardflow.builtin import make_image_folder
 
 ARGS = ["--max-count", "8", "--workers", "1", "--quiet"]
 

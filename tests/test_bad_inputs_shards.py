@@ -7,7 +7,7 @@ converted + skipped == inputs. Nothing is unpickled, no member name becomes a pa
 is echoed, nothing hangs.
 
 The CLI is run as a subprocess where its exit code or text is the point; the many one-bad-input
-`raise` cases call `pipeline.convert.convert` in-process (what the CLI prints is `str(err)`).
+`raise` cases call `shardflow.convert.convert` in-process (what the CLI prints is `str(err)`).
 """
 
 from __future__ import annotations
@@ -42,13 +42,13 @@ from badfiles import (
 from conftest import ROOT, jpeg_bytes, load_manifest, make_image_folder, run_tool
 from PIL import Image
 
-from pipeline.convert import ConvertConfig, convert
-from pipeline.errors import DataError, SkipLog
-from pipeline.samples.checks import CheckLimits, check_image
-from pipeline.shards.manifest import Manifest
-from pipeline.shards.tarread import iter_samples
-from pipeline.shards.verify import verify
-from pipeline.shards.writer import ShardWriter
+from shardflow.convert import ConvertConfig, convert
+from shardflow.errors import DataError, SkipLog
+from shardflow.samples.checks import CheckLimits, check_image
+from shardflow.shards.manifest import Manifest
+from shardflow.shards.tarread import iter_samples
+from shardflow.shards.verify import verify
+from shardflow.shards.writer import ShardWriter
 
 
 def rows(path: Path, lines: list[str]) -> Path:
@@ -363,8 +363,8 @@ def test_absurd_member_size_refused_without_allocating(tmp_path):
 def test_absurd_member_size_under_skip_does_not_hang(tmp_path):
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "absurd.tar").write_bytes(absurd_shard())
-    reader = ("import sys; from pipeline.shards.tarread import iter_samples; "
-              "from pipeline.errors import SkipLog, DataError\n"
+    reader = ("import sys; from shardflow.shards.tarread import iter_samples; "
+              "from shardflow.errors import SkipLog, DataError\n"
               "s = SkipLog(announce=False)\n"
               "try:\n list(iter_samples(open(sys.argv[1], 'rb'), 'a', on_error='skip', skips=s))\n"
               "except DataError as e:\n print(e)\n"

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 from conftest import ROOT, run_tool
 
-from pipeline.loading.readers import dali_importable
+from shardflow.loading.readers import dali_importable
 
 
 @pytest.mark.parametrize("modality,size", [("image", ["--images", 24]),
@@ -58,7 +58,7 @@ def _check_loader_figures(figures: dict, epochs: int) -> None:
         (rss[-1] - rss[0]) / (epochs - 1), abs=0.011)
     # The peak is at least every RSS sample, up to how the two are read: ru_maxrss and
     # /proc/self/statm come from per-CPU kernel counters that lag (measured: up to 0.4 MB
-    # apart), and peak_rss_mb is ru_maxrss (KiB) / 1e3, 2.4% low (pipeline/bench/core.py).
+    # apart), and peak_rss_mb is ru_maxrss (KiB) / 1e3, 2.4% low (tools/bench/core.py).
     assert figures["peak_rss_mb"] >= 0.95 * max(rss), figures
 
 
@@ -70,7 +70,7 @@ def _check_rates(result: dict, modality: str) -> None:
     assert set(result[f"cpu_s_per_{unit[:-1]}"]) == set(rates)
     assert all(v > 0 for v in rates.values()) and work == (24 if unit == "images" else 60)
     # Every timed epoch of every contender read the whole corpus (half of it would read as
-    # twice the speed); pipeline.bench.alternate stops the benchmark on any other count.
+    # twice the speed); shardflow.tools.bench.core.alternate stops the benchmark on any other count.
     assert result[f"{unit}_read"] == {name: [work] * result["repeats"] for name in rates}
     assert result["batch_size"] == 8
     if modality == "image":
@@ -97,7 +97,7 @@ def _check_rates(result: dict, modality: str) -> None:
 
 
 class _Clock:
-    """Stands in for `time` in pipeline.bench.core: sleeping advances it, nothing waits."""
+    """Stands in for `time` in shardflow.tools.bench.core: sleeping advances it, nothing waits."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -139,7 +139,7 @@ def test_loader_figures_measure_first_batch_and_overlap(monkeypatch, background,
     """On a clock the test drives: the first batch of a new loader costs its start-up and
     one batch; a serial loader's overlap is 2, one that prepares the next batch while the
     step runs reaches 1 + 1/batches (its first batch of a pass is never prefetched)."""
-    from pipeline.bench import core
+    from shardflow.tools.bench import core
 
     clock = _Clock()
     monkeypatch.setattr(core, "time", clock)
@@ -165,8 +165,8 @@ def test_loader_figures_measure_first_batch_and_overlap(monkeypatch, background,
 
 def _needs(name: str) -> None:
     """pytest.importorskip for an optional contender's package (MosaicML Streaming's is loaded
-    by pipeline.bench.peers.streaming_base: its own __init__ needs torchvision)."""
-    from pipeline.bench import peers
+    by shardflow.tools.bench.peers.streaming_base: its own __init__ needs torchvision)."""
+    from shardflow.tools.bench import peers
 
     package, load = peers.OPTIONAL_PACKAGES[name]
     try:
@@ -194,7 +194,7 @@ def tiny_corpus(bench_tools, tmp_path_factory):
 
 def _folder_samples(folder) -> Counter:
     """(JPEG bytes, ImageFolder label) of every file, as a multiset."""
-    from pipeline.bench.image import folder_items
+    from shardflow.tools.bench.image import folder_items
 
     return Counter((path.read_bytes(), label) for path, label in folder_items(folder))
 
@@ -209,7 +209,7 @@ def test_optional_contender_reads_every_image_once_per_epoch(bench_tools, reques
     _needs(name)
     import torch
 
-    from pipeline.bench.image import folder_items
+    from shardflow.tools.bench.image import folder_items
 
     c = request.getfixturevalue("tiny_corpus")  # made only where a contender runs
     contender = bench_tools[0].OPTIONAL[name](c)
@@ -238,8 +238,8 @@ def test_ffcv_reads_the_same_jpeg_bytes_each_epoch(tiny_corpus, monkeypatch):
     from ffcv.reader import Reader
     from PIL import Image
 
-    from pipeline.bench.beton import Ffcv
-    from pipeline.bench.image import folder_items
+    from shardflow.tools.bench.beton import Ffcv
+    from shardflow.tools.bench.image import folder_items
 
     monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # the writer's bars: no thread
     contender = Ffcv(tiny_corpus)
@@ -267,7 +267,7 @@ def test_the_entropy_floor_decodes_every_photo_whole(tiny_corpus, tmp_path):
     photo, each epoch: a photo cut short stops it."""
     import dataclasses
 
-    from pipeline.bench.image import WholeEighthDecode
+    from shardflow.tools.bench.image import WholeEighthDecode
 
     floor = WholeEighthDecode(tiny_corpus)
     assert floor.epoch() == floor.epoch() == 24
@@ -292,7 +292,7 @@ def test_the_floor_is_a_contender_on_large_photos_only(bench_tools, tiny_corpus,
 
 
 def _read_mds(out) -> list[tuple[bytes, int]]:
-    from pipeline.bench.peers import streaming_base
+    from shardflow.tools.bench.peers import streaming_base
 
     dataset = streaming_base().LocalDataset(local=str(out))
     return [(s["jpg"], int(s["cls"])) for s in (dataset[i] for i in range(len(dataset)))]
@@ -328,7 +328,7 @@ def test_bench_convert_optional_contenders_write_the_same_bytes(
 def test_tune_writes_the_fastest_configuration_for_uint8_and_float(tmp_path):
     """--tune measures every configuration, then where float output is made fastest, and
     writes both; image_loader then picks them up (the figures themselves are the machine's)."""
-    from pipeline.loading.tuning import load
+    from shardflow.loading.tuning import load
 
     path = tmp_path / "tuning.json"
     proc = run_tool("bench_loader", "--tune", "--images", 16, "--batch-size", 8, "--repeats", 1,
@@ -362,7 +362,7 @@ def test_tune_writes_the_fastest_configuration_for_uint8_and_float(tmp_path):
 def test_tune_of_one_backend_keeps_what_the_file_said_of_the_other(tmp_path):
     """--tune --backend portable leaves DALI's choices as they were (with no file: automatic,
     never the portable run's stream reader); --backend dali leaves the portable threads."""
-    from pipeline.loading.tuning import Tuning, load
+    from shardflow.loading.tuning import Tuning, load
 
     path = tmp_path / "tuning.json"
     split = [{"side_ratio": 13.7, "dali": 60.0, "portable": 130.0}]
@@ -410,7 +410,7 @@ def test_bench_convert_end_to_end(tmp_path):
     the table is printed and written, and the work folder goes."""
     import statistics
 
-    from pipeline.builtin import make_photo_corpus
+    from shardflow.builtin import make_photo_corpus
 
     out = tmp_path / "out"
     proc = run_tool("bench_convert", "--out", out, "--count", 12, "--repeats", 2, check=True)

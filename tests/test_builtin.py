@@ -1,4 +1,4 @@
-"""Tests for the built-in dataset generators in pipeline.builtin."""
+"""Tests for the built-in dataset generators in shardflow.builtin."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.builtin import (
+from shardflow.builtin import (
     make_image_folder,
     make_photo_corpus,
     make_pointcloud_folder,
     make_text_corpus,
 )
-from pipeline.builtin.images import CLASSES
-from pipeline.builtin.pointclouds import SHAPES
+from shardflow.builtin.images import CLASSES
+from shardflow.builtin.pointclouds import SHAPES
 
 # Small arguments per generator, so every test stays well under a second.
 SMALL: dict[str, tuple[Callable[..., Path], dict[str, int]]] = {

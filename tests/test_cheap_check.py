@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.builtin.photos import render_photo
-from pipeline.errors import DataError
-from pipeline.samples import checks
+from shardflow.builtin.photos import render_photo
+from shardflow.errors import DataError
+from shardflow.samples import checks
 
 
 def photos() -> list[bytes]:

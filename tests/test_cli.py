@@ -1,4 +1,4 @@
-"""The `shardflow` command (pipeline/cli/main.py): its subcommands, help, version and exit
+"""The `shardflow` command (tools/main.py): its subcommands, help, version and exit
 codes, as installed in this venv; and the wheel on its own, installed outside the checkout
 and run from another folder (slow)."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,11 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, jpeg_bytes, make_image_folder
 
-from pipeline.cli.main import COMMANDS
+import shardflow as shardflow_package
+from shardflow.tools.main import COMMANDS
 
 SHARDFLOW = Path(sys.executable).parent / "shardflow"  # the console script pip installed
+VERSION = re.search(r'(?m)^version = "(.+)"', (ROOT / "pyproject.toml").read_text()).group(1)
 
 
 def shardflow(*args: object, exe: Path = SHARDFLOW, cwd: Path | None = None,
@@ -28,11 +31,12 @@ def shardflow(*args: object, exe: Path = SHARDFLOW, cwd: Path | None = None,
 def test_the_command_is_installed_names_its_version_and_every_subcommand():
     assert SHARDFLOW.exists(), "make install puts the console script in the venv"
     version = shardflow("--version")
-    assert version.returncode == 0 and version.stdout.strip() == "shardflow 0.1.0"
+    assert version.returncode == 0 and version.stdout.strip() == f"shardflow {VERSION}"
+    assert shardflow_package.__version__ == VERSION
     top = shardflow("--help")
     assert top.returncode == 0
     assert all(name in top.stdout for name in COMMANDS)
-    same = subprocess.run([sys.executable, "-m", "pipeline", "--help"], capture_output=True,
+    same = subprocess.run([sys.executable, "-m", "shardflow", "--help"], capture_output=True,
                           text=True, timeout=60)
     assert same.returncode == 0 and same.stdout == top.stdout
 
@@ -72,17 +76,30 @@ def test_the_wheel_alone_converts_verifies_trains_and_benchmarks(wheel_site, tmp
     exe = wheel_site / "bin" / "shardflow"
     away = tmp_path / "elsewhere"  # not the checkout: nothing may come from it
     away.mkdir()
-    where = subprocess.run([sys.executable, "-c", "import pipeline, trainers; "
-                            "print(pipeline.__file__, trainers.__file__)"],
+    # One import name: nothing else at the top of the install but its metadata and command.
+    installed = {p.name for p in wheel_site.iterdir() if not p.name.endswith(".dist-info")}
+    assert installed == {"shardflow", "bin"}, installed
+    # A project with a pipeline.py and a trainers/ of its own imports both theirs and ours.
+    (away / "pipeline.py").write_text("MINE = 'the user pipeline.py'\n")
+    (away / "trainers").mkdir()
+    (away / "trainers" / "__init__.py").write_text("MINE = 'the user trainers/'\n")
+    where = subprocess.run([sys.executable, "-c", "import pipeline, trainers, shardflow; "
+                            "from shardflow import image_loader, text_loader, ShardDataset; "
+                            "from shardflow.trainers.loop import Trainer; "
+                            "import shardflow.tools.main; print(pipeline.MINE); "
+                            "print(trainers.MINE); print(shardflow.__file__); "
+                            "print(shardflow.trainers.__file__); print(shardflow.tools.__file__)"],
                            capture_output=True, text=True, cwd=away, env=env, check=True)
-    assert all(p.startswith(str(wheel_site)) for p in where.stdout.split()), where.stdout
+    mine, theirs = where.stdout.splitlines()[:2], where.stdout.splitlines()[2:]
+    assert mine == ["the user pipeline.py", "the user trainers/"], where.stdout
+    assert len(theirs) == 3 and all(p.startswith(str(wheel_site)) for p in theirs), theirs
 
     def run(*args: object, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         proc = shardflow(*args, exe=exe, cwd=away, env=env, timeout=timeout)
         assert proc.returncode == 0, f"{args}: {proc.stdout}\n{proc.stderr}"
         return proc
 
-    assert run("--version").stdout.strip() == "shardflow 0.1.0"
+    assert run("--version").stdout.strip() == f"shardflow {VERSION}"
     for name in COMMANDS:
         assert run(name, "--help").stdout.startswith(f"usage: shardflow {name} ")
     src = make_image_folder(away / "photos", classes=2, per_class=12)
@@ -93,7 +110,7 @@ def test_the_wheel_alone_converts_verifies_trains_and_benchmarks(wheel_site, tmp
     run("verify", away / "shards")
     run("recipes", away / "cluster")  # package data: in the wheel
     assert (away / "cluster" / "slurm_train.sbatch").read_bytes() == \
-        (ROOT / "pipeline" / "cli" / "cluster" / "slurm_train.sbatch").read_bytes()
+        (ROOT / "tools" / "cluster" / "slurm_train.sbatch").read_bytes()
     run("train", "--task", "image", "--data", away / "shards", "--out", away / "run",
         "--steps", 5, "--batch-size", 8, "--size", 32, "--device", "cpu", "--quiet")
     summary = json.loads((away / "run" / "summary.json").read_text())
@@ -108,13 +125,13 @@ def test_the_wheel_alone_converts_verifies_trains_and_benchmarks(wheel_site, tmp
 
 
 def test_the_cli_reference_is_the_parsers_own_help():
-    """docs/cli.md is made from the parsers (pipeline/cli/reference.py): an option added,
+    """docs/cli.md is made from the parsers (tools/reference.py): an option added,
     renamed or described anew without regenerating it fails here."""
-    from pipeline.cli import reference
+    from shardflow.tools import reference
 
     current = (ROOT / "docs" / "cli.md").read_text()
     made = reference.reference()
-    assert made == current, ("docs/cli.md is stale: python -m pipeline.cli.reference > "
+    assert made == current, ("docs/cli.md is stale: python -m shardflow.tools.reference > "
                              "docs/cli.md")
     for name in COMMANDS:
         assert f"## shardflow {name}\n" in made and f"usage: shardflow {name} " in made
@@ -133,7 +150,7 @@ def test_data_writes_the_built_in_datasets_and_refuses_a_folder_in_use(tmp_path)
 
 
 def test_recipes_writes_the_cluster_recipes_and_keeps_edited_ones(tmp_path):
-    shipped = ROOT / "pipeline" / "cli" / "cluster"
+    shipped = ROOT / "tools" / "cluster"
     made = shardflow("recipes", tmp_path / "cluster")
     assert made.returncode == 0, made.stderr
     names = sorted(p.name for p in shipped.iterdir())

@@ -1,4 +1,4 @@
-"""The cluster recipes in pipeline/cli/cluster (package data: `shardflow recipes DIR`; SLURM
+"""The cluster recipes in tools/cluster (package data: `shardflow recipes DIR`; SLURM
 batch script, Kubeflow PyTorchJob, indexed conversion Job): their structure, and their
 commands. Each recipe's shell runs for real under bash with the launchers stubbed (srun,
 scontrol, torchrun and shardflow record their arguments), so the variables are expanded as on
@@ -21,11 +21,11 @@ import pytest
 import yaml  # PyYAML: webdataset depends on it
 from conftest import ROOT
 
-CLUSTER = ROOT / "pipeline" / "cli" / "cluster"
+CLUSTER = ROOT / "tools" / "cluster"
 SBATCH = CLUSTER / "slurm_train.sbatch"
 README_SECTION = "## On a cluster"
 DOC = ROOT / "docs" / "storage-and-cluster.md"  # where that section lives
-TRAIN = "trainers.cli.train"  # what `shardflow train` runs; torchrun --module starts it
+TRAIN = "shardflow.tools.train"  # what `shardflow train` runs; torchrun --module starts it
 # What the training operator gives every pod (PET_*: torchrun's own variables).
 OPERATOR_ENV = {"PET_MASTER_ADDR": "shardflow-train-master-0", "PET_MASTER_PORT": "23456"}
 SLURM_ENV = {"SLURM_JOB_NODELIST": "gpu-node-[07-08]", "SLURM_NNODES": "2",
@@ -147,8 +147,7 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
     """shardflow train's, shardflow convert's and torchrun's own argument parsers."""
     from torch.distributed.run import get_args_parser
 
-    from pipeline.cli import make_shards
-    from trainers.cli import train
+    from shardflow.tools import make_shards, train
 
     found = {"shardflow train": train.build_parser(),
              "shardflow convert": make_shards.build_parser(), "torchrun": get_args_parser()}

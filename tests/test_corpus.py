@@ -52,15 +52,15 @@ from badfiles import (
 )
 from conftest import deadline, jpeg_bytes
 
-from pipeline.errors import DataError
-from pipeline.image.loader import image_loader
-from pipeline.loading.reader_dali import check_local_shard
-from pipeline.pointcloud.loader import pointcloud_loader
-from pipeline.samples.checks import check_label
-from pipeline.shards.daliindex import format_index
-from pipeline.shards.manifest import Manifest, ShardInfo
-from pipeline.shards.writer import ShardWriter
-from pipeline.text.loader import text_loader
+from shardflow.errors import DataError
+from shardflow.image.loader import image_loader
+from shardflow.loading.reader_dali import check_local_shard
+from shardflow.pointcloud.loader import pointcloud_loader
+from shardflow.samples.checks import check_label
+from shardflow.shards.daliindex import format_index
+from shardflow.shards.manifest import Manifest, ShardInfo
+from shardflow.shards.writer import ShardWriter
+from shardflow.text.loader import text_loader
 
 Members = dict[str, bytes]
 

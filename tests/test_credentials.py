@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from conftest import RangeHandler, http_server, make_image_folder, run_tool
 
-from pipeline import image_loader, pointcloud_loader, text_loader
-from pipeline.builtin import make_pointcloud_folder, make_text_corpus
-from pipeline.convert import ConvertConfig, convert
-from pipeline.errors import DataError
-from pipeline.loading import fetch
+from shardflow import image_loader, pointcloud_loader, text_loader
+from shardflow.builtin import make_pointcloud_folder, make_text_corpus
+from shardflow.convert import ConvertConfig, convert
+from shardflow.errors import DataError
+from shardflow.loading import fetch
 
 SECRET = "SECRETSIG"
 QUERY = f"?X-Amz-Signature={SECRET}&X-Amz-Credential=AKIA{SECRET}"

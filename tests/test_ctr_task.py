@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import ROOT, run_tool
 
-from pipeline.builtin.ctr import (
+from shardflow.builtin.ctr import (
     CATEGORICAL,
     DENSE,
     PLANTED,
@@ -29,13 +29,13 @@ from pipeline.builtin.ctr import (
     format_rows,
     make_ctr_dataset,
 )
-from pipeline.builtin.ctr import roc_auc as data_side_auc
-from pipeline.loading.batch import TabularBatch
-from trainers.ctr_metrics import ScoredTotals, logloss_of_logits, roc_auc
-from trainers.ctr_models import DLRM, DeepFM, FieldEmbeddings, build_ctr_model
-from trainers.ctr_task import ClickThroughRate
-from trainers.distributed import DistInfo
-from trainers.loop import TrainConfig, Trainer
+from shardflow.builtin.ctr import roc_auc as data_side_auc
+from shardflow.loading.batch import TabularBatch
+from shardflow.trainers.ctr_metrics import ScoredTotals, logloss_of_logits, roc_auc
+from shardflow.trainers.ctr_models import DLRM, DeepFM, FieldEmbeddings, build_ctr_model
+from shardflow.trainers.ctr_task import ClickThroughRate
+from shardflow.trainers.distributed import DistInfo
+from shardflow.trainers.loop import TrainConfig, Trainer
 
 CPU = torch.device("cpu")
 FIELDS = len(CATEGORICAL)

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, run_tool
 
-from pipeline.builtin import make_image_folder
-from trainers import curves
-from trainers.run import _draw_curves
+from shardflow.builtin import make_image_folder
+from shardflow.trainers import curves
+from shardflow.trainers.run import _draw_curves
 
 STEPS, LOG_EVERY = 6, 2
 TRAIN_TAGS = {"train/loss", "train/lr", "train/samples_per_s", "train/data_wait_share"}
@@ -159,7 +159,7 @@ def test_without_matplotlib_the_end_of_a_run_says_so(run, tmp_path, monkeypatch,
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
-    with caplog.at_level(logging.INFO, logger="trainers"):
+    with caplog.at_level(logging.INFO, logger="shardflow.trainers"):
         _draw_curves(tmp_path)  # what fit does at the end of a run
     assert "pip install matplotlib" in caplog.text
     assert not (tmp_path / "curves.png").exists()

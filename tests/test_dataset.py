@@ -17,11 +17,11 @@ import torch
 from conftest import QuietHandler, RangeHandler, deadline, http_server, jpeg_bytes, run_tool
 from PIL import Image, ImageOps
 
-from pipeline import ShardDataset, collate_skipping, image_loader, text_loader
-from pipeline.builtin import make_image_folder, make_pointcloud_folder, make_text_corpus
-from pipeline.convert import ConvertConfig, convert
-from pipeline.convert.sources import TextOptions
-from pipeline.errors import DataError
+from shardflow import ShardDataset, collate_skipping, image_loader, text_loader
+from shardflow.builtin import make_image_folder, make_pointcloud_folder, make_text_corpus
+from shardflow.convert import ConvertConfig, convert
+from shardflow.convert.sources import TextOptions
+from shardflow.errors import DataError
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +220,7 @@ def test_remote_shards_in_the_shard_cache_are_read_from_it(images, tmp_path):
 def test_numpy_indexes_a_bounded_number_of_open_files_and_close(images, monkeypatch):
     import os
 
-    from pipeline.access import dataset
+    from shardflow.access import dataset
 
     monkeypatch.setattr(dataset, "OPEN_FILES", 2)
     ds = ShardDataset(images)
@@ -233,7 +233,7 @@ def test_numpy_indexes_a_bounded_number_of_open_files_and_close(images, monkeypa
 
 
 def test_stats_count_a_bad_label_apart(tmp_path):
-    from pipeline.access import stats
+    from shardflow.access import stats
 
     raw = tmp_path / "raw"
     raw.mkdir()
@@ -259,7 +259,7 @@ def _foreign_shard(folder: Path, samples: dict[str, dict[str, bytes]]) -> Path:
     """A shard as webdataset's TarWriter writes it, indexed (`shardflow index`)."""
     import webdataset as wds
 
-    from pipeline.shards.indexing import index_folder
+    from shardflow.shards.indexing import index_folder
 
     folder.mkdir()
     with wds.TarWriter(str(folder / "s-000000.tar")) as sink:
@@ -272,7 +272,7 @@ def _foreign_shard(folder: Path, samples: dict[str, dict[str, bytes]]) -> Path:
 def _read_both(folder: Path, backend: str, **options) -> tuple[dict, dict, dict, dict]:
     """({key: sample} of ShardDataset, {key: (points, offset, labels)} of the loader, and
     each one's {key: skip reason}), both under on_error="skip"."""
-    from pipeline.pointcloud.loader import pointcloud_loader
+    from shardflow.pointcloud.loader import pointcloud_loader
 
     ds = ShardDataset(folder, on_error="skip")
     samples = {k: s for k in ds.keys() if (s := ds.get(k)) is not None}

@@ -1,4 +1,4 @@
-"""`shardflow demo` (trainers/cli/demo.py), the README's main job (`make demo`): each
+"""`shardflow demo` (tools/demo.py), the README's main job (`make demo`): each
 built-in dataset converted and verified, the image loader, and the five training runs reaching
 what their data allows; the folder it writes into is its own."""
 

@@ -14,7 +14,7 @@ import pytest
 from conftest import read_wds, run_tool
 from PIL import Image, ImageOps
 
-from pipeline import image_loader
+from shardflow import image_loader
 
 ORIENTATION = 0x0112
 
@@ -223,8 +223,8 @@ def test_segmentation_shards_keep_image_and_mask_aligned(tmp_path):
 def test_only_samples_of_one_image_are_downsized():
     """repair_sample, which make_shards shards runs per sample: an image beside a second
     image member (a mask under another name) is kept as it is, one alone is resized."""
-    from pipeline.samples.checks import CheckLimits, repair_sample
-    from pipeline.samples.downsize import Downsize
+    from shardflow.samples.checks import CheckLimits, repair_sample
+    from shardflow.samples.downsize import Downsize
 
     limits = CheckLimits(downsize=Downsize(32))
     image, mask = masked_photo(1)
@@ -246,9 +246,9 @@ def test_a_bomb_beside_an_image_is_a_named_skip_with_max_side_as_without():
     import struct
     import zlib
 
-    from pipeline.errors import DataError
-    from pipeline.samples.checks import CheckLimits, repair_sample
-    from pipeline.samples.downsize import Downsize
+    from shardflow.errors import DataError
+    from shardflow.samples.checks import CheckLimits, repair_sample
+    from shardflow.samples.downsize import Downsize
 
     def chunk(kind: bytes, body: bytes) -> bytes:
         return struct.pack(">I", len(body)) + kind + body + \

@@ -16,9 +16,9 @@ import pytest
 import torch
 from conftest import ROOT, import_or_skip
 
-from pipeline import image_loader
-from pipeline.builtin import make_image_folder
-from pipeline.convert import ConvertConfig, convert
+from shardflow import image_loader
+from shardflow.builtin import make_image_folder
+from shardflow.convert import ConvertConfig, convert
 
 BATCH, SAMPLES = 8, 40
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from conftest import run_tool
 
-from pipeline import image_loader, merge_states, text_loader
-from pipeline.builtin import make_image_folder, make_text_corpus
-from pipeline.convert import ConvertConfig, convert
-from pipeline.text.tokenizer import ByteTokenizer
+from shardflow import image_loader, merge_states, text_loader
+from shardflow.builtin import make_image_folder, make_text_corpus
+from shardflow.convert import ConvertConfig, convert
+from shardflow.text.tokenizer import ByteTokenizer
 
 OPTS = {"device": "cpu", "shuffle_buffer": 20, "prefetch": 2}
 TEXT = {"device": "cpu", "shuffle_buffer": 8, "prefetch": 2, "seq_len": 32,
@@ -245,7 +245,7 @@ def test_a_state_is_refused_by_a_loader_holding_out_other_keys(images):
     """The holdout decides which samples are read: a state saved with one is refused by a
     loader without it, or with another side or share (a state without the field, saved
     before it was recorded, is not checked)."""
-    from pipeline.loading.holdout import KeyHoldout
+    from shardflow.loading.holdout import KeyHoldout
 
     with _images(1, 0, images) as loader:
         loader.holdout = KeyHoldout("train", 10)

@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT, run_tool
 from test_kills import _kill_after, _records
 
-from pipeline.builtin import make_image_folder, make_text_corpus
+from shardflow.builtin import make_image_folder, make_text_corpus
 
 # Past the first epoch in every case: image 9 shards of 20 (8 train): 160 samples, 20 batches
 # of 8 on one rank; text 8 shards of 4 documents (7 train): about 15 k tokens, 15 batches of

@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import text_loader
-from pipeline.builtin import make_text_corpus
-from pipeline.convert import ConvertConfig, convert
-from pipeline.loading import consumed, reader_dali
-from pipeline.loading.deferred import Deferred, resolved
-from pipeline.loading.prefetch import Burst, Stage, ahead
-from pipeline.loading.readplan import plan_epoch
-from pipeline.loading.shardlist import ShardSpec, Source
-from pipeline.text import masking, packing, tokenize
-from pipeline.text.tokenizer import ByteTokenizer
+from shardflow import text_loader
+from shardflow.builtin import make_text_corpus
+from shardflow.convert import ConvertConfig, convert
+from shardflow.loading import consumed, reader_dali
+from shardflow.loading.deferred import Deferred, resolved
+from shardflow.loading.prefetch import Burst, Stage, ahead
+from shardflow.loading.readplan import plan_epoch
+from shardflow.loading.shardlist import ShardSpec, Source
+from shardflow.text import masking, packing, tokenize
+from shardflow.text.tokenizer import ByteTokenizer
 
 OPTS = {"device": "cpu", "shuffle_buffer": 16, "prefetch": 2}
 
@@ -131,7 +131,7 @@ def test_dali_outputs_are_split_from_one_copy_or_sample_by_sample():
 def test_sources_are_named_in_one_pass_as_sample_by_sample():
     from nvidia.dali.backend import TensorListCPU
 
-    from pipeline.loading.batch import EncodedBatch
+    from shardflow.loading.batch import EncodedBatch
 
     def column(sources):
         return TensorListCPU([np.frombuffer(s.encode(), np.uint8) if s else np.zeros(0, np.uint8)
@@ -214,7 +214,7 @@ def test_interleaved_shards_are_tracked_as_sample_by_sample(tmp_path):
 
 
 def _encoded(samples):
-    from pipeline.loading.batch import EncodedBatch
+    from shardflow.loading.batch import EncodedBatch
 
     return EncodedBatch([k for _, k in samples], [u for u, _ in samples],
                         [np.zeros(1, np.uint8) for _ in samples], [None for _ in samples])
@@ -253,7 +253,7 @@ def test_ahead_keeps_the_order_re_raises_and_leaves_no_thread():
 
 def test_the_tokenizer_ahead_gives_the_batches_of_the_inline_path(shards, monkeypatch):
     pytest.importorskip("tokenizers")
-    from pipeline.text.tokenizer import train_bpe
+    from shardflow.text.tokenizer import train_bpe
 
     texts = [p.read_text(encoding="utf-8") for p in sorted((shards / "docs").iterdir())]
     path = shards / "bpe.json"
@@ -305,7 +305,7 @@ def test_ahead_raises_fns_error_in_order_before_any_later_result():
 
 
 def test_a_packed_position_keeps_the_reads_layout_not_its_tokens():
-    from pipeline.text import elastic
+    from shardflow.text import elastic
 
     packer = packing.Packer(8)
     tokens, starts = ByteTokenizer().encode_packed(["abcdef", "ghij", "kl"], 257)

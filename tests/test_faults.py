@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, QuietHandler, http_server, jpeg_bytes, process_tree
 
-from pipeline.executor import WorkerError, ordered_map
+from shardflow.executor import WorkerError, ordered_map
 
 
 class _StallingHandler(QuietHandler):

@@ -21,10 +21,10 @@ import webdataset as wds
 from badfiles import special, tar_bytes
 from conftest import jpeg_bytes, load_manifest, make_image_folder, run_tool, shard_paths
 
-from pipeline import image_loader, text_loader
-from pipeline.errors import DataError, SkipLog
-from pipeline.shards.tarread import TarLimits, iter_samples
-from pipeline.shards.writer import ShardWriter
+from shardflow import image_loader, text_loader
+from shardflow.errors import DataError, SkipLog
+from shardflow.shards.tarread import TarLimits, iter_samples
+from shardflow.shards.writer import ShardWriter
 
 DOCS = {f"doc{i}": f"document number {i}\n".encode() for i in range(5)}
 

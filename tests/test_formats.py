@@ -19,10 +19,10 @@ import webdataset as wds
 from conftest import load_manifest, read_wds, run_tool
 from PIL import Image, ImageOps
 
-from pipeline import image_loader
-from pipeline.errors import DataError
-from pipeline.image.portable import _as_stored
-from pipeline.samples import checks, headers
+from shardflow import image_loader
+from shardflow.errors import DataError
+from shardflow.image.portable import _as_stored
+from shardflow.samples import checks, headers
 
 ORIENTATION = 0x0112
 

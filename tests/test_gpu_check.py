@@ -97,6 +97,24 @@ def test_dry_run_records_every_part_and_the_header(tmp_path: Path) -> None:
     assert "| delivery | ok |" in proc.stdout  # the table of key figures
 
 
+def test_a_checkout_with_nothing_installed_runs_the_check(tmp_path: Path) -> None:
+    """The lent GPU machine installs nothing: tools/checkout.py lays the package out as links
+    into this checkout, and the check (its part in a subprocess too) imports shardflow there."""
+    tree = tmp_path / "checkout"
+    made = subprocess.run([sys.executable, str(ROOT / "tools" / "checkout.py"), str(tree)],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    out = tmp_path / "gc.json"
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.run([sys.executable, "-m", "shardflow", "gpu-check", "--dry-run", "--only",
+                           "delivery", "--json", str(out)], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = load(out)
+    assert report["header"]["shardflow"] == str(tree / "shardflow")
+    assert report["parts"]["delivery"]["status"] == "ok"
+
+
 def test_the_report_is_valid_json_after_every_part(tmp_path: Path) -> None:
     out = tmp_path / "gc.json"
     stale = '{"half-written": '

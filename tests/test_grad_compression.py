@@ -16,8 +16,8 @@ import pytest
 import torch
 from conftest import ROOT, run_tool
 
-from pipeline.builtin import make_text_corpus
-from trainers import compression
+from shardflow.builtin import make_text_corpus
+from shardflow.trainers import compression
 
 STEPS = 30
 

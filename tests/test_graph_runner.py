@@ -7,7 +7,7 @@ on every batch's copy, the host sync this replaced) and never later."""
 
 from __future__ import annotations
 
-from pipeline.dali import GraphRunner
+from shardflow.dali import GraphRunner
 
 
 class Graph:

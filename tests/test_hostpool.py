@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.loading import hostpool
-from pipeline.loading.hostpool import HostPool
+from shardflow.loading import hostpool
+from shardflow.loading.hostpool import HostPool
 
 pytestmark = pytest.mark.skipif(hostpool._storage_uses is None,
                                 reason="this torch has no storage use count: nothing reused")

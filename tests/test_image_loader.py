@@ -14,10 +14,10 @@ import pytest
 import torch
 from conftest import QuietHandler, http_server, jpeg_bytes, make_image_folder, run_tool
 
-from pipeline import image_loader
-from pipeline.builtin import make_image_folder as builtin_images
-from pipeline.errors import DataError
-from pipeline.image.graph import IMAGENET_MEAN, IMAGENET_STD
+from shardflow import image_loader
+from shardflow.builtin import make_image_folder as builtin_images
+from shardflow.errors import DataError
+from shardflow.image.graph import IMAGENET_MEAN, IMAGENET_STD
 
 OPTS = {"size": 32, "threads": 1, "shuffle_buffer": 16}
 
@@ -227,7 +227,7 @@ def _png_declaring(width: int, height: int) -> bytes:
 
 @pytest.mark.parametrize("policy", ["raise", "skip"])
 def test_missing_label_bad_bytes_and_pixel_bomb_are_caught_before_decode(tmp_path, policy):
-    from pipeline.shards.writer import ShardWriter
+    from shardflow.shards.writer import ShardWriter
 
     writer = ShardWriter(tmp_path, "train", max_count=100, max_size=10**8)
     samples = [{"__key__": f"good{i}", "jpg": jpeg_bytes(i), "cls": b"1"} for i in range(5)]
@@ -368,8 +368,8 @@ def test_close_during_iteration_stops_quietly_and_leaves_no_thread(shards, caplo
 def test_eval_batch_is_the_centre_crop_of_the_image(shards):
     from PIL import Image
 
-    from pipeline.image import resize
-    from pipeline.image.augment import center_crop
+    from shardflow.image import resize
+    from shardflow.image.augment import center_crop
 
     batch = next(iter(image_loader(shards, batch_size=4, train=False, device="cpu", **OPTS)))
     tar = tarfile.open(shards / "train-000000.tar")
@@ -404,7 +404,7 @@ def test_eval_crop_is_the_centre_square_pil_makes(tmp_path, resize_on, fraction)
     image against PIL's centre crop of the same bytes. Measured mean |difference| per image
     (0..255): at most 0.08 (torch resize) and 0.48 (the graph's); the same crop one pixel
     to the right differs by 12 or more."""
-    from pipeline.shards.writer import ShardWriter
+    from shardflow.shards.writer import ShardWriter
 
     shapes = [(60, 40), (40, 64), (48, 48), (75, 50), (33, 47), (64, 37)]
     data = {f"img{i:02d}": jpeg_bytes(i, size=s) for i, s in enumerate(shapes * 2)}
@@ -467,7 +467,7 @@ def test_streaming_resume_counts_each_skip_once(tmp_path):
 
 
 def test_fetch_failures_never_show_url_secrets(tmp_path, monkeypatch):
-    from pipeline.loading import fetch
+    from shardflow.loading import fetch
 
     monkeypatch.setattr(fetch, "BACKOFF_S", 0.01)
     (tmp_path / "a.tar").write_bytes(b"x" * 2048)
@@ -520,7 +520,7 @@ class _FlakyRangeHandler(QuietHandler):
 
 
 def test_a_dropped_download_is_resumed_and_nothing_is_lost(shards, monkeypatch):
-    from pipeline.loading import fetch
+    from shardflow.loading import fetch
 
     monkeypatch.setattr(fetch, "BACKOFF_S", 0.01)
     monkeypatch.setattr(fetch, "CHUNK", 16384)
@@ -536,7 +536,7 @@ def test_a_dropped_download_is_resumed_and_nothing_is_lost(shards, monkeypatch):
 
 @pytest.mark.dali  # hangs DALI's reader
 def test_a_hung_reader_is_reported_within_the_timeout(shards, monkeypatch):
-    from pipeline.loading import reader_dali
+    from shardflow.loading import reader_dali
 
     stop_hanging = threading.Event()
     real = reader_dali.batches
@@ -713,7 +713,7 @@ def test_a_reader_started_ahead_is_dropped_by_a_pass_that_continues_its_epoch(
         assert loader._primed._pipe is not unused
         assert [k for b in [*list(rest)] for k in b.keys] == whole[0][8 * 7:]
     # A failure to start it ahead is not the epoch's: it is logged, the epoch ends whole.
-    from pipeline.loading import reader_dali
+    from shardflow.loading import reader_dali
 
     def broken(self, plan, exts, extras):
         raise OSError("no file descriptors left")

@@ -25,11 +25,11 @@ import webdataset as wds
 from badfiles import tar_bytes
 from conftest import RangeHandler, http_server, jpeg_bytes, run_tool
 
-from pipeline import image_loader
-from pipeline.errors import DataError
-from pipeline.shards import daliindex
-from pipeline.shards.indexing import index_shard
-from pipeline.shards.tarread import TarLimits
+from shardflow import image_loader
+from shardflow.errors import DataError
+from shardflow.shards import daliindex
+from shardflow.shards.indexing import index_shard
+from shardflow.shards.tarread import TarLimits
 
 
 def wds_shards(folder: Path, shards: int = 3, per_shard: int = 5) -> dict[str, int]:

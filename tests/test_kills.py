@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, process_tree, run_tool
 
-from pipeline.builtin import make_image_folder
+from shardflow.builtin import make_image_folder
 
 STEPS = 30  # past the first epoch (27 batches with one rank, 12 per rank with two)
 

@@ -1,4 +1,4 @@
-"""Tests for the synthetic SemanticKITTI-layout LiDAR scans of pipeline.builtin.lidar."""
+"""Tests for the synthetic SemanticKITTI-layout LiDAR scans of shardflow.builtin.lidar."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.builtin import make_lidar_scans
-from pipeline.builtin.lidar import (
+from shardflow.builtin import make_lidar_scans
+from shardflow.builtin.lidar import (
     BUILDING,
     CAR,
     CLASS_NAMES,

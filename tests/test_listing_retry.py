@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from conftest import RangeHandler, http_server, run_tool
 
-from pipeline import image_loader
-from pipeline.builtin import make_image_folder as builtin_images
-from pipeline.loading import fetch
+from shardflow import image_loader
+from shardflow.builtin import make_image_folder as builtin_images
+from shardflow.loading import fetch
 
 OPTS = {"size": 32, "threads": 1, "shuffle_buffer": 16}
 SHARDS = 8
@@ -31,7 +31,7 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(autouse=True)
 def quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline import urls
+    from shardflow import urls
 
     monkeypatch.setattr(urls, "BACKOFF_S", 0.01)
     monkeypatch.setattr(fetch, "BACKOFF_S", 0.01)
@@ -126,7 +126,7 @@ def test_a_404_is_missing_at_once(shards):
 def test_the_transient_test_sees_the_bug_it_guards(shards, monkeypatch):
     """With fsspec's exists (False on a 503), the old check called a shard behind a hiccup
     missing: the planted bug this file's first test fails on."""
-    from pipeline.shards import listing
+    from shardflow.shards import listing
 
     monkeypatch.setattr(listing, "_exists",
                         lambda url, options: bool(listing.fsspec.core.url_to_fs(url)[0]

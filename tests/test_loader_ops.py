@@ -13,7 +13,7 @@ import torch
 from conftest import gpu_available, resumed_run
 from test_ops import Invert  # the own op of docs/ops.md
 
-from pipeline import image_loader, ops
+from shardflow import image_loader, ops
 
 BACKENDS = [pytest.param("dali", "dali", marks=pytest.mark.dali),
             pytest.param("stream", "dali", marks=pytest.mark.dali),
@@ -104,7 +104,7 @@ def test_a_cpu_loaders_ops_run_beside_its_decode_stage_and_stop_with_it(op_shard
 def test_a_cpu_loader_with_ops_prefetches_deeper_unless_told(op_shards):
     """loader.AUGMENT_PREFETCH for a CPU loader with ops and no prefetch given; the default
     without ops, and whatever the user gives."""
-    from pipeline.image.loader import AUGMENT_PREFETCH
+    from shardflow.image.loader import AUGMENT_PREFETCH
 
     ra = [ops.RandAugment(2, 9)]
     with _make(op_shards, "stream", "portable", augment=ra) as deeper, \
@@ -198,7 +198,7 @@ def test_the_readmes_own_op_runs_in_the_loader(op_shards, reader, backend, capsy
 
 
 def test_ops_the_loader_cannot_run_are_refused(op_shards):
-    with pytest.raises(ValueError, match="not a pipeline.ops.Op"):
+    with pytest.raises(ValueError, match="not a shardflow.ops.Op"):
         _make(op_shards, "stream", "portable", augment=[lambda x: x])
     with pytest.raises(ValueError, match="one ops.Mix at most"):
         _make(op_shards, "stream", "portable",

@@ -17,7 +17,7 @@ from conftest import (
     shard_paths,
 )
 
-from pipeline.builtin import make_pointcloud_folder, make_text_corpus
+from shardflow.builtin import make_pointcloud_folder, make_text_corpus
 
 
 def test_imagefolder_round_trip_bytes_labels_and_dali(tmp_path):
@@ -188,7 +188,7 @@ def test_the_folder_walk_lists_in_pathlibs_order_and_names_what_it_passes_over(
         tmp_path, monkeypatch):
     import os
 
-    from pipeline.convert import sources
+    from shardflow.convert import sources
 
     root = tmp_path / "src"
     for rel in ("a/b.jpg", "a.b/c.jpg", "a-b/x.jpg", "A/y.jpg", "ü/z.jpg", ".hidden/h.jpg",
@@ -240,8 +240,8 @@ def test_a_file_over_max_file_size_is_refused_naming_it_and_one_at_the_limit_kep
 
 
 def test_a_local_file_that_grows_while_read_is_read_to_its_end(tmp_path, monkeypatch):
-    from pipeline.convert import sources
-    from pipeline.errors import DataError
+    from shardflow.convert import sources
+    from shardflow.errors import DataError
 
     path = tmp_path / "f.bin"
     path.write_bytes(bytes(range(256)) * 40)
@@ -341,8 +341,8 @@ def test_symlinks_are_not_followed_but_listed(tmp_path):
 
 
 def test_big_line_files_are_cut_into_ranges_without_losing_a_line(tmp_path, monkeypatch):
-    from pipeline.convert import ConvertConfig, convert, sources
-    from pipeline.convert.sources import TextOptions
+    from shardflow.convert import ConvertConfig, convert, sources
+    from shardflow.convert.sources import TextOptions
 
     monkeypatch.setattr(sources, "TEXT_RANGE_BYTES", 64)
     lines = [f"line {i} " + "x" * (i % 17) for i in range(200)]
@@ -391,11 +391,11 @@ def test_an_image_sent_by_its_path_is_written_as_its_bytes_and_refused_once_chan
     bytes, and a file changed after its check is bad input (on_error), never written."""
     import os
 
-    from pipeline.convert.sources import InputItem, TextOptions, build_samples
-    from pipeline.errors import DataError
-    from pipeline.samples.checks import CheckLimits
-    from pipeline.samples.downsize import Downsize
-    from pipeline.shards.writer import FileRef, pack
+    from shardflow.convert.sources import InputItem, TextOptions, build_samples
+    from shardflow.errors import DataError
+    from shardflow.samples.checks import CheckLimits
+    from shardflow.samples.downsize import Downsize
+    from shardflow.shards.writer import FileRef, pack
 
     path = tmp_path / "a.jpg"
     path.write_bytes(jpeg_bytes(1))
@@ -438,7 +438,7 @@ def test_a_script_read_from_stdin_converts_with_worker_processes(tmp_path):
 
     src = make_image_folder(tmp_path / "src", classes=2, per_class=20)  # 3 chunks: 2 workers
     script = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
-              "from pipeline.convert import ConvertConfig, convert\n"
+              "from shardflow.convert import ConvertConfig, convert\n"
               f"m = convert(ConvertConfig(kind='imagefolder', src={str(src)!r}, "
               f"out={str(tmp_path / 'out')!r}, max_count=4, workers=2))\n"
               "print('samples', sum(s.samples for s in m.shards))\n")

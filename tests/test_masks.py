@@ -16,8 +16,8 @@ import torch
 from conftest import run_tool
 from PIL import Image
 
-from pipeline import image_loader, ops
-from pipeline.errors import DataError
+from shardflow import image_loader, ops
+from shardflow.errors import DataError
 
 SIZE = 32
 
@@ -340,7 +340,7 @@ def test_ops_apply_warps_masks_outside_a_loader(masked):
 def test_one_bit_masks_are_labels_0_and_1_and_targets_name_a_member_once():
     """A 1-bit PNG mask reads as 0/1 (PIL's convert("L") would give 255, the usual ignore
     index), converted or not; two targets naming one member are refused."""
-    from pipeline.samples import masks
+    from shardflow.samples import masks
 
     _, mask = _scene(0)
     one_bit = io.BytesIO()
@@ -352,7 +352,7 @@ def test_one_bit_masks_are_labels_0_and_1_and_targets_name_a_member_once():
     Image.fromarray(mask > 0).save(bmp, format="BMP")
     stored = masks.prepare_mask(bmp.getvalue(), (72, 56))
     assert set(np.unique(masks.read_mask(stored, (72, 56))).tolist()) == {0, 1}
-    from pipeline.image.config import ImageConfig
+    from shardflow.image.config import ImageConfig
 
     with pytest.raises(ValueError, match="named twice"):
         ImageConfig(batch_size=2, targets={"mask": "seg.png", "again": "seg.png"})

@@ -16,9 +16,9 @@ import pytest
 import torch
 from conftest import ROOT, make_image_folder
 
-from pipeline import image_loader, merge_states, pointcloud_loader, text_loader
-from pipeline.builtin import make_pointcloud_folder, make_text_corpus
-from pipeline.convert import ConvertConfig, convert
+from shardflow import image_loader, merge_states, pointcloud_loader, text_loader
+from shardflow.builtin import make_pointcloud_folder, make_text_corpus
+from shardflow.convert import ConvertConfig, convert
 
 OPTS = {"batch_size": 4, "size": 16, "device": "cpu", "threads": 1, "use_tuning": False}
 
@@ -295,8 +295,8 @@ def test_point_clouds_mix_per_sample(tmp_path):
 
 
 def test_rows_of_other_shapes_are_refused_naming_the_batch_mode():
-    from pipeline.loading import rows
-    from pipeline.loading.batch import ImageBatch
+    from shardflow.loading import rows
+    from shardflow.loading.batch import ImageBatch
 
     small = ImageBatch(image=torch.zeros(2, 3, 8, 8), label=torch.zeros(2), keys=["x", "y"])
     large = ImageBatch(image=torch.zeros(1, 3, 9, 9), label=torch.zeros(1), keys=["z"])
@@ -362,8 +362,8 @@ def test_bad_samples_in_a_source_are_counted_and_the_rest_read_once(sources, tmp
     source's epoch comes out once."""
     from conftest import jpeg_bytes
 
-    from pipeline.shards.manifest import Manifest
-    from pipeline.shards.writer import ShardWriter
+    from shardflow.shards.manifest import Manifest
+    from shardflow.shards.writer import ShardWriter
 
     a, _ = sources
     bad = tmp_path / "bad"

@@ -1,4 +1,4 @@
-"""pipeline.ops: each colour op against PIL's ImageEnhance/ImageOps (what torchvision's ops
+"""shardflow.ops: each colour op against PIL's ImageEnhance/ImageOps (what torchvision's ops
 on PIL images call) on photo-like JPEGs, for fixed parameters, within the stated levels;
 batched application equal to one image at a time; draws from each sample's key alone;
 MixUp and CutMix as the stated combination of two images of the batch, their targets by
@@ -17,7 +17,7 @@ import torch
 from conftest import chi_square, photo_tensor
 from PIL import Image, ImageEnhance, ImageOps
 
-from pipeline import ops
+from shardflow import ops
 
 
 def _diff(op: ops.Op, param: object, photos: list[Image.Image], reference) -> torch.Tensor:
@@ -222,7 +222,7 @@ def _augmented(loader, batches, recipe, mix) -> list[tuple[list, torch.Tensor, t
 def test_augmented_and_mixed_batches_resume_bit_identical(op_shards, reader, backend):
     """Ops on a loader's batches, own op included, resumed mid-epoch after a state saved:
     the same keys, pixels and targets as the run that went on."""
-    from pipeline import image_loader
+    from shardflow import image_loader
 
     if backend == "dali":
         pytest.importorskip("nvidia.dali")
@@ -254,7 +254,7 @@ def test_augmented_and_mixed_batches_resume_bit_identical(op_shards, reader, bac
 def _pil_affine(image: Image.Image, angle, translate, scale, shear, center=None) -> Image.Image:
     """torchvision's F.affine on a PIL image: the inverse matrix about the centre (in
     pixels), through PIL's Image.transform, nearest neighbour."""
-    from pipeline.ops.geometry import inverse_affine
+    from shardflow.ops.geometry import inverse_affine
 
     w, h = image.size
     matrix = inverse_affine(angle, translate, scale, shear, center or (w * 0.5, h * 0.5))
@@ -309,7 +309,7 @@ def test_rotate_flip_and_sharpness_are_pils(photos):
     ("Equalize", 0.0, ImageOps.equalize),
 ])
 def test_each_policy_op_is_torchvisions_on_pil(photos, name, magnitude, reference):
-    from pipeline.ops.policies import run_op
+    from shardflow.ops.policies import run_op
 
     got = run_op(name, photo_tensor(photos), [magnitude] * len(photos))
     want = photo_tensor([reference(p) for p in photos])
@@ -322,7 +322,7 @@ def test_each_policy_op_is_torchvisions_on_pil(photos, name, magnitude, referenc
 def test_randaugment_draws_follow_its_definition():
     """10,000 images x 2 ops: the 14 ops uniformly (chi-square, 13 degrees of freedom, below
     the 0.001 critical value 34.5), each at bin 9, the signed ones negated half the time."""
-    from pipeline.ops.policies import RAND_AUGMENT
+    from shardflow.ops.policies import RAND_AUGMENT
 
     policy = ops.RandAugment(num_ops=2, magnitude=9)
     steps = [s for rng in ops.sample_rngs(0, 0, map(str, range(10_000)))
@@ -343,7 +343,7 @@ def test_randaugment_draws_follow_its_definition():
 def test_trivial_augment_draws_follow_its_definition():
     """10,000 images: one op of 14 uniformly, its bin uniformly of 31 (chi-square, 30
     degrees of freedom, below the 0.001 critical value 59.7), signs half and half."""
-    from pipeline.ops.policies import TRIVIAL_AUGMENT_WIDE as SPACE
+    from shardflow.ops.policies import TRIVIAL_AUGMENT_WIDE as SPACE
 
     policy = ops.TrivialAugmentWide()
     steps = [policy.draw(rng)[0] for rng in ops.sample_rngs(1, 0, map(str, range(10_000)))]
@@ -395,8 +395,8 @@ def test_the_cpu_fast_paths_give_the_general_forms_pixels():
     """Lookup tables (brightness, contrast, solarize, autocontrast) and whole-pixel shifts
     (RandAugment's translations) are the float maths and the warp they replace, bit for
     bit, flat images and moves off the image included."""
-    from pipeline.ops import color, geometry
-    from pipeline.ops.policies import run_op
+    from shardflow.ops import color, geometry
+    from shardflow.ops.policies import run_op
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (16, 3, 40, 50), dtype=torch.uint8, generator=gen)
@@ -433,7 +433,7 @@ def test_the_cpu_fast_paths_give_the_general_forms_pixels():
 def test_a_cpu_batch_gets_the_same_pixels_in_any_chunk(photos, monkeypatch):
     """ops.apply takes a CPU batch CPU_CHUNK images at a time: the pixels do not depend on
     the chunk, the op's draws stay the sample's own."""
-    from pipeline.ops import base
+    from shardflow.ops import base
 
     images = torch.cat([photo_tensor(photos)] * 3)  # 18 images: chunks that do not divide it
     keys = [f"k{i}" for i in range(len(images))]
@@ -450,7 +450,7 @@ def test_the_cpu_warp_is_the_device_warp(photos):
     """The CPU's own warp against the one a GPU runs (both run here on the CPU): the
     nearest-pixel gather against grid_sample, on photos (channels last, as a loader hands
     them), label maps and grey images, rotations, shears, scales and moves off the image."""
-    from pipeline.ops import geometry
+    from shardflow.ops import geometry
 
     gen = torch.Generator().manual_seed(3)
     images = photo_tensor(photos).permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
@@ -473,7 +473,7 @@ def test_the_cpu_warp_is_the_device_warp(photos):
 
 def test_ops_take_an_empty_batch():
     """Every op, and the point ops, on a batch of no images: the shape comes back."""
-    from pipeline.ops.crop import CenterCrop
+    from shardflow.ops.crop import CenterCrop
 
     empty = torch.zeros((0, 3, 24, 24), dtype=torch.uint8)
     recipe = [ops.Flip(), ops.Affine(10), ops.Rotate(10), ops.ColorJitter(0.4, 0.4, 0.4, 0.1),

@@ -1,4 +1,4 @@
-"""pipeline.ops, the second set: AutoAugment (torchvision's tables and draws, batched as
+"""shardflow.ops, the second set: AutoAugment (torchvision's tables and draws, batched as
 each image alone), RandomErasing (the drawn box exactly, torchvision's get_params
 distribution), GaussianBlur (torchvision's definition in numpy, within a level of PIL's
 approximation) and Normalize (float out, last), against PIL and the definitions."""
@@ -14,9 +14,9 @@ import torch
 from conftest import chi_square, import_or_skip, photo_tensor
 from PIL import ImageFilter, ImageOps
 
-from pipeline import ops
-from pipeline.ops.erase import erase_box, hashed_noise
-from pipeline.ops.policies import AUTO_AUGMENT, AUTO_AUGMENT_POLICIES, run_op
+from shardflow import ops
+from shardflow.ops.erase import erase_box, hashed_noise
+from shardflow.ops.policies import AUTO_AUGMENT, AUTO_AUGMENT_POLICIES, run_op
 
 
 def _rngs(n: int, tag: str = "s") -> list[random.Random]:
@@ -113,7 +113,7 @@ def test_autoaugment_batched_is_each_image_on_its_own(photos, policy):
 
 
 def test_spec_names_autoaugment_as_timm_does():
-    from pipeline.ops import spec
+    from shardflow.ops import spec
 
     for name in ("original", "autoaug"):
         (op,) = spec.parse(name)

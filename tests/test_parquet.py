@@ -12,9 +12,9 @@ from conftest import convert_killed, jpeg_bytes, load_manifest, read_wds, run_to
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from pipeline import image_loader, text_loader  # noqa: E402
-from pipeline.convert import ConvertConfig, convert, parquet, parquet_rows  # noqa: E402
-from pipeline.convert.parquet import ParquetOptions  # noqa: E402
+from shardflow import image_loader, text_loader  # noqa: E402
+from shardflow.convert import ConvertConfig, convert, parquet, parquet_rows  # noqa: E402
+from shardflow.convert.parquet import ParquetOptions  # noqa: E402
 
 
 def images(n: int, seed: int = 0) -> list[bytes]:

@@ -1,7 +1,7 @@
 """Where batches land and where they are made: `device` and `decode` resolved once at build
-(pipeline.loading.readers.resolve_placement), refused with the option and the fix, exposed by
+(shardflow.loading.readers.resolve_placement), refused with the option and the fix, exposed by
 every loader, and the same choice on train.py's command line; on a GPU, the pinned ring of
-the device copier (pipeline.loading.delivery)."""
+the device copier (shardflow.loading.delivery)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import pytest
 import torch
 from conftest import ROOT
 
-from pipeline.builtin import make_image_folder, make_pointcloud_folder, make_text_corpus
-from pipeline.convert import ConvertConfig, convert
-from pipeline.loading.delivery import DeviceCopier
-from pipeline.loading.readers import Placement, resolve_placement
+from shardflow.builtin import make_image_folder, make_pointcloud_folder, make_text_corpus
+from shardflow.convert import ConvertConfig, convert
+from shardflow.loading.delivery import DeviceCopier
+from shardflow.loading.readers import Placement, resolve_placement
 
 
 @pytest.fixture
@@ -83,7 +83,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _loader(kind: str, source: Path, **options: object):
-    from pipeline import image_loader, pointcloud_loader, text_loader
+    from shardflow import image_loader, pointcloud_loader, text_loader
 
     make = {"image": image_loader, "text": text_loader, "pointcloud": pointcloud_loader}[kind]
     threads = {} if kind == "text" else {"threads": 1}  # text has no decode threads
@@ -110,11 +110,11 @@ def test_a_graph_that_decodes_on_the_cpu_opens_no_cuda_device(monkeypatch, kind,
     """Batches bound for cuda:3: the graph takes device_id=3 only when it decodes there; a
     CPU-decoding graph is built with device_id=None (the copier moves its batches), so DALI
     opens no CUDA context and holds no device memory of its own."""
-    from pipeline import dali
-    from pipeline.image.config import ImageConfig
-    from pipeline.image.decode import DecodeStage
-    from pipeline.pointcloud.config import PointCloudConfig
-    from pipeline.pointcloud.decode import DecodeStage as CloudDecodeStage
+    from shardflow import dali
+    from shardflow.image.config import ImageConfig
+    from shardflow.image.decode import DecodeStage
+    from shardflow.pointcloud.config import PointCloudConfig
+    from shardflow.pointcloud.decode import DecodeStage as CloudDecodeStage
 
     built: list[object] = []
     monkeypatch.setattr(dali, "build", lambda graph, **options: built.append(

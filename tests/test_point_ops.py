@@ -1,4 +1,4 @@
-"""Point-cloud ops (pipeline.ops.points): the loader's own rotation, scale and jitter
+"""Point-cloud ops (shardflow.ops.points): the loader's own rotation, scale and jitter
 expressed as ops (run in its graph), a user's ops after them in torch, before the voxels,
 drawn per cloud from (seed, epoch, key): the same on both backends and after a resume."""
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 from conftest import resumed_run
 
-from pipeline import ops, pointcloud_loader
-from pipeline.builtin import make_pointcloud_folder
-from pipeline.convert import ConvertConfig, convert
+from shardflow import ops, pointcloud_loader
+from shardflow.builtin import make_pointcloud_folder
+from shardflow.convert import ConvertConfig, convert
 
 P = ops.points
 BACKENDS = [pytest.param("dali", "dali", marks=pytest.mark.dali),
@@ -144,7 +144,7 @@ def test_the_torch_forms_follow_their_definitions():
 
 
 def test_what_cannot_be_point_ops_is_refused(cloud_shards):
-    with pytest.raises(ValueError, match="not a pipeline.ops.points op"):
+    with pytest.raises(ValueError, match="not a shardflow.ops.points op"):
         _make(cloud_shards, augment=[ops.Flip()])
     with pytest.raises(ValueError, match="training loaders"):
         _make(cloud_shards, augment=[P.RotateZ(10)], train=False)

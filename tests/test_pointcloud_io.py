@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
-from pipeline.samples.pointcloud_io import PointCloudFormatError, check_points, read_points
+from shardflow.samples.pointcloud_io import PointCloudFormatError, check_points, read_points
 
 RNG = np.random.default_rng(0)
 XYZ = RNG.normal(size=(7, 3)).astype(np.float32)

@@ -14,16 +14,16 @@ import torch
 from badfiles import bad_samples, good, npy
 from conftest import read_wds, run_tool
 
-from pipeline.bench.pointcloud import augment_numpy
-from pipeline.builtin import make_pointcloud_folder
-from pipeline.convert import ConvertConfig, convert
-from pipeline.errors import DataError
-from pipeline.loading.shardlist import resolve_source
-from pipeline.pointcloud import sample as pointcloud_sample
-from pipeline.pointcloud.loader import PointCloudConfig, PointCloudLoader, pointcloud_loader
-from pipeline.pointcloud.sample import sample_params
-from pipeline.pointcloud.voxelize import voxelize
-from pipeline.shards.writer import ShardWriter
+from shardflow.builtin import make_pointcloud_folder
+from shardflow.convert import ConvertConfig, convert
+from shardflow.errors import DataError
+from shardflow.loading.shardlist import resolve_source
+from shardflow.pointcloud import sample as pointcloud_sample
+from shardflow.pointcloud.loader import PointCloudConfig, PointCloudLoader, pointcloud_loader
+from shardflow.pointcloud.sample import sample_params
+from shardflow.pointcloud.voxelize import voxelize
+from shardflow.shards.writer import ShardWriter
+from shardflow.tools.bench.pointcloud import augment_numpy
 
 OPTS = {"device": "cpu", "threads": 1, "shuffle_buffer": 16}
 POINTS = 96  # per stored cloud
@@ -380,7 +380,7 @@ def test_a_graph_failure_is_traced_to_its_sample(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="train-000000.tar key 'swapped': DALI cannot decode it: "
                        ".*Big Endian.*bad-cloud"):
         epoch(pointcloud_loader(source, batch_size=4, num_points=16, **OPTS))
-    from pipeline.pointcloud.decode import DecodeStage
+    from shardflow.pointcloud.decode import DecodeStage
 
     builds: list[int | None] = []
     real_build = DecodeStage._build
@@ -493,7 +493,7 @@ def test_the_device_cell_index_needs_no_host_tensor_and_is_the_cpu_one(side, dim
     """CUDA's row-major cell index (integer multiply-adds by Python numbers) equals the CPU's
     float matmul, also where side**dims passes 2**24 (float64 there); and it makes no tensor
     from host data (on CUDA that copy would wait for the stream)."""
-    from pipeline.pointcloud import voxelize as vox
+    from shardflow.pointcloud import voxelize as vox
 
     gen = torch.Generator().manual_seed(side)
     cells = torch.randint(0, side, (3, 500, 3), generator=gen).float()
@@ -515,7 +515,7 @@ def test_the_cpu_voxelizer_is_the_torch_one(mode, grid, extent, dtype):
     """The CPU path (numpy, one spare cell for outsiders) gives the grid of the torch path
     that CUDA runs (padded border cut away), on points inside, on every face and edge of the
     cube, beyond it, NaN and infinite."""
-    from pipeline.pointcloud import voxelize as vox
+    from shardflow.pointcloud import voxelize as vox
 
     gen = torch.Generator().manual_seed(grid)
     points = (torch.rand(5, 300, 3, generator=gen) * 2.4 - 1.2) * extent
@@ -535,7 +535,7 @@ def test_the_quick_bound_takes_an_offset_exactly_where_the_full_rule_does():
     loading them (pointcloud_sample._cast_keeps): where it says the float32 cast keeps them,
     pointcloud_io.precision_offset must say no offset either, and the bytes go on as they
     were."""
-    from pipeline.samples.pointcloud_io import precision_offset
+    from shardflow.samples.pointcloud_io import precision_offset
 
     rng = np.random.default_rng(4)
     for centre in (0.0, 1e3, 1e5, 1e6, 5e6, 1e8):

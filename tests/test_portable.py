@@ -24,23 +24,23 @@ import torch
 from conftest import ROOT, dali_available, jpeg_bytes, run_tool
 from PIL import Image, ImageOps
 
-from pipeline import image_loader, pointcloud_loader, text_loader
-from pipeline.builtin import (
+from shardflow import image_loader, pointcloud_loader, text_loader
+from shardflow.builtin import (
     make_image_folder,
     make_photo_corpus,
     make_pointcloud_folder,
     make_text_corpus,
 )
-from pipeline.convert import ConvertConfig, convert
-from pipeline.errors import DataError
-from pipeline.image import augment, resize
-from pipeline.image.portable import decode_window, draft_scale
-from pipeline.loading import readers
-from pipeline.loading.rng import sample_rng
-from pipeline.pointcloud.portable import transform
-from pipeline.pointcloud.sample import SampleParams
-from pipeline.samples import headers
-from pipeline.shards.writer import ShardWriter
+from shardflow.convert import ConvertConfig, convert
+from shardflow.errors import DataError
+from shardflow.image import augment, resize
+from shardflow.image.portable import decode_window, draft_scale
+from shardflow.loading import readers
+from shardflow.loading.rng import sample_rng
+from shardflow.pointcloud.portable import transform
+from shardflow.pointcloud.sample import SampleParams
+from shardflow.samples import headers
+from shardflow.shards.writer import ShardWriter
 
 OPTS = {"device": "cpu", "threads": 2, "shuffle_buffer": 16, "use_tuning": False}
 # Pixels of a window decoded at 1/2-1/8 scale (PIL's draft) and resized, against the same
@@ -191,7 +191,7 @@ def test_max_pixels_above_pils_own_limit_is_the_callers(tmp_path, monkeypatch, b
     max_pixels said: the portable backend skipped such photos as too-many-pixels (and its
     check did, on either backend) where DALI decoded them. At small scale: PIL's limit at
     2000, photos of 4800 pixels."""
-    from pipeline.samples.checks import CheckLimits, check_image
+    from shardflow.samples.checks import CheckLimits, check_image
 
     if backend == "dali" and not dali_available():
         pytest.skip("needs nvidia.dali")
@@ -391,7 +391,7 @@ def no_dali(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_auto_takes_portable_without_dali_and_says_so_once(shards, no_dali, caplog):
-    caplog.set_level(logging.INFO, logger="pipeline.loading.readers")
+    caplog.set_level(logging.INFO, logger="shardflow.loading.readers")
     for _ in range(2):
         with image_loader(shards, batch_size=4, size=32, **OPTS) as loader:
             assert loader.backend == "portable" and len(list(loader)) == 8
@@ -412,7 +412,7 @@ def test_the_dali_wheel_follows_torchs_cuda(monkeypatch, cuda, wheel):
     """The install hint names the DALI build for torch's CUDA major version (CUDA 13 torch
     builds are current; the card's default stays nvidia-dali-cuda120), and says how to swap
     when it is not the default."""
-    from pipeline import dali
+    from shardflow import dali
 
     assert dali.wheel_for(cuda) == wheel
     monkeypatch.setattr(torch.version, "cuda", cuda)
@@ -441,9 +441,9 @@ def test_train_tool_takes_the_backend_and_records_it(shards, tmp_path):
 
 
 def test_nothing_needs_dali_at_import():
-    code = ("import pipeline, pipeline.image, pipeline.pointcloud, pipeline.text, trainers;"
-            "import pipeline.image.portable, pipeline.pointcloud.portable, pipeline.bench.image,"
-            " pipeline.bench.peers;"
+    code = ("import shardflow, shardflow.image, shardflow.pointcloud, shardflow.text;"
+            "import shardflow.trainers, shardflow.image.portable, shardflow.pointcloud.portable;"
+            "import shardflow.tools.bench.image, shardflow.tools.bench.peers;"
             "import sys; assert not [m for m in sys.modules if m.startswith('nvidia.dali')]")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests" / "nodali")}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)

@@ -16,15 +16,15 @@ import pytest
 import torch
 from conftest import run_tool
 
-from pipeline import merge_states, text_loader
-from pipeline.builtin import make_text_corpus
-from pipeline.convert import ConvertConfig, convert
-from pipeline.convert.sources import TextOptions
-from pipeline.errors import DataError
-from pipeline.shards.manifest import TokenForm, load_manifest
-from pipeline.shards.verify import verify
-from pipeline.text import pretokenized
-from pipeline.text.tokenizer import load_tokenizer, train_bpe
+from shardflow import merge_states, text_loader
+from shardflow.builtin import make_text_corpus
+from shardflow.convert import ConvertConfig, convert
+from shardflow.convert.sources import TextOptions
+from shardflow.errors import DataError
+from shardflow.shards.manifest import TokenForm, load_manifest
+from shardflow.shards.verify import verify
+from shardflow.text import pretokenized
+from shardflow.text.tokenizer import load_tokenizer, train_bpe
 
 OPTS = {"device": "cpu", "shuffle_buffer": 8, "prefetch": 2, "seq_len": 48}
 

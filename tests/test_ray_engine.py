@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 from conftest import convert_killed, deadline, jpeg_bytes, make_image_folder, run_tool
 
-from pipeline.builtin import make_pointcloud_folder, make_text_corpus
-from pipeline.convert import ConvertConfig, convert, engine_ray, job
-from pipeline.convert.parquet import ParquetOptions
-from pipeline.errors import DataError
-from pipeline.executor import WorkerError
+from shardflow.builtin import make_pointcloud_folder, make_text_corpus
+from shardflow.convert import ConvertConfig, convert, engine_ray, job
+from shardflow.convert.parquet import ParquetOptions
+from shardflow.errors import DataError
+from shardflow.executor import WorkerError
 
 pytestmark = pytest.mark.slow  # Ray starts in seconds, two command-line runs connect to it
 

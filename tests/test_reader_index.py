@@ -17,15 +17,15 @@ import pytest
 import torch
 from conftest import dali_available, http_server, jpeg_bytes, resumed_run
 
-from pipeline import image_loader, text_loader
-from pipeline.builtin import make_text_corpus
-from pipeline.convert import ConvertConfig, convert
-from pipeline.convert.sources import TextOptions
-from pipeline.errors import DataError
-from pipeline.loading import reader_index
-from pipeline.loading.readplan import plan_epoch
-from pipeline.loading.shardlist import resolve_source
-from pipeline.shards.daliindex import parse_index
+from shardflow import image_loader, text_loader
+from shardflow.builtin import make_text_corpus
+from shardflow.convert import ConvertConfig, convert
+from shardflow.convert.sources import TextOptions
+from shardflow.errors import DataError
+from shardflow.loading import reader_index
+from shardflow.loading.readplan import plan_epoch
+from shardflow.loading.shardlist import resolve_source
+from shardflow.shards.daliindex import parse_index
 
 DALI = pytest.mark.skipif(not dali_available(), reason="DALI is not installed")
 
@@ -180,13 +180,13 @@ def _ids(tmp_path: Path, docs: int = 60) -> Path:
 
 def test_auto_picks_it_for_stored_ids_only(tmp_path, caplog):
     ids = _ids(tmp_path)
-    with caplog.at_level(logging.INFO, logger="pipeline.loading.readers"):
+    with caplog.at_level(logging.INFO, logger="shardflow.loading.readers"):
         with text_loader(ids, batch_size=4, seq_len=32, device="cpu") as loader:
             assert loader.reader == "index"
             assert sum(len(b.keys) for b in loader) > 0
     assert "index reader for" in caplog.text
     # a tuning file's reader is for images: stored ids keep the index reader
-    from pipeline.loading.tuning import Tuning
+    from shardflow.loading.tuning import Tuning
 
     tuning = tmp_path / "tuning.json"
     Tuning(device="cpu", reader="dali", threads=2, prefetch=2, images_per_s=1.0).save(tuning)
@@ -267,7 +267,7 @@ def test_a_sample_without_its_member_reads_empty_and_the_loader_counts_it(tmp_pa
 def test_a_holdout_split_of_stored_ids_takes_the_same_documents_on_every_reader(tmp_path):
     """The stored-ids loader takes a read's buffer whole (no view a document); dropping the
     held-out documents unpacks it first."""
-    from pipeline.loading.holdout import KeyHoldout
+    from shardflow.loading.holdout import KeyHoldout
 
     ids = _ids(tmp_path)
 

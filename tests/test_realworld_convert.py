@@ -17,21 +17,21 @@ import pytest
 from conftest import load_manifest, run_tool
 from PIL import Image
 
-from pipeline import image_loader, pointcloud_loader, text_loader
-from pipeline.convert import ConvertConfig, convert
-from pipeline.errors import DataError
-from pipeline.image import graph as image_graph
-from pipeline.samples import headers
-from pipeline.samples.checks import (
+from shardflow import image_loader, pointcloud_loader, text_loader
+from shardflow.convert import ConvertConfig, convert
+from shardflow.errors import DataError
+from shardflow.image import graph as image_graph
+from shardflow.samples import headers
+from shardflow.samples.checks import (
     CheckLimits,
     check_image,
     loader_problem,
     prepare_image,
     reencode_jpeg,
 )
-from pipeline.shards.manifest import LabelStats, Manifest
-from pipeline.shards.manifest import load_manifest as read_manifest
-from pipeline.shards.writer import ShardWriter
+from shardflow.shards.manifest import LabelStats, Manifest
+from shardflow.shards.manifest import load_manifest as read_manifest
+from shardflow.shards.writer import ShardWriter
 
 # -- images: the files ---------------------------------------------------------------------------
 
@@ -424,8 +424,8 @@ def test_train_takes_classes_from_label_statistics_or_num_classes(tmp_path, monk
 
 
 def test_num_classes_must_agree_with_the_statistics(tmp_path):
-    from pipeline.loading.shardlist import resolve_source
-    from trainers.wiring import TaskOptions, _classes
+    from shardflow.loading.shardlist import resolve_source
+    from shardflow.trainers.wiring import TaskOptions, _classes
 
     src = labelled_manifest(tmp_path / "src", [1, 5])
     convert(ConvertConfig(kind="manifest", src=str(src), out=tmp_path / "s", workers=1))

@@ -16,12 +16,12 @@ import torch
 from conftest import run_tool
 from PIL import Image, ImageOps
 
-from pipeline import image_loader
-from pipeline.errors import DataError
-from pipeline.image import augment, resize
-from pipeline.image.graph import orient_matrix
-from pipeline.loading.rng import sample_rng
-from pipeline.samples import headers
+from shardflow import image_loader
+from shardflow.errors import DataError
+from shardflow.image import augment, resize
+from shardflow.image.graph import orient_matrix
+from shardflow.loading.rng import sample_rng
+from shardflow.samples import headers
 
 SIZE = 32
 OPTS = {"size": SIZE, "threads": 1, "shuffle_buffer": 16, "use_tuning": False}
@@ -316,7 +316,7 @@ def test_an_epoch_in_which_every_sample_was_skipped_is_an_error(captions):
 
 
 def _writer_shard(tmp_path: Path, samples: list[dict[str, object]]) -> Path:
-    from pipeline.shards.writer import ShardWriter
+    from shardflow.shards.writer import ShardWriter
 
     writer = ShardWriter(tmp_path, "train", max_count=100, max_size=10**8)
     for sample in samples:
@@ -386,8 +386,8 @@ def test_bad_extras_options_name_the_option(photos, extras, says):
 
 
 def test_classification_refuses_a_batch_without_labels():
-    from pipeline.loading.batch import ImageBatch
-    from trainers.image_task import ImageClassification
+    from shardflow.loading.batch import ImageBatch
+    from shardflow.trainers.image_task import ImageClassification
 
     task = ImageClassification(num_classes=3)
     batch = ImageBatch(image=torch.zeros((2, 3, SIZE, SIZE), dtype=torch.uint8), label=None,

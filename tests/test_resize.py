@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.image import resize
-from pipeline.loading.prefetch import one_core_in_this_thread
+from shardflow.image import resize
+from shardflow.loading.prefetch import one_core_in_this_thread
 
 
 def _image(h: int, w: int, seed: int = 0) -> np.ndarray:
@@ -43,7 +43,7 @@ def test_normalize_gives_float_mean_std_units():
 
 
 def test_center_crop_window_is_a_centred_square():
-    from pipeline.image.augment import center_crop
+    from shardflow.image.augment import center_crop
 
     w = center_crop(200, 100, 0.5)
     assert (w.x, w.y, w.width, w.height, w.flip) == (75, 25, 50, 50, False)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.image import restarts
-from pipeline.image.augment import CropParams
-from pipeline.image.portable import _from_the_top, decode_window
+from shardflow.image import restarts
+from shardflow.image.augment import CropParams
+from shardflow.image.portable import _from_the_top, decode_window
 from tests.test_rows import jpeg, windows
 
 # Camera-like files: libjpeg writes a restart marker every `restart_marker_rows` MCU rows or
@@ -134,9 +134,9 @@ def test_a_photo_loader_over_restart_markers_gives_the_batches_of_a_full_decode(
         tmp_path, monkeypatch) -> None:
     """Phone photos, stored sideways with an EXIF turn, through the portable loader's whole
     path: windows, turn, flip, resize."""
-    from pipeline import image_loader
-    from pipeline.convert import ConvertConfig, convert
-    from pipeline.image.portable import PortableImageStage
+    from shardflow import image_loader
+    from shardflow.convert import ConvertConfig, convert
+    from shardflow.image.portable import PortableImageStage
 
     folder = tmp_path / "photos" / "class_0"
     folder.mkdir(parents=True)
@@ -162,7 +162,7 @@ def test_a_photo_loader_over_restart_markers_gives_the_batches_of_a_full_decode(
 
 def test_the_camera_corpus_has_a_marker_every_mcu_row_and_is_cut_at_them() -> None:
     """bench_loader --photos camera: the large photos as cameras' encoders write them."""
-    from pipeline.builtin.photos import render_large_photo
+    from shardflow.builtin.photos import render_large_photo
 
     plain = render_large_photo(np.random.default_rng(3), 0.3)
     camera = render_large_photo(np.random.default_rng(3), 0.3, restart_rows=1)

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.image.augment import CropParams
-from pipeline.image.portable import decode_window
-from pipeline.image.rows import load_rows, resized_rows
-from pipeline.samples.headers import scan_start
+from shardflow.image.augment import CropParams
+from shardflow.image.portable import decode_window
+from shardflow.image.rows import load_rows, resized_rows
+from shardflow.samples.headers import scan_start
 
 
 def jpeg(h: int, w: int, mode: str = "RGB", seed: int = 0, **options) -> bytes:
@@ -130,7 +130,7 @@ def test_rows_that_never_come_fall_back_to_the_whole_decode() -> None:
 
 def side_corpora(root) -> dict[str, object]:
     """Shards of 3 photos whose median shorter side is 4 x 224 ("large") and 8 px less."""
-    from pipeline.convert import ConvertConfig, convert
+    from shardflow.convert import ConvertConfig, convert
 
     for name, side in (("large", 4 * 224), ("small", 4 * 224 - 8)):
         folder = root / name / "class_0"
@@ -144,8 +144,8 @@ def side_corpora(root) -> dict[str, object]:
 
 @pytest.mark.dali
 def test_auto_runs_the_portable_backend_on_large_photos_only(tmp_path) -> None:
-    from pipeline import image_loader
-    from pipeline.image import choose
+    from shardflow import image_loader
+    from shardflow.image import choose
 
     shards = side_corpora(tmp_path)
     untuned = {"tuning_file": tmp_path / "none.json"}
@@ -161,7 +161,7 @@ def test_auto_runs_the_portable_backend_on_large_photos_only(tmp_path) -> None:
 
 
 def test_the_split_moves_only_where_a_measurement_contradicts_it() -> None:
-    from pipeline.image.choose import LARGE, split
+    from shardflow.image.choose import LARGE, split
 
     def point(ratio, dali, portable):
         return {"side_ratio": ratio, "dali": dali, "portable": portable}
@@ -185,9 +185,9 @@ def test_the_split_moves_only_where_a_measurement_contradicts_it() -> None:
 def test_the_size_probe_reads_long_headers_and_passes_over_a_bad_sample(tmp_path) -> None:
     """A 100 KB ICC profile takes a photo's header past 64 KB; a sample that says no size is
     left out, and the others still decide."""
-    from pipeline.convert import ConvertConfig, convert
-    from pipeline.image import choose
-    from pipeline.loading.shardlist import resolve_source
+    from shardflow.convert import ConvertConfig, convert
+    from shardflow.image import choose
+    from shardflow.loading.shardlist import resolve_source
 
     folder = tmp_path / "photos" / "class_0"
     folder.mkdir(parents=True)
@@ -215,8 +215,8 @@ def test_auto_follows_the_tuning_files_split_and_not_its_dali_reader(tmp_path, c
     for DALI does not keep DALI on large photos (the user did not ask for them), and the
     portable backend gets its own tuned threads and prefetch; options the caller gave stay.
     The log says which split chose, and the tuned choices used, once."""
-    from pipeline import image_loader
-    from pipeline.loading.tuning import Tuning
+    from shardflow import image_loader
+    from shardflow.loading.tuning import Tuning
 
     shards = side_corpora(tmp_path)
     path = tmp_path / "tuning.json"
@@ -231,7 +231,7 @@ def test_auto_follows_the_tuning_files_split_and_not_its_dali_reader(tmp_path, c
             return loader.backend, loader.reader, loader.cfg.threads, loader.cfg.prefetch
 
     tuned([], portable={"threads": 1, "prefetch": 3})
-    with caplog.at_level(logging.INFO, logger="pipeline"):
+    with caplog.at_level(logging.INFO, logger="shardflow"):
         assert backend("large") == ("portable", "stream", 1, 3)
     said = [r.getMessage() for r in caplog.records]
     tuned_lines = [m for m in said if "from the tuning file" in m]
@@ -256,9 +256,9 @@ def test_auto_follows_the_tuning_files_split_and_not_its_dali_reader(tmp_path, c
 def test_training_settles_the_backend_as_image_loader_does(tmp_path) -> None:
     """shardflow train's loaders (trainers/wiring.py) take the portable backend on large
     photos whatever reader the tuning file chose, and report the tuned choices they used."""
-    from pipeline.loading.shardlist import resolve_source
-    from pipeline.loading.tuning import Tuning
-    from trainers.wiring import TaskOptions, loader_options
+    from shardflow.loading.shardlist import resolve_source
+    from shardflow.loading.tuning import Tuning
+    from shardflow.trainers.wiring import TaskOptions, loader_options
 
     shards = side_corpora(tmp_path)
     path = tmp_path / "tuning.json"

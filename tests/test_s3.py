@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 from conftest import make_image_folder, run_tool
 
-from pipeline import image_loader, pointcloud_loader, text_loader
-from pipeline.builtin import make_pointcloud_folder, make_text_corpus
-from pipeline.convert import ConvertConfig, convert
-from pipeline.errors import DataError
-from pipeline.storage import Store
+from shardflow import image_loader, pointcloud_loader, text_loader
+from shardflow.builtin import make_pointcloud_folder, make_text_corpus
+from shardflow.convert import ConvertConfig, convert
+from shardflow.errors import DataError
+from shardflow.storage import Store
 
 KEY = "AKIAFAKEKEYFORTESTS1"
 SECRET = "fake-S3CRET-never-shown-0451"
@@ -177,7 +177,7 @@ def _read(modality: str, source: object, **kw: object) -> tuple[list, str]:
 @pytest.mark.parametrize("modality", sorted(LOADERS))
 def test_every_loader_reads_s3_shards_as_it_reads_the_folder(s3, converted, modality, caplog):
     url, folder = converted[modality]
-    for logger in ("pipeline", "fsspec", "s3fs"):
+    for logger in ("shardflow", "fsspec", "s3fs"):
         caplog.set_level(logging.DEBUG, logger=logger)
     remote, state = _read(modality, url, storage_options=s3.options)
     local, _ = _read(modality, folder)
@@ -280,7 +280,7 @@ def test_shard_dataset_reads_s3_samples_by_range_requests_as_the_folder(s3, conv
                                                                         modality):
     import numpy as np
 
-    from pipeline import ShardDataset
+    from shardflow import ShardDataset
 
     url, folder = converted[modality]
     remote, local = ShardDataset(url, storage_options=s3.options), ShardDataset(folder)

@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.cli import make_shards
-from pipeline.convert import ConvertConfig, convert
-from pipeline.errors import DataError
-from pipeline.samples.scans import ScanOptions, with_learning_map
+from shardflow.convert import ConvertConfig, convert
+from shardflow.errors import DataError
+from shardflow.samples.scans import ScanOptions, with_learning_map
+from shardflow.tools import make_shards
 
 LEARNING_MAP = """\
 labels:
@@ -213,7 +213,7 @@ def test_scan_options_are_checked(tmp_path: Path) -> None:
 
 
 def test_verify_checks_the_labels_member(tmp_path: Path) -> None:
-    from pipeline.samples.checks import CheckLimits, check_member
+    from shardflow.samples.checks import CheckLimits, check_member
 
     good = io.BytesIO()
     np.save(good, np.arange(10, dtype=np.uint16))
@@ -231,7 +231,7 @@ def test_verify_checks_the_labels_member(tmp_path: Path) -> None:
 
 
 def test_kitti_keys_are_unique_and_name_the_sequence(tmp_path: Path) -> None:
-    from pipeline.pointcloud.loader import pointcloud_loader
+    from shardflow.pointcloud.loader import pointcloud_loader
 
     write_kitti(tmp_path / "src" / "a", frames=2, seed=1)
     write_kitti(tmp_path / "src" / "b", frames=2, seed=2)  # the same sequence names again

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.convert import ConvertConfig, convert
-from pipeline.errors import DataError
-from pipeline.pointcloud import segvoxels
-from pipeline.pointcloud.config import PointCloudConfig
-from pipeline.pointcloud.loader import pointcloud_loader
-from pipeline.pointcloud.sample import scene_params
-from pipeline.samples.scans import ScanOptions
+from shardflow.convert import ConvertConfig, convert
+from shardflow.errors import DataError
+from shardflow.pointcloud import segvoxels
+from shardflow.pointcloud.config import PointCloudConfig
+from shardflow.pointcloud.loader import pointcloud_loader
+from shardflow.pointcloud.sample import scene_params
+from shardflow.samples.scans import ScanOptions
 
 GROUND, OBJECT, IGNORE = 1, 2, 0
 BACKENDS = ["portable", "dali"]
@@ -268,7 +268,7 @@ def test_scene_options_are_checked(scenes, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="point_range"):
         PointCloudConfig(batch_size=2, per_point_labels=True, voxel_size=0.5,
                          point_range=(0, 0, 0, -1, 1, 1))
-    from pipeline.builtin import make_pointcloud_folder
+    from shardflow.builtin import make_pointcloud_folder
 
     folder = make_pointcloud_folder(tmp_path / "objects", per_class=2, points=64)
     convert(ConvertConfig(kind="pointcloud", src=str(folder), out=str(tmp_path / "o"),

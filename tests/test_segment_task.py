@@ -19,15 +19,15 @@ import pytest
 import torch
 from conftest import run_tool
 
-from pipeline.loading.batch import ScanBatch
-from trainers.cli.train import build_parser, evaluation_line
-from trainers.distributed import DistInfo
-from trainers.loop import TrainConfig, Trainer
-from trainers.run import fit
-from trainers.segment_metrics import SegTotals, metric_names, point_totals
-from trainers.segment_models import frame_index
-from trainers.segment_task import BevUNet, PointNetSeg, PointSegmentation, grid_cells
-from trainers.wiring import EvalSplit, TaskOptions, build_task, split_eval
+from shardflow.loading.batch import ScanBatch
+from shardflow.tools.train import build_parser, evaluation_line
+from shardflow.trainers.distributed import DistInfo
+from shardflow.trainers.loop import TrainConfig, Trainer
+from shardflow.trainers.run import fit
+from shardflow.trainers.segment_metrics import SegTotals, metric_names, point_totals
+from shardflow.trainers.segment_models import frame_index
+from shardflow.trainers.segment_task import BevUNet, PointNetSeg, PointSegmentation, grid_cells
+from shardflow.trainers.wiring import EvalSplit, TaskOptions, build_task, split_eval
 
 CPU = torch.device("cpu")
 RANGE = (-12.8, -12.8, -3.2, 12.8, 12.8, 3.2)  # 32 x 32 x 8 cells of 0.8 m
@@ -255,7 +255,7 @@ def test_both_models_overfit_a_tiny_scene(model, tmp_path):
 # -- wiring -------------------------------------------------------------------------------------
 
 def test_segmentation_flags_are_refused_where_they_mean_nothing(tmp_path):
-    from pipeline.loading.shardlist import Source
+    from shardflow.loading.shardlist import Source
 
     empty = Source((), None, "pointcloud", None)
     split = EvalSplit(empty, empty, "none")
@@ -327,7 +327,7 @@ def test_fit_writes_miou_and_each_class_iou_to_the_summary_and_eval_log(tmp_path
 @pytest.fixture(scope="module")
 def scan_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Ray-cast street scans (pipeline/builtin/lidar.py) converted with the learning map."""
-    from pipeline.builtin.lidar import CONFIG, make_lidar_scans
+    from shardflow.builtin.lidar import CONFIG, make_lidar_scans
 
     root = tmp_path_factory.mktemp("scans")
     make_lidar_scans(root / "kitti", frames=4, beams=16, azimuth_steps=360)
@@ -341,7 +341,7 @@ def scan_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_build_task_reads_the_classes_and_the_grid_from_the_real_loader(scan_shards, model):
     """build_task as train.py calls it: the classes, ignored label and names come from the
     manifest through the loader; a training batch trains, the held-out one evaluates."""
-    from pipeline.loading.shardlist import resolve_source
+    from shardflow.loading.shardlist import resolve_source
 
     opts = TaskOptions(task="pointcloud-seg", data=str(scan_shards), model=model,
                        batch_size=2, device="cpu", backend="portable", use_tuning=False,

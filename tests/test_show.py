@@ -1,4 +1,4 @@
-"""`shardflow show` (pipeline/cli/show_shards.py): grids of image, text and point-cloud shards
+"""`shardflow show` (tools/show_shards.py): grids of image, text and point-cloud shards
 whose PNG decodes with the expected tiles, augmented pairs, statistics that count what the
 shards hold, one sample by key or index, and clear errors."""
 
@@ -12,10 +12,10 @@ import pytest
 from conftest import run_tool
 from PIL import Image
 
-from pipeline.access import view
-from pipeline.builtin import make_image_folder, make_pointcloud_folder, make_text_corpus
-from pipeline.cli import show_shards
-from pipeline.convert import ConvertConfig, convert
+from shardflow.access import view
+from shardflow.builtin import make_image_folder, make_pointcloud_folder, make_text_corpus
+from shardflow.convert import ConvertConfig, convert
+from shardflow.tools import show_shards
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_stats_count_what_the_shards_hold(shards, tmp_path):
 
 
 def test_one_sample_by_key_or_index_shows_its_members(shards, tmp_path, capsys):
-    from pipeline import ShardDataset
+    from shardflow import ShardDataset
 
     key = ShardDataset(shards["image"]).key(4)
     show_shards.main([str(shards["image"]), "--key", key, "--out", str(tmp_path / "one.png")])

@@ -15,14 +15,14 @@ import fsspec
 import pytest
 from conftest import make_image_folder
 
-from pipeline.convert import ConvertConfig, convert
-from pipeline.shards.manifest import merge_parts
-from pipeline.storage import Store
+from shardflow.convert import ConvertConfig, convert
+from shardflow.shards.manifest import merge_parts
+from shardflow.storage import Store
 
 
 @pytest.fixture
 def cliutil(monkeypatch: pytest.MonkeyPatch):
-    return importlib.import_module("pipeline.cli.util")
+    return importlib.import_module("shardflow.tools.util")
 
 
 @pytest.fixture

@@ -17,10 +17,10 @@ import pytest
 import torch
 from conftest import ROOT, RangeHandler, http_server, run_tool
 
-from pipeline import image_loader
-from pipeline.builtin import make_image_folder
-from pipeline.loading.shardcache import ShardCache
-from pipeline.loading.shardlist import ShardSpec, resolve_source
+from shardflow import image_loader
+from shardflow.builtin import make_image_folder
+from shardflow.loading.shardcache import ShardCache
+from shardflow.loading.shardlist import ShardSpec, resolve_source
 
 OPTS = {"device": "cpu", "size": 16, "use_tuning": False, "threads": 1, "prefetch": 2}
 
@@ -139,7 +139,7 @@ def test_the_cache_serves_the_next_epoch_and_stays_under_its_limit(url, shards, 
 
 _READ_ONE_EPOCH = """
 import sys
-from pipeline import image_loader
+from shardflow import image_loader
 with image_loader(sys.argv[1], batch_size=8, reader="stream", device="cpu", size=16,
                   use_tuning=False, threads=1, cache_dir=sys.argv[2],
                   cache_limit=1 << 30, seed=int(sys.argv[3])) as loader:

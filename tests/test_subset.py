@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from conftest import dali_available, resumed_run
 
-from pipeline import image_loader, merge_states, pointcloud_loader, text_loader
-from pipeline.builtin import make_image_folder, make_pointcloud_folder, make_text_corpus
-from pipeline.convert import ConvertConfig, convert
-from pipeline.loading.subset import _unit
+from shardflow import image_loader, merge_states, pointcloud_loader, text_loader
+from shardflow.builtin import make_image_folder, make_pointcloud_folder, make_text_corpus
+from shardflow.convert import ConvertConfig, convert
+from shardflow.loading.subset import _unit
 
 IMAGE = {"batch_size": 6, "size": 24, "device": "cpu", "shuffle_buffer": 8, "seed": 4}
 
@@ -132,9 +132,9 @@ def test_bad_subset_options_are_refused(data, tmp_path):
         image_loader(data["image"], exclude=True, **IMAGE)
     with pytest.raises(ValueError, match="keys: strings"):
         image_loader(data["image"], keys=[1, 2], **IMAGE)
-    from pipeline import tabular_loader
-    from pipeline.builtin import make_ctr_dataset
-    from pipeline.convert.tabular import TabularOptions
+    from shardflow import tabular_loader
+    from shardflow.builtin import make_ctr_dataset
+    from shardflow.convert.tabular import TabularOptions
 
     clicks = make_ctr_dataset(tmp_path / "clicks", rows=2000)
     convert(ConvertConfig(kind="tabular", src=str(clicks / "part-00000.tsv"),
@@ -215,7 +215,7 @@ def _label_seven(key, members):
 def test_a_named_predicate_is_checked_on_resume_and_a_partial_has_no_address(data):
     import functools
 
-    from pipeline.loading.subset import Subset
+    from shardflow.loading.subset import Subset
 
     with image_loader(data["image"], select=_label_three, **IMAGE) as loader:
         next(iter(loader))

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from conftest import convert_killed, load_manifest, read_wds, run_tool, shard_paths
 
-from pipeline.convert import ConvertConfig, convert, tabular_rows
-from pipeline.convert.tabular import AVAZU_CATEGORICAL, TabularOptions
-from pipeline.errors import DataError
-from pipeline.samples.tabular_block import decode_block, encode_block
+from shardflow.convert import ConvertConfig, convert, tabular_rows
+from shardflow.convert.tabular import AVAZU_CATEGORICAL, TabularOptions
+from shardflow.errors import DataError
+from shardflow.samples.tabular_block import decode_block, encode_block
 
 AVAZU_HEADER = ["id", "click", *AVAZU_CATEGORICAL]
 

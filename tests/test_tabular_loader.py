@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import tabular_loader
-from pipeline.convert import ConvertConfig, convert
-from pipeline.convert.tabular import TabularOptions
-from pipeline.errors import DataError
-from pipeline.loading.holdout import KeyHoldout
-from pipeline.samples.tabular_block import Block, encode_block, pack_values
-from pipeline.shards.writer import ShardWriter
-from pipeline.tabular import dense, hashing
+from shardflow import tabular_loader
+from shardflow.convert import ConvertConfig, convert
+from shardflow.convert.tabular import TabularOptions
+from shardflow.errors import DataError
+from shardflow.loading.holdout import KeyHoldout
+from shardflow.samples.tabular_block import Block, encode_block, pack_values
+from shardflow.shards.writer import ShardWriter
+from shardflow.tabular import dense, hashing
 
 # -- hashing ---------------------------------------------------------------------------------
 

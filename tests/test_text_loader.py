@@ -18,13 +18,13 @@ import pytest
 import torch
 from conftest import ROOT, run_tool
 
-from pipeline import text_loader
-from pipeline.builtin import make_text_corpus
-from pipeline.convert import ConvertConfig, convert
-from pipeline.errors import DataError
-from pipeline.shards.writer import ShardWriter
-from pipeline.text import masking
-from pipeline.text.tokenizer import ByteTokenizer, byte_unigram_entropy
+from shardflow import text_loader
+from shardflow.builtin import make_text_corpus
+from shardflow.convert import ConvertConfig, convert
+from shardflow.errors import DataError
+from shardflow.shards.writer import ShardWriter
+from shardflow.text import masking
+from shardflow.text.tokenizer import ByteTokenizer, byte_unigram_entropy
 
 SEP, PAD, MASK = ByteTokenizer.sep_id, ByteTokenizer.pad_id, ByteTokenizer.mask_id
 OPTS = {"device": "cpu", "shuffle_buffer": 16, "prefetch": 2}
@@ -386,7 +386,7 @@ def test_trained_bpe_tokenizer_round_trips_and_masks(corpus, tmp_path):
     shards, texts = corpus
     out = tmp_path / "tokenizer.json"
     run_tool("train_tokenizer", shards, "--out", out, "--vocab-size", 400, check=True)
-    from pipeline.text.tokenizer import HFTokenizer
+    from shardflow.text.tokenizer import HFTokenizer
 
     tok = HFTokenizer(out)
     assert tok.vocab_size <= 400 and tok.mask_id is not None
@@ -405,7 +405,7 @@ def test_trained_bpe_tokenizer_round_trips_and_masks(corpus, tmp_path):
 
 def test_special_tokens_written_in_a_document_are_text(corpus, tmp_path):
     pytest.importorskip("tokenizers")
-    from pipeline.text.tokenizer import HFTokenizer, train_bpe
+    from shardflow.text.tokenizer import HFTokenizer, train_bpe
 
     path = tmp_path / "tok.json"
     train_bpe(corpus[1].values(), path, 300)

@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 from conftest import ROOT, run_tool
 
-from pipeline.builtin import make_image_folder
-from pipeline.loading.holdout import KeyHoldout, held_out
-from pipeline.loading.options import cores
-from pipeline.loading.shardlist import ShardSpec, Source, resolve_source
-from pipeline.loading.tuning import Tuning
-from trainers import bottleneck
-from trainers.wiring import TaskOptions, build_task, loader_options, split_eval
+from shardflow.builtin import make_image_folder
+from shardflow.loading.holdout import KeyHoldout, held_out
+from shardflow.loading.options import cores
+from shardflow.loading.shardlist import ShardSpec, Source, resolve_source
+from shardflow.loading.tuning import Tuning
+from shardflow.trainers import bottleneck
+from shardflow.trainers.wiring import TaskOptions, build_task, loader_options, split_eval
 
 
 def train_tool(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
@@ -157,7 +157,7 @@ def test_key_holdout_is_a_stable_tenth_whatever_the_process():
     assert 150 < len(held) < 250
     train, evaluation = KeyHoldout("train", 10), KeyHoldout("eval", 10)
     assert all(train.keeps(k) != evaluation.keeps(k) for k in keys)
-    code = ("import sys; from pipeline.loading.holdout import held_out; "
+    code = ("import sys; from shardflow.loading.holdout import held_out; "
             "print(','.join(k for k in sys.argv[1:] if held_out(k, 10)))")
     for seed in ("1", "2"):  # Python's own hash() of a str changes with PYTHONHASHSEED
         out = subprocess.run([sys.executable, "-c", code, *keys[:300]], capture_output=True,
@@ -254,7 +254,7 @@ def test_torchrun_two_ranks_on_two_shards_hold_out_the_same_keys(tmp_path):
 
 
 def test_one_text_shard_splits_by_key_too(tmp_path):
-    from pipeline.builtin import make_text_corpus
+    from shardflow.builtin import make_text_corpus
 
     docs = make_text_corpus(tmp_path / "docs", docs=60)
     run_tool("make_shards", "text", docs, tmp_path / "text", "--max-count", 1000, check=True)

@@ -18,16 +18,16 @@ import pytest
 import torch
 from conftest import ROOT, http_server, run_tool
 
-from pipeline import ops
-from pipeline.builtin import make_image_folder
-from pipeline.image.loader import ImageConfig, ImageLoader
-from pipeline.loading.shardlist import resolve_source
-from pipeline.ops import spec
-from trainers import checkpoint
-from trainers.image_task import ImageClassification
-from trainers.loop import TrainConfig, Trainer
-from trainers.precision import Precision, resolve_precision
-from trainers.run import fit
+from shardflow import ops
+from shardflow.builtin import make_image_folder
+from shardflow.image.loader import ImageConfig, ImageLoader
+from shardflow.loading.shardlist import resolve_source
+from shardflow.ops import spec
+from shardflow.trainers import checkpoint
+from shardflow.trainers.image_task import ImageClassification
+from shardflow.trainers.loop import TrainConfig, Trainer
+from shardflow.trainers.precision import Precision, resolve_precision
+from shardflow.trainers.run import fit
 
 CPU = torch.device("cpu")
 
@@ -73,7 +73,7 @@ def test_bf16_autocast_runs_on_the_cpu():
 
 @pytest.mark.parametrize("native, chosen", [(True, "bf16"), (False, "fp32")])
 def test_auto_precision_follows_the_cpu_flags(monkeypatch, native, chosen):
-    from trainers import precision
+    from shardflow.trainers import precision
 
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
     assert resolve_precision("auto", CPU) == chosen
@@ -93,8 +93,8 @@ def test_a_diverged_run_aborts_with_a_clear_message():
 def test_fp16_on_cuda_skips_counts_and_rescales_an_overflowed_step(tmp_path, offload):
     """A planted overflow (the loss times inf for one step): the step is skipped (parameters
     unchanged), counted on the precision, the scale halves; the next clean step applies."""
-    from pipeline.loading.batch import ImageBatch
-    from trainers.task import StepOutput
+    from shardflow.loading.batch import ImageBatch
+    from shardflow.trainers.task import StepOutput
 
     cuda = torch.device("cuda")
     torch.manual_seed(0)
@@ -133,7 +133,7 @@ def _host_scaled(values: list[list[float]]) -> tuple[list[torch.nn.Parameter], l
 
 
 def test_host_scaler_unscales_halves_on_overflow_and_doubles_after_clean_steps():
-    from trainers.precision import HostScaler
+    from shardflow.trainers.precision import HostScaler
 
     s = HostScaler(init_scale=1024.0, growth_interval=3)
     params, grads = _host_scaled([[2048.0, -4096.0], [512.0]])
@@ -161,7 +161,7 @@ def test_host_scaler_unscales_halves_on_overflow_and_doubles_after_clean_steps()
 
 
 def test_host_scaled_overflows_are_counted_on_the_precision():
-    from trainers.precision import HostScaler
+    from shardflow.trainers.precision import HostScaler
 
     p = Precision("fp32", CPU)
     p.host_scaler = HostScaler(init_scale=8.0)
@@ -173,7 +173,7 @@ def test_host_scaled_overflows_are_counted_on_the_precision():
 
 
 def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_measured_cost(monkeypatch, caplog):
-    from trainers import precision
+    from shardflow.trainers import precision
 
     measured: list[int] = []
 
@@ -183,7 +183,7 @@ def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_measured_cost(monkeypatch
 
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
     monkeypatch.setattr(precision, "emulated_bf16_cost", cost)
-    with caplog.at_level(logging.INFO, logger="trainers.precision"):
+    with caplog.at_level(logging.INFO, logger="shardflow.trainers.precision"):
         assert Precision("bf16", CPU).name == "bf16"  # allowed, with the warning
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1 and measured
@@ -379,7 +379,7 @@ def test_torchrun_two_gloo_ranks_see_disjoint_samples_and_agree(shards, tmp_path
 # -- memory options: offloaded optimizer, activation checkpointing, compile --------------------
 
 def _batches(n: int = 4) -> list:
-    from pipeline.loading.batch import ImageBatch
+    from shardflow.loading.batch import ImageBatch
 
     g = torch.Generator().manual_seed(0)
     return [ImageBatch(torch.randint(0, 256, (8, 3, 24, 24), dtype=torch.uint8, generator=g),
@@ -391,7 +391,7 @@ def _train_steps(tmp_path: Path, name: str, watch: Any = None, wrap: Any = None,
     """Four steps on fixed batches; `watch(model)` is called before the first; `wrap(model)`
     gives the model to train (compiled, say). Returns the trained (bare) model's state, as a
     checkpoint holds it."""
-    from trainers.distributed import unwrap
+    from shardflow.trainers.distributed import unwrap
 
     torch.manual_seed(0)
     task = ImageClassification(10, device=CPU,
@@ -411,7 +411,7 @@ def test_the_local_resnet50_has_resnet50s_shape():
     """gpu_check's amp_step model, built without torchvision: torchvision's resnet50 has
     25,557,032 parameters at 1000 classes, 53 convolutions and 53 BatchNorms; its output is
     (N, classes), and it trains (a step moves the loss)."""
-    from trainers.models import build_model
+    from shardflow.trainers.models import build_model
 
     model = build_model("resnet50-local", 1000)
     assert sum(p.numel() for p in model.parameters()) == 25_557_032
@@ -441,7 +441,7 @@ def test_offloaded_optimizer_step_matches_the_on_device_step(tmp_path):
 
 
 def test_offloaded_masters_and_state_live_on_the_host_and_reach_the_model_by_push(tmp_path):
-    from trainers.offload import OffloadedOptimizer
+    from shardflow.trainers.offload import OffloadedOptimizer
 
     torch.manual_seed(0)
     task = ImageClassification(10, device=CPU)
@@ -484,7 +484,7 @@ def test_offloaded_masters_and_state_live_on_the_host_and_reach_the_model_by_pus
 
 @pytest.mark.gpu
 def test_offloaded_masters_and_state_of_a_cuda_model_are_in_pinned_host_memory(tmp_path):
-    from pipeline.loading.batch import ImageBatch
+    from shardflow.loading.batch import ImageBatch
 
     cuda = torch.device("cuda")
     torch.manual_seed(0)
@@ -510,7 +510,7 @@ def test_offloaded_masters_and_state_of_a_cuda_model_are_in_pinned_host_memory(t
 def _count_block_calls(model: torch.nn.Module, calls: list[int]) -> None:
     """Count every call of the model's residual blocks (pre-hooks: a recompute that stops
     early, once it has the tensors backward needs, still starts the block's forward)."""
-    from trainers.models import _Block
+    from shardflow.trainers.models import _Block
 
     blocks = [m for m in model.modules() if isinstance(m, _Block)]
     assert len(blocks) == 4
@@ -559,7 +559,7 @@ def _count_host_reads(monkeypatch: pytest.MonkeyPatch, counted: list[str],
 def _cpu_fp16(trainer: Trainer, offload: bool) -> None:
     """fp16's loss scaling on the CPU (which train.py refuses: fp16 is for CUDA), to run
     its step here: torch's GradScaler("cpu") on the device path, HostScaler offloaded."""
-    from trainers.precision import HostScaler
+    from shardflow.trainers.precision import HostScaler
 
     p = Precision("fp32", CPU, offloaded=offload)
     p.name = "fp16"
@@ -616,7 +616,7 @@ def test_cuda_optimizer_steps_do_not_synchronize(tmp_path, precision):
     task = ImageClassification(10, device=cuda)
     cfg = TrainConfig(run_dir=tmp_path, steps=3, warmup=1, precision=precision, grad_accum=2)
     trainer = Trainer(task, loader=None, cfg=cfg, device=cuda, fingerprint={})
-    from pipeline.loading.batch import ImageBatch
+    from shardflow.loading.batch import ImageBatch
 
     batches = [ImageBatch(b.image.to(cuda), b.label.to(cuda), b.keys) for b in _batches(6)]
     trainer.micro_step(batches[0])  # the first step allocates (lazy init may sync)
@@ -640,7 +640,7 @@ def test_compiled_checkpointed_model_trains_like_the_plain_one(tmp_path, monkeyp
     the bare model's keys."""
     import tqdm
 
-    from trainers.models import compile_model
+    from shardflow.trainers.models import compile_model
 
     monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # compile's bars: no monitor thread
     if backend == "inductor":  # compile in this thread: no worker pool left running after
@@ -691,7 +691,7 @@ def test_a_nonfinite_step_is_skipped_not_applied(tmp_path, optimizer, precision)
     """After a clean step, a step with a NaN loss (fp32) or an overflow (fp16, GradScaler on
     the CPU): parameters and optimizer state bit-unchanged, the skip counted, the step still
     counted (loop.py: steps are attempted steps); a checkpoint is refused meanwhile."""
-    from trainers.task import StepOutput
+    from shardflow.trainers.task import StepOutput
 
     torch.manual_seed(0)
     task = ImageClassification(10, device=CPU)
@@ -729,7 +729,7 @@ def test_a_nonfinite_first_step_leaves_the_next_step_as_if_it_were_the_first(tmp
                                                                               optimizer):
     """Skipped at the very first step (fused SGD allocates its momentum there, uninitialised):
     the clean step after it gives exactly the parameters of a run whose first step it is."""
-    from trainers.task import StepOutput
+    from shardflow.trainers.task import StepOutput
 
     def run(name: str, nan_first: bool) -> list[torch.Tensor]:
         torch.manual_seed(0)
@@ -761,8 +761,8 @@ def test_rerunning_a_finished_run_keeps_its_summary(shards, tmp_path):
 
 
 def test_a_pass_with_no_usable_sample_stops_with_an_error(tmp_path):
-    from pipeline.errors import DataError
-    from pipeline.loading.batch import ImageBatch
+    from shardflow.errors import DataError
+    from shardflow.loading.batch import ImageBatch
 
     class Empty:
         epoch, skipped = 0, []
@@ -792,7 +792,7 @@ def test_checkpoint_of_another_dataset_is_refused(shards, tmp_path):
 def test_bottleneck_report_names_the_limit_and_the_fix():
     from types import SimpleNamespace
 
-    from trainers.bottleneck import report
+    from shardflow.trainers.bottleneck import report
 
     loader = SimpleNamespace(kind="image", device="cpu",
                              cfg=SimpleNamespace(normalize=False, prefetch=2, threads=2))

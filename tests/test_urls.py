@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.urls import check_scheme, expand_braces, is_remote, redact
+from shardflow.urls import check_scheme, expand_braces, is_remote, redact
 
 
 def test_brace_range_keeps_zero_padding():
@@ -38,7 +38,7 @@ def test_local_paths_are_not_remote():
 
 
 def test_the_index_beside_a_shard_keeps_the_query_string():
-    from pipeline.urls import beside
+    from shardflow.urls import beside
 
     assert beside("shards/a-000001.tar", ".idx") == "shards/a-000001.idx"
     assert beside("https://h/x/a.tar?token=t&v=1", ".idx") == "https://h/x/a.idx?token=t&v=1"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import make_image_folder, run_tool
 
-from pipeline.bench.core import Timings, alternate
+from shardflow.tools.bench.core import Timings, alternate
 
 
 def _keys_by_shard(folder: Path) -> dict[str, set[str]]:
@@ -22,7 +22,7 @@ def _keys_by_shard(folder: Path) -> dict[str, set[str]]:
 
 
 def test_the_split_view_is_what_the_loaders_read(tmp_path):
-    from pipeline import image_loader
+    from shardflow import image_loader
 
     src = make_image_folder(tmp_path / "src", classes=2, per_class=5)
     run_tool("make_shards", "imagefolder", src, tmp_path / "o", "--max-count", 2, check=True)
@@ -100,7 +100,7 @@ def test_gpu_check_says_there_is_no_gpu_and_exits_0():
 def test_tuning_file_round_trip_and_what_auto_takes_from_it(tmp_path, caplog):
     import logging
 
-    from pipeline.loading.tuning import Tuning, apply, load
+    from shardflow.loading.tuning import Tuning, apply, load
 
     path = tmp_path / "tuning.json"
     assert load(path) is None  # no file: nothing changes
@@ -138,7 +138,7 @@ def test_tuning_file_round_trip_and_what_auto_takes_from_it(tmp_path, caplog):
 def test_a_tuned_choice_applies_only_where_it_is_possible(tmp_path, caplog):
     import logging
 
-    from pipeline.loading.tuning import Tuning, apply
+    from shardflow.loading.tuning import Tuning, apply
 
     path = tmp_path / "tuning.json"
     Tuning("gpu", "dali", 2, 4, 5000.0, hw_decoder_load=0.9).save(path)
@@ -155,7 +155,7 @@ def test_a_tuned_choice_applies_only_where_it_is_possible(tmp_path, caplog):
 
 
 def test_a_tuning_file_from_another_machine_is_ignored(tmp_path):
-    from pipeline.loading.tuning import Tuning, load
+    from shardflow.loading.tuning import Tuning, load
 
     path = tmp_path / "tuning.json"
     Tuning("gpu", "dali", 64, 4, 9000.0, machine={"cpus": 64, "gpu": "H200"}).save(path)
@@ -169,8 +169,8 @@ def test_a_tuning_file_edited_into_nonsense_is_ignored_with_a_warning(tmp_path, 
     (it was AttributeError, OverflowError or a loader refusing its own option)."""
     import logging
 
-    from pipeline.image import choose
-    from pipeline.loading.tuning import Tuning, apply, load
+    from shardflow.image import choose
+    from shardflow.loading.tuning import Tuning, apply, load
 
     path = tmp_path / "tuning.json"
     Tuning("cpu", "stream", 1, 3, 100.0).save(path)
@@ -196,8 +196,8 @@ def test_a_tuning_file_edited_into_nonsense_is_ignored_with_a_warning(tmp_path, 
 
 
 def test_image_loader_uses_the_tuning_file_unless_told_not_to(tmp_path):
-    from pipeline import image_loader
-    from pipeline.loading.tuning import Tuning
+    from shardflow import image_loader
+    from shardflow.loading.tuning import Tuning
 
     src = make_image_folder(tmp_path / "src", classes=2, per_class=3)
     run_tool("make_shards", "imagefolder", src, tmp_path / "o", "--max-count", 3, check=True)

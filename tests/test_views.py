@@ -12,9 +12,9 @@ from conftest import gpu_available, resumed_run
 from PIL import Image
 from test_ops import Invert
 
-from pipeline import image_loader, ops
-from pipeline.builtin import make_photo_corpus
-from pipeline.ops.crop import CenterCrop, RandomResizedCrop
+from shardflow import image_loader, ops
+from shardflow.builtin import make_photo_corpus
+from shardflow.ops.crop import CenterCrop, RandomResizedCrop
 
 BACKENDS = [pytest.param("dali", "dali", marks=pytest.mark.dali),
             pytest.param("stream", "dali", marks=pytest.mark.dali),
@@ -169,7 +169,7 @@ def test_what_cannot_be_views_is_refused(op_shards):
         _make(op_shards, views=0)
     with pytest.raises(ValueError, match="a list of op lists"):
         _make(op_shards, views=[RandomResizedCrop(16)])
-    with pytest.raises(ValueError, match="is not a pipeline.ops.Op"):
+    with pytest.raises(ValueError, match="is not a shardflow.ops.Op"):
         _make(op_shards, views=2, augment=[lambda x: x])  # checked at build, not in a batch
 
 

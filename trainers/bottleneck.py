@@ -73,7 +73,7 @@ def _on_the_gpu(loader: Any, kind: str) -> str:
 
 
 def _more_threads(cfg: Any) -> str:
-    from pipeline.loading.options import cores
+    from shardflow.loading.options import cores
 
     here = cores()
     if cfg.threads < here:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pipeline.atomic import fsync_dir
+from shardflow.atomic import fsync_dir
 
 log = logging.getLogger(__name__)
 VERSION = 1

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trainers.task import EvalTotals, StepOutput
+from shardflow.trainers.task import EvalTotals, StepOutput
 
 
 class Classification(ABC):

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from trainers.task import EvalTotals
+from shardflow.trainers.task import EvalTotals
 
 
 def roc_auc(label: np.ndarray, score: np.ndarray) -> float:
@@ -61,7 +61,7 @@ class ScoredTotals(EvalTotals):
             self.labels.extend(other.labels)
 
     def over_ranks(self, dist: Any) -> dict[str, float]:
-        from trainers.distributed import gather
+        from shardflow.trainers.distributed import gather
 
         logits = np.concatenate([np.zeros(0, np.float32), *self.logits])
         labels = np.concatenate([np.zeros(0, np.uint8), *self.labels])

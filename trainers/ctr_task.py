@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trainers.ctr_metrics import ScoredTotals
-from trainers.ctr_models import build_ctr_model
-from trainers.task import StepOutput
+from shardflow.trainers.ctr_metrics import ScoredTotals
+from shardflow.trainers.ctr_models import build_ctr_model
+from shardflow.trainers.task import StepOutput
 
 
 class ClickThroughRate:

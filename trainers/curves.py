@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from pipeline.atomic import write_atomic
+from shardflow.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 

@@ -64,7 +64,7 @@ def wrap(model: nn.Module, info: DistInfo, device: torch.device,
         return model
     from torch.nn.parallel import DistributedDataParallel
 
-    from trainers.compression import Compression
+    from shardflow.trainers.compression import Compression
 
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
                                   else None)
@@ -90,7 +90,7 @@ def wrap_then_compile(model: nn.Module, info: DistInfo, device: torch.device,
     bucket's all-reduce overlaps the rest of backward; compiling first hides the graph from
     DDP and all-reduces only after the whole backward. `unwrap` finds the bare model either
     way, and checkpoints hold its state (no "module." or "_orig_mod." prefixes)."""
-    from trainers.models import compile_model
+    from shardflow.trainers.models import compile_model
 
     wrapped = wrap(model, info, device, compression)
     return wrapped if backend is None else compile_model(wrapped, backend)

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812 - torch's own spelling
 
-from trainers.classify import Classification
-from trainers.models import build_model
-from trainers.task import StepOutput
+from shardflow.trainers.classify import Classification
+from shardflow.trainers.models import build_model
+from shardflow.trainers.task import StepOutput
 
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)

@@ -33,9 +33,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from pipeline.loading.agreement import rank_vote
-from trainers import checkpoint
-from trainers.distributed import (
+from shardflow.loading.agreement import rank_vote
+from shardflow.trainers import checkpoint
+from shardflow.trainers.distributed import (
     DistInfo,
     compression_of,
     distributed_module,
@@ -47,10 +47,10 @@ from trainers.distributed import (
     unwrap,
     wait_group,
 )
-from trainers.offload import OffloadedOptimizer
-from trainers.precision import Precision, PrecisionName
-from trainers.schedule import warmup_cosine
-from trainers.task import EvalTotals, Task
+from shardflow.trainers.offload import OffloadedOptimizer
+from shardflow.trainers.precision import Precision, PrecisionName
+from shardflow.trainers.schedule import warmup_cosine
+from shardflow.trainers.task import EvalTotals, Task
 
 log = logging.getLogger(__name__)
 
@@ -434,7 +434,7 @@ def _whole(saved: Any) -> dict[str, Any]:
     """The loader state of a checkpoint: checkpoints written before loader states held every
     rank's kept one state per rank, in a list."""
     if isinstance(saved, list):
-        from pipeline.loading.elastic import merge_states
+        from shardflow.loading.elastic import merge_states
 
         return merge_states(saved)
     return saved

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainers.classify import Classification
+from shardflow.trainers.classify import Classification
 
 MODELS = ("pointnet", "voxnet")
 

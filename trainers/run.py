@@ -21,10 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import DataError
-from trainers import bottleneck, curves
-from trainers.distributed import gather, parameter_digest, sum_over_ranks
-from trainers.loop import Trainer, log_line
+from shardflow.errors import DataError
+from shardflow.trainers import bottleneck, curves
+from shardflow.trainers.distributed import gather, parameter_digest, sum_over_ranks
+from shardflow.trainers.loop import Trainer, log_line
 
 log = logging.getLogger(__name__)
 Progress = Callable[[dict[str, Any]], None]
@@ -203,7 +203,7 @@ def _after_step(trainer: Trainer, window: _Window, progress: Progress | None) ->
 
 def _traffic(trainer: Trainer) -> dict[str, Any] | None:
     """The gradients' bytes per step (trainers/compression.py), None for one process."""
-    from trainers.distributed import compression_of
+    from shardflow.trainers.distributed import compression_of
 
     comp = compression_of(trainer.task.model)
     return None if comp is None else comp.bytes_per_step()

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from trainers.task import EvalTotals
+from shardflow.trainers.task import EvalTotals
 
 
 @dataclass
@@ -70,7 +70,7 @@ class SegTotals(EvalTotals):
     def over_ranks(self, dist: Any) -> dict[str, float]:
         """The metrics of every rank's counts summed (one all-reduce: every rank's totals
         have one entry per class, from the task's `new_totals()`)."""
-        from trainers.distributed import sum_over_ranks
+        from shardflow.trainers.distributed import sum_over_ranks
 
         k = len(self.union)
         sums = sum_over_ranks([self.loss_sum, self.correct, self.count, self.loss_points,

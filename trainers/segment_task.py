@@ -35,9 +35,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812 - torch's own spelling
 
-from trainers.segment_metrics import SegTotals, point_totals
-from trainers.segment_models import BevUNet, PointNetSeg
-from trainers.task import StepOutput
+from shardflow.trainers.segment_metrics import SegTotals, point_totals
+from shardflow.trainers.segment_models import BevUNet, PointNetSeg
+from shardflow.trainers.task import StepOutput
 
 __all__ = ["BevUNet", "PointNetSeg", "PointSegmentation", "SegTotals", "grid_cells"]
 
@@ -153,7 +153,7 @@ def grid_cells(point_range: Sequence[float], voxel_size: Sequence[float]
                ) -> tuple[int, int, int]:
     """Cells per axis (X, Y, Z) of the box `point_range` (xmin, ymin, zmin, xmax, ymax, zmax)
     cut into voxels of `voxel_size` (x, y, z): the loader's own rule (segvoxels.VoxelGrid)."""
-    from pipeline.pointcloud.segvoxels import VoxelGrid
+    from shardflow.pointcloud.segvoxels import VoxelGrid
 
     size = (float(voxel_size[0]), float(voxel_size[1]), float(voxel_size[2]))
     return VoxelGrid(size, _box(point_range)).dims  # type: ignore[arg-type]

@@ -42,7 +42,7 @@ class EvalTotals:
     def over_ranks(self, dist: Any) -> dict[str, float]:
         """The metrics of every rank's totals together (collective under DDP). Totals that
         are not sums (AUC ranks every held-out row: trainers/ctr_metrics.py) override this."""
-        from trainers.distributed import sum_over_ranks
+        from shardflow.trainers.distributed import sum_over_ranks
 
         summed = sum_over_ranks([self.loss_sum, self.correct, self.count], dist)
         return EvalTotals(summed[0], int(summed[1]), int(summed[2])).metrics()

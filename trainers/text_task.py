@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainers.task import EvalTotals, StepOutput
+from shardflow.trainers.task import EvalTotals, StepOutput
 
 IGNORE = -100
 # "Never attend" as a finite number: a row of -inf (a padded query in some kernels) gives NaN;

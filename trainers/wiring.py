@@ -22,11 +22,11 @@ from typing import Any, NamedTuple
 
 import fsspec
 
-from pipeline.loading.holdout import KeyHoldout, Side
-from pipeline.loading.options import LoaderOptions, cores
-from pipeline.loading.shardlist import Source, resolve_source, split_ranks
-from pipeline.shards.manifest import MANIFEST, LabelStats, load_manifest
-from pipeline.urls import redact
+from shardflow.loading.holdout import KeyHoldout, Side
+from shardflow.loading.options import LoaderOptions, cores
+from shardflow.loading.shardlist import Source, resolve_source, split_ranks
+from shardflow.shards.manifest import MANIFEST, LabelStats, load_manifest
+from shardflow.urls import redact
 
 log = logging.getLogger(__name__)
 HOLD_OUT_EVERY = 10
@@ -67,7 +67,7 @@ class TaskOptions:
     num_buckets: int | None = None  # ctr: ids per field; None: the tabular loader's default
     embeddings_on_cpu: bool = False  # ctr: tables in host memory, the network on `device`
     activation_checkpointing: bool = False
-    # image: training batches through pipeline.ops (trainers/image_task.py)
+    # image: training batches through shardflow.ops (trainers/image_task.py)
     augment: str | None = None  # a recipe name: rand-m9-n2-mstd0.5, trivial
     mixup: float = 0.0  # mixup's alpha; 0: none
     cutmix: float = 0.0  # cutmix's alpha; 0: none
@@ -190,7 +190,7 @@ def _refuse_misplaced(opts: TaskOptions) -> None:
         raise ValueError(f"{', '.join(given)}: for --task pointcloud-seg; drop "
                          f"{'it' if len(given) == 1 else 'them'} for --task {opts.task}")
     if opts.augment:
-        from pipeline.ops import spec
+        from shardflow.ops import spec
 
         spec.parse(opts.augment)  # a bad recipe name is refused before anything is read
 
@@ -264,11 +264,11 @@ def _tuned(opts: TaskOptions, source: Source, options: dict[str, Any]) -> dict[s
     """`options` with the tuning file's choices filled in, as `tuning.source_and_options`
     fills them in for the `*_loader` functions (which resolve their source first: `source`
     here is resolved and split already)."""
-    from pipeline.loading import readers, tuning
+    from shardflow.loading import readers, tuning
 
     kind = LOADER_KIND.get(opts.task, opts.task)
     if kind == "image":  # backend="auto" on large photos too, as image_loader does
-        from pipeline.image import choose
+        from shardflow.image import choose
 
         return choose.settle_backend(source, options, opts.tuning_file, True, opts.size)
     dali = readers.resolve_backend(opts.backend, kind) == "dali"
@@ -277,7 +277,7 @@ def _tuned(opts: TaskOptions, source: Source, options: dict[str, Any]) -> dict[s
 
 
 def _default_tuning_path() -> Path:
-    from pipeline.loading import tuning
+    from shardflow.loading import tuning
 
     return tuning.default_path()
 
@@ -322,8 +322,8 @@ def _label_stats(data: str, storage_options: Mapping[str, Any]) -> LabelStats | 
 
 def _image(opts: TaskOptions, split: EvalSplit, ranks: _Ranks, train_options: dict[str, Any],
            held_options: dict[str, Any] | None) -> tuple[Any, Any, Any]:
-    from pipeline.image import ImageConfig, ImageLoader
-    from trainers.image_task import ImageClassification
+    from shardflow.image import ImageConfig, ImageLoader
+    from shardflow.trainers.image_task import ImageClassification
 
     classes = _classes(opts, split.train)
     own: dict[str, Any] = {"size": opts.size, "num_classes": classes}
@@ -351,8 +351,8 @@ def _augment(opts: TaskOptions, classes: int) -> tuple[list[Any], list[Any]]:
     threads, beside the training step; a GPU loader's on the device after delivery), drawn
     from (seed, epoch, key) as every loader's ops are. A mix carries --label-smoothing into
     its soft targets (batch.target); without one the loss smooths the labels itself."""
-    from pipeline import ops
-    from pipeline.ops import spec
+    from shardflow import ops
+    from shardflow.ops import spec
 
     recipe = spec.parse(opts.augment) if opts.augment else []
     if not (opts.mixup or opts.cutmix):
@@ -363,9 +363,9 @@ def _augment(opts: TaskOptions, classes: int) -> tuple[list[Any], list[Any]]:
 
 def _text(opts: TaskOptions, split: EvalSplit, ranks: _Ranks, train_options: dict[str, Any],
           held_options: dict[str, Any] | None) -> tuple[Any, Any, Any]:
-    from pipeline.text import TextConfig, TextLoader
-    from pipeline.text.tokenizer import load_tokenizer
-    from trainers.text_task import LanguageModelling
+    from shardflow.text import TextConfig, TextLoader
+    from shardflow.text.tokenizer import load_tokenizer
+    from shardflow.trainers.text_task import LanguageModelling
 
     if opts.model:
         raise ValueError("--model is for image, pointcloud and ctr tasks; text models follow "
@@ -384,8 +384,8 @@ def _text(opts: TaskOptions, split: EvalSplit, ranks: _Ranks, train_options: dic
 def _pointcloud(opts: TaskOptions, split: EvalSplit, ranks: _Ranks,
                 train_options: dict[str, Any], held_options: dict[str, Any] | None
                 ) -> tuple[Any, Any, Any]:
-    from pipeline.pointcloud import PointCloudConfig, PointCloudLoader
-    from trainers.pointcloud_task import MODELS, PointCloudClassification
+    from shardflow.pointcloud import PointCloudConfig, PointCloudLoader
+    from shardflow.trainers.pointcloud_task import MODELS, PointCloudClassification
 
     classes, model = _classes(opts, split.train), opts.model or "pointnet"
     if model not in MODELS:  # before any loader is built
@@ -407,8 +407,8 @@ def _pointcloud_seg(opts: TaskOptions, split: EvalSplit, ranks: _Ranks,
     voxel grid for bev), every point of a held-out frame evaluated; the classes, the ignored
     label and the class names are the loader's (its manifest's)."""
     model, own, frame_points = _seg_geometry(opts)  # refused before anything is imported
-    from pipeline.pointcloud import PointCloudConfig, PointCloudLoader
-    from trainers.segment_task import PointSegmentation
+    from shardflow.pointcloud import PointCloudConfig, PointCloudLoader
+    from shardflow.trainers.segment_task import PointSegmentation
 
     loader: Any = PointCloudLoader(split.train, PointCloudConfig(  # Any: read attributes below
         train=True, frame_points=frame_points, **train_options, **own), ranks.rank, ranks.world)
@@ -425,7 +425,7 @@ def _seg_geometry(opts: TaskOptions) -> tuple[str, dict[str, Any], int | None]:
     """(model, the loader options of its geometry, training points per frame or None for
     all): bev reads a voxel grid (--voxel-size, default 0.4 m, in --point-range), pointnet
     the points (--frame-points of each training frame, default 20000)."""
-    from trainers import segment_task as seg
+    from shardflow.trainers import segment_task as seg
 
     model = opts.model or "pointnet"
     if model not in seg.MODELS:  # before any loader is built
@@ -464,10 +464,10 @@ def _ctr(opts: TaskOptions, split: EvalSplit, ranks: _Ranks, train_options: dict
          held_options: dict[str, Any] | None) -> tuple[Any, Any, Any]:
     """Click logs: the tabular loader hashes each categorical field into its buckets; the
     model's tables are sized by the loader's schema (the same buckets train and evaluate)."""
-    from pipeline.tabular import TabularConfig, TabularLoader
-    from pipeline.tabular.schema import source_info
-    from trainers.ctr_models import MODELS
-    from trainers.ctr_task import ClickThroughRate
+    from shardflow.tabular import TabularConfig, TabularLoader
+    from shardflow.tabular.schema import source_info
+    from shardflow.trainers.ctr_models import MODELS
+    from shardflow.trainers.ctr_task import ClickThroughRate
 
     model = opts.model or "dlrm"
     if model not in MODELS:  # before any loader is built

@@ -1,7 +1,7 @@
 """Random access to a shard set by global index or key: a map-style dataset over the shards'
 `.idx` offsets (what wids' ShardListDataset and Streaming's `dataset[i]` give).
 
-    from pipeline import ShardDataset
+    from shardflow import ShardDataset
     ds = ShardDataset("shards/images")          # local, https://, s3:// (storage_options=...)
     len(ds); ds[17]; ds.key(17); ds.get("class_3_00012"); ds.keys()
     # {"__key__": ..., "__url__": ..., "image": uint8 (H, W, 3), "label": 3, ...}
@@ -29,14 +29,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.access.decode import MAX_PIXELS, decoded
-from pipeline.errors import DataError, OnError, SkipLog, check_on_error, handle
-from pipeline.loading.shardcache import ShardCache
-from pipeline.loading.shardlist import ShardSpec, Source, resolve_source
-from pipeline.samples.checks import modality_of
-from pipeline.shards.daliindex import parse_index
-from pipeline.shards.tarread import split_name
-from pipeline.urls import is_remote, redact
+from shardflow.access.decode import MAX_PIXELS, decoded
+from shardflow.errors import DataError, OnError, SkipLog, check_on_error, handle
+from shardflow.loading.shardcache import ShardCache
+from shardflow.loading.shardlist import ShardSpec, Source, resolve_source
+from shardflow.samples.checks import modality_of
+from shardflow.shards.daliindex import parse_index
+from shardflow.shards.tarread import split_name
+from shardflow.urls import is_remote, redact
 
 log = logging.getLogger(__name__)
 Members = list[tuple[str, int, int, str]]  # ext, offset, size, member name

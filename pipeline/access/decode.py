@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import DataError
-from pipeline.samples import checks, headers, pointcloud_io
-from pipeline.samples.checks import IMAGE_MEMBERS, OFFSET_EXT, POINTCLOUD_EXTS, TEXT_EXTS
-from pipeline.samples.scans import LABELS_EXT, NO_IGNORE, check_labels
-from pipeline.shards.manifest import TokenForm
+from shardflow.errors import DataError
+from shardflow.samples import checks, headers, pointcloud_io
+from shardflow.samples.checks import IMAGE_MEMBERS, OFFSET_EXT, POINTCLOUD_EXTS, TEXT_EXTS
+from shardflow.samples.scans import LABELS_EXT, NO_IGNORE, check_labels
+from shardflow.shards.manifest import TokenForm
 
 MAX_PIXELS = 64_000_000  # as image_loader's max_pixels
 
@@ -74,7 +74,7 @@ def _data(raw: bytes, ext: str, modality: str | None, tokens: TokenForm | None,
     if modality == "image":
         return "image", image(raw, max_pixels)
     if modality == "text" and tokens is not None:
-        from pipeline.text import pretokenized
+        from shardflow.text import pretokenized
 
         return "tokens", pretokenized.ids_of(raw, tokens)
     return "text", checks.text_of(raw)
@@ -104,8 +104,8 @@ def cloud_values(sample: dict[str, bytes], ext: str, segmentation: Mapping[str, 
 def image(data: bytes, max_pixels: int = MAX_PIXELS) -> np.ndarray:
     """An encoded image as upright uint8 (H, W, 3): the portable backend's decode of the
     whole image, then its EXIF orientation."""
-    from pipeline.image.augment import CropParams
-    from pipeline.image.portable import decode_window
+    from shardflow.image.augment import CropParams
+    from shardflow.image.portable import decode_window
 
     header = headers.check_header(data, max_pixels)
     whole = CropParams(0, 0, header.width, header.height, flip=False)

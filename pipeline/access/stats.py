@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.access.dataset import ShardDataset
-from pipeline.access.decode import MAX_PIXELS
-from pipeline.errors import DataError
-from pipeline.samples import checks, headers
-from pipeline.samples.checks import IMAGE_MEMBERS, POINTCLOUD_EXTS, TEXT_EXTS
+from shardflow.access.dataset import ShardDataset
+from shardflow.access.decode import MAX_PIXELS
+from shardflow.errors import DataError
+from shardflow.samples import checks, headers
+from shardflow.samples.checks import IMAGE_MEMBERS, POINTCLOUD_EXTS, TEXT_EXTS
 
 EDGES: dict[str, list[float]] = {"side": [0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1 << 30],
          "aspect": [0, 0.5, 0.75, 0.9, 1.1, 1.34, 1.8, 2.5, 1e9],
@@ -77,7 +77,7 @@ def _points(sample: dict[str, Any]) -> int | None:
     cloud = next((e for e in POINTCLOUD_EXTS if e in sample), None)
     if cloud is None:
         return None
-    from pipeline.samples import pointcloud_io
+    from shardflow.samples import pointcloud_io
 
     try:
         return len(pointcloud_io.read_points(bytes(sample[cloud]), cloud))

@@ -315,7 +315,7 @@ def scan_frame(rng: np.random.Generator, beams: int = 48, azimuth_steps: int = 1
 
 def config_yaml() -> str:
     """The SemanticKITTI-style config: labels, color_map, learning_map(_inv), learning_ignore."""
-    lines = ["# Built-in demo LiDAR data (pipeline.builtin.lidar); SemanticKITTI's raw ids.",
+    lines = ["# Built-in demo LiDAR data (shardflow.builtin.lidar); SemanticKITTI's raw ids.",
              "labels:", *(f"  {raw}: {name}" for raw, name in RAW_NAMES.items()),
              "color_map: # bgr", *(f"  {raw}: [{b}, {g}, {r}]" for raw, (b, g, r)
                                    in COLOR_MAP.items()),

@@ -1,6 +1,6 @@
 """make_shards' job: sources -> checked samples -> shards (see pipeline/README.md)."""
 
-from pipeline.convert.config import ConvertConfig
-from pipeline.convert.job import convert
+from shardflow.convert.config import ConvertConfig
+from shardflow.convert.job import convert
 
 __all__ = ["ConvertConfig", "convert"]

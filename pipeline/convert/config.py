@@ -13,15 +13,15 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from pipeline.convert.parquet import ParquetOptions
-from pipeline.convert.sources import SOURCE_KINDS, TextOptions
-from pipeline.convert.tabular import TabularOptions
-from pipeline.errors import OnError, check_on_error
-from pipeline.samples.checks import CheckLimits
-from pipeline.samples.scans import ScanOptions
-from pipeline.shards.manifest import MANIFEST, part_manifest_name
-from pipeline.storage import Store, check_storage_options
-from pipeline.urls import is_remote, redact
+from shardflow.convert.parquet import ParquetOptions
+from shardflow.convert.sources import SOURCE_KINDS, TextOptions
+from shardflow.convert.tabular import TabularOptions
+from shardflow.errors import OnError, check_on_error
+from shardflow.samples.checks import CheckLimits
+from shardflow.samples.scans import ScanOptions
+from shardflow.shards.manifest import MANIFEST, part_manifest_name
+from shardflow.storage import Store, check_storage_options
+from shardflow.urls import is_remote, redact
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class ConvertConfig:
         if self.kind not in ("text", "shards"):
             raise ValueError(f"tokenizer={spec!r}: documents are tokenized at conversion by the "
                              "text and shards kinds only")
-        from pipeline.text.tokenizer import load_tokenizer
+        from shardflow.text.tokenizer import load_tokenizer
 
         sha = load_tokenizer(spec).describe().get("sha256")  # a bad file fails here, early
         object.__setattr__(self, "text", replace(self.text, tokenizer_sha256=sha))

@@ -24,8 +24,8 @@ from functools import cache
 from itertools import islice
 from typing import Any, TypeVar
 
-from pipeline.executor import CHUNK, WorkerError
-from pipeline.urls import redact
+from shardflow.executor import CHUNK, WorkerError
+from shardflow.urls import redact
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

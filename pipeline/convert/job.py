@@ -22,14 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import executor
-from pipeline.convert import engine_ray, outdir
-from pipeline.convert.config import ConvertConfig
-from pipeline.convert.outdir import JOURNAL, Journal
-from pipeline.convert.parquet import ParquetPlan, plan_parquet
-from pipeline.convert.parquet_rows import RowChunk, build_rows, row_tasks
-from pipeline.convert.scan_plan import plan_scans
-from pipeline.convert.sources import (
+from shardflow import executor
+from shardflow.convert import engine_ray, outdir
+from shardflow.convert.config import ConvertConfig
+from shardflow.convert.outdir import JOURNAL, Journal
+from shardflow.convert.parquet import ParquetPlan, plan_parquet
+from shardflow.convert.parquet_rows import RowChunk, build_rows, row_tasks
+from shardflow.convert.scan_plan import plan_scans
+from shardflow.convert.sources import (
     InputItem,
     Plan,
     TextOptions,
@@ -40,20 +40,20 @@ from pipeline.convert.sources import (
     plan_pointcloud,
     plan_text,
 )
-from pipeline.convert.tabular import TabularPlan, plan_tabular
-from pipeline.convert.tabular_rows import RowBlock, block_tasks, build_block
-from pipeline.errors import DataError, SkipLog, handle
-from pipeline.samples.checks import (
+from shardflow.convert.tabular import TabularPlan, plan_tabular
+from shardflow.convert.tabular_rows import RowBlock, block_tasks, build_block
+from shardflow.errors import DataError, SkipLog, handle
+from shardflow.samples.checks import (
     OFFSET_EXT,
     CheckLimits,
     modality_of,
     repair_sample,
 )
-from pipeline.samples.scans import LABEL_COUNTS, LABELS_EXT, ScanOptions, labels_header
-from pipeline.shards import segstats
-from pipeline.shards.daliindex import has_whitespace
-from pipeline.shards.listing import list_shards, preflight
-from pipeline.shards.manifest import (
+from shardflow.samples.scans import LABEL_COUNTS, LABELS_EXT, ScanOptions, labels_header
+from shardflow.shards import segstats
+from shardflow.shards.daliindex import has_whitespace
+from shardflow.shards.listing import list_shards, preflight
+from shardflow.shards.manifest import (
     MANIFEST,
     LabelStats,
     Manifest,
@@ -61,12 +61,12 @@ from pipeline.shards.manifest import (
     TokenForm,
     parse_manifest,
 )
-from pipeline.shards.tarread import TarLimits, iter_regrouped
-from pipeline.shards.writer import Packed, ShardWriter, pack
-from pipeline.storage import Store
-from pipeline.text import pretokenized
-from pipeline.text.tokenizer import Tokenizer, load_tokenizer
-from pipeline.urls import redact
+from shardflow.shards.tarread import TarLimits, iter_regrouped
+from shardflow.shards.writer import Packed, ShardWriter, pack
+from shardflow.storage import Store
+from shardflow.text import pretokenized
+from shardflow.text.tokenizer import Tokenizer, load_tokenizer
+from shardflow.urls import redact
 
 log = logging.getLogger(__name__)
 
@@ -512,7 +512,7 @@ def _skip(tasks: Iterable[Task], n: int) -> Iterator[Task]:
 
 def _modality_of(out: Store, shards: list[ShardInfo]) -> str:
     """A re-sharded dataset's modality, from the extensions in its first index."""
-    from pipeline.shards.daliindex import parse_index
+    from shardflow.shards.daliindex import parse_index
 
     if not shards:
         return "unknown"

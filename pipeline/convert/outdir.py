@@ -13,10 +13,10 @@ import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pipeline.convert.config import ConvertConfig
-from pipeline.shards.listing import list_shards
-from pipeline.storage import Store
-from pipeline.urls import is_remote
+from shardflow.convert.config import ConvertConfig
+from shardflow.shards.listing import list_shards
+from shardflow.storage import Store
+from shardflow.urls import is_remote
 
 log = logging.getLogger(__name__)
 JOURNAL = ".make_shards.journal.json"

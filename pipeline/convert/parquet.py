@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.convert.sources import _UNSAFE, Plan, _ext, _walk, make_keys
+from shardflow.convert.sources import _UNSAFE, Plan, _ext, _walk, make_keys
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.convert.parquet import (
+from shardflow.convert.parquet import (
     READ_BUFFER,
     SHUFFLE_BYTES,
     SHUFFLE_ROWS,
@@ -23,9 +23,9 @@ from pipeline.convert.parquet import (
     safe_key,
     to_list,
 )
-from pipeline.convert.sources import Sample
-from pipeline.errors import DataError
-from pipeline.samples import checks
+from shardflow.convert.sources import Sample
+from shardflow.errors import DataError
+from shardflow.samples import checks
 
 
 @dataclass(frozen=True)

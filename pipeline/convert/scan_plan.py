@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.convert.sources import InputItem, Plan, _ext, _walk, make_keys
-from pipeline.samples.scans import SCAN_EXTS, ScanOptions
+from shardflow.convert.sources import InputItem, Plan, _ext, _walk, make_keys
+from shardflow.samples.scans import SCAN_EXTS, ScanOptions
 
 
 def plan_scans(src: Path, opts: ScanOptions) -> Plan:

@@ -24,10 +24,10 @@ from urllib.parse import urlsplit
 import fsspec
 from PIL import Image
 
-from pipeline.errors import DataError
-from pipeline.samples import checks, masks, scans
-from pipeline.shards.listing import regular_file
-from pipeline.shards.writer import FileRef, stamp_of
+from shardflow.errors import DataError
+from shardflow.samples import checks, masks, scans
+from shardflow.shards.listing import regular_file
+from shardflow.shards.writer import FileRef, stamp_of
 
 log = logging.getLogger(__name__)
 Sample = dict[str, object]

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from pipeline.convert.parquet import _glob
-from pipeline.convert.sources import Plan, _walk, make_keys
-from pipeline.samples.tabular_block import TabularSchema
+from shardflow.convert.parquet import _glob
+from shardflow.convert.sources import Plan, _walk, make_keys
+from shardflow.samples.tabular_block import TabularSchema
 
 log = logging.getLogger(__name__)
 

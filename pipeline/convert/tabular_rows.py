@@ -33,10 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.convert.sources import Sample
-from pipeline.convert.tabular import TableFile, TabularPlan
-from pipeline.errors import DataError
-from pipeline.samples.tabular_block import (
+from shardflow.convert.sources import Sample
+from shardflow.convert.tabular import TableFile, TabularPlan
+from shardflow.errors import DataError
+from shardflow.samples.tabular_block import (
     BLOCK_EXT,
     MAX_BLOB,
     Block,

@@ -21,7 +21,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.samples.headers import ORIENTATIONS
+from shardflow.samples.headers import ORIENTATIONS
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The user's ops on each decoded batch: `image_loader(augment=[...], batch_augment=[...])`.
 
-After the loader's own crop, resize and flip, `augment` (pipeline.ops ops) runs over the
+After the loader's own crop, resize and flip, `augment` (shardflow.ops ops) runs over the
 batch's uint8 images, each sample's parameters drawn from its generator (seed, epoch, key:
 ops.sample_rngs), then `batch_augment` (one ops.Mix: mixup or cutmix) from the batch's
 generator (ops.batch_rng), giving `batch.target`, soft targets (N, classes). The draws are
@@ -20,16 +20,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.image.views import View, view_key
-from pipeline.loading.batch import ImageBatch
+from shardflow.image.views import View, view_key
+from shardflow.loading.batch import ImageBatch
 
 
 @dataclass(frozen=True)
 class BatchOps:
     """The ops of one loader, with what they need to draw and to lay out."""
 
-    ops: tuple[Any, ...]  # pipeline.ops.Op
-    mix: Any  # pipeline.ops.Mix, or None
+    ops: tuple[Any, ...]  # shardflow.ops.Op
+    mix: Any  # shardflow.ops.Mix, or None
     seed: int
     channels_first: bool
     normalize: tuple[tuple[float, ...], tuple[float, ...]] | None  # 0..255 units, or None
@@ -40,7 +40,7 @@ class BatchOps:
         """The batch with its images (each view's) augmented and normalized, and, with a
         mix, its soft targets: a new ImageBatch, the keys, labels and extras unchanged.
         `done`: the leading ops the DALI graph already ran (drawn again, not run)."""
-        from pipeline import ops
+        from shardflow import ops
 
         if self.views is not None and batch.views is not None:
             views = [self._one(image, view.ops, epoch, [view_key(k, v) for k in batch.keys])
@@ -69,7 +69,7 @@ class BatchOps:
         (ops.apply's masks: the same draws; colour ops leave masks as they are)."""
         import torch
 
-        from pipeline import ops
+        from shardflow import ops
 
         assert batch.targets is not None
         images = self._nchw(batch.image)
@@ -87,7 +87,7 @@ class BatchOps:
              done: int = 0) -> Any:
         """One view's (or the batch's) images through `ops_` (but the first `done`), each
         drawn from its key."""
-        from pipeline import ops
+        from shardflow import ops
 
         images = self._nchw(image)
         if len(images) and len(ops_) > done:
@@ -128,7 +128,7 @@ def build(augment: Sequence[Any], batch_augment: Sequence[Any], *, seed: int,
           targets: Sequence[tuple[str, str]] = ()) -> BatchOps | None:
     """The loader's BatchOps, or None when it has no ops, views or targets (those are laid
     out and normalized here, after their ops); ValueError for ops it cannot run."""
-    from pipeline import ops
+    from shardflow import ops
 
     mean_std = (tuple(normalize[0]), tuple(normalize[1])) if normalize else None
     if views is not None:  # views.resolve checked their ops
@@ -137,7 +137,7 @@ def build(augment: Sequence[Any], batch_augment: Sequence[Any], *, seed: int,
         return None
     for op in augment:
         if not isinstance(op, ops.Op):
-            raise ValueError(f"augment: {op!r} is not a pipeline.ops.Op (subclass ops.Op with "
+            raise ValueError(f"augment: {op!r} is not a shardflow.ops.Op (subclass ops.Op with "
                              "draw and torch; mixup and cutmix go in batch_augment)")
     if len(batch_augment) > 1:
         raise ValueError(f"batch_augment={list(batch_augment)!r}: one ops.Mix at most (it "
@@ -150,7 +150,7 @@ def build(augment: Sequence[Any], batch_augment: Sequence[Any], *, seed: int,
 
 
 def _check_mix(mix: Any, labels: bool, num_classes: int | None) -> None:
-    from pipeline import ops
+    from shardflow import ops
 
     if not isinstance(mix, ops.Mix):
         raise ValueError(f"batch_augment: {mix!r} is not an ops.Mix (ops.MixUp, ops.CutMix "
@@ -167,7 +167,7 @@ def _normalized(images: Any, mean: Sequence[float], std: Sequence[float]) -> Any
     """float32 (x - mean) / std in 0..255 units, as the copier and resize.py normalize."""
     import torch
 
-    from pipeline.ops.base import on_device  # through pinned memory: no host sync
+    from shardflow.ops.base import on_device  # through pinned memory: no host sync
 
     m = on_device(list(mean), images.device, torch.float32).view(1, -1, 1, 1)
     s = on_device(list(std), images.device, torch.float32).view(1, -1, 1, 1)

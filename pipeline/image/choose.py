@@ -29,7 +29,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from pipeline.loading.shardlist import Source
+from shardflow.loading.shardlist import Source
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +95,8 @@ def settle_backend(source: Source, asked: dict[str, Any], tuning_file: Path | No
     does not keep DALI on large photos) and where decoding will run (the tuned `decode`), at
     the tuning file's split. The portable backend gets only the tuned choices it can use, its
     own threads and prefetch. `size`: the output size, where `asked` does not hold it."""
-    from pipeline.image.config import ImageConfig
-    from pipeline.loading import readers, tuning
+    from shardflow.image.config import ImageConfig
+    from shardflow.loading import readers, tuning
 
     def tuned(dali: bool, say: bool = True) -> dict[str, Any]:
         if not use_tuning:
@@ -122,7 +122,7 @@ def settle_backend(source: Source, asked: dict[str, Any], tuning_file: Path | No
 
 def tuned_split(path: Path | None) -> float:
     """The split of this machine's tuning file (`split`), or the measured default, LARGE."""
-    from pipeline.loading import tuning
+    from shardflow.loading import tuning
 
     found = tuning.load(path)
     return split(found.backend_split) if found is not None else LARGE
@@ -145,9 +145,9 @@ def _decodes_on_cpu(cfg: Any) -> bool:
 def shorter_sides(source: Source) -> list[int]:
     """The stored shorter side of up to PROBES images spread over `source` (read from their
     headers); [] where they cannot be read cheaply (remote shards, no indexes, bad data)."""
-    from pipeline.access.dataset import ShardDataset
-    from pipeline.loading.readers import dali_readable
-    from pipeline.samples.checks import IMAGE_EXTS
+    from shardflow.access.dataset import ShardDataset
+    from shardflow.loading.readers import dali_readable
+    from shardflow.samples.checks import IMAGE_EXTS
 
     # local shards each with a regular .idx: a FIFO in an index's place would block the probe
     if not source.shards or not dali_readable(source):
@@ -166,7 +166,7 @@ def shorter_sides(source: Source) -> list[int]:
 def _shorter_side(dataset: Any, i: int, exts: Any) -> int | None:
     """Sample `i`'s stored shorter side; None for a sample that cannot say (a bad one is the
     loader's to report): the other probes still count."""
-    from pipeline.samples.headers import read_header
+    from shardflow.samples.headers import read_header
 
     try:
         sample = dataset.raw(i) or {}

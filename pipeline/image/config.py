@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pipeline.image.graph import IMAGENET_MEAN, IMAGENET_STD, Layout
-from pipeline.loading.options import GraphOptions, choice, interval, positive
-from pipeline.samples.checks import IMAGE_EXTS, PICKLE_EXTS
+from shardflow.image.graph import IMAGENET_MEAN, IMAGENET_STD, Layout
+from shardflow.loading.options import GraphOptions, choice, interval, positive
+from shardflow.samples.checks import IMAGE_EXTS, PICKLE_EXTS
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class ImageConfig(GraphOptions):
     # txt/text -> str (UTF-8 checked), json -> json.loads' object, anything else -> bytes.
     extras: tuple[str, ...] = ()
     max_extra_bytes: int = 1 << 20  # per extra member: larger is a data error
-    # pipeline.ops ops run over each batch after the crop, resize and flip, drawn per sample
+    # shardflow.ops ops run over each batch after the crop, resize and flip, drawn per sample
     # from (seed, epoch, key); batch_augment: one ops.Mix (mixup/cutmix) -> batch.target.
     # Normalization (normalize=True) comes after them (image/batchops.py).
     augment: tuple[Any, ...] = ()

@@ -15,19 +15,19 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import dali
-from pipeline.image import graph as image_graph
-from pipeline.image import resize
-from pipeline.image.batchops import BatchOps
-from pipeline.image.config import ImageConfig
-from pipeline.loading.batch import EncodedBatch, ImageBatch
-from pipeline.loading.delivery import DeviceCopier
-from pipeline.loading.graphstage import BackendStage, GraphStage
-from pipeline.loading.hostpool import HostPool
-from pipeline.loading.loader import Produced
-from pipeline.loading.prefetch import ahead, one_core_in_this_thread
-from pipeline.loading.readers import Placement
-from pipeline.samples.checks import CheckLimits, allow_pixels, check_image
+from shardflow import dali
+from shardflow.image import graph as image_graph
+from shardflow.image import resize
+from shardflow.image.batchops import BatchOps
+from shardflow.image.config import ImageConfig
+from shardflow.loading.batch import EncodedBatch, ImageBatch
+from shardflow.loading.delivery import DeviceCopier
+from shardflow.loading.graphstage import BackendStage, GraphStage
+from shardflow.loading.hostpool import HostPool
+from shardflow.loading.loader import Produced
+from shardflow.loading.prefetch import ahead, one_core_in_this_thread
+from shardflow.loading.readers import Placement
+from shardflow.samples.checks import CheckLimits, allow_pixels, check_image
 
 # (batch, labels (None each with labels=False), windows: a CropParams each, or with views a
 # tuple of one per view)
@@ -231,7 +231,7 @@ class DecodeStage(ImageStage, GraphStage):
     def _feed_ops(self, graph: Any, keys: list[str]) -> None:
         """The graph's ops' per-sample inputs, drawn as ops.apply draws them (each sample's
         generator, op after op), so torch's ops after them continue the same draws."""
-        from pipeline import ops
+        from shardflow import ops
 
         rngs = ops.sample_rngs(self.cfg.seed, self.epoch, keys)
         for j, op in enumerate(self.graph_ops):

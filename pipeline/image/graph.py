@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pipeline import dali
+from shardflow import dali
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -42,14 +42,14 @@ class GraphSpec:
     # With `resize`: an "orient" input (per sample, the 2x3 matrix of `orient_matrix`) turns
     # the square output upright; the decoder's own adjust_orientation stays off (augment.py).
     exif_orientation: bool = True
-    # With `resize`: pipeline.ops ops with a DALI form (Op.dali_inputs), run on the resized,
+    # With `resize`: shardflow.ops ops with a DALI form (Op.dali_inputs), run on the resized,
     # upright, flipped image before the layout; each op's per-sample inputs are fed as
     # "op{j}_{name}" (decode.py draws them from the ops' generators).
     ops: tuple[Any, ...] = ()
 
 
 def build(spec: GraphSpec, **options: Any) -> Any:
-    """The built graph (see pipeline.dali.build for `options`)."""
+    """The built graph (see shardflow.dali.build for `options`)."""
     return dali.build(lambda: _graph(spec), **options)
 
 

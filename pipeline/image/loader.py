@@ -3,13 +3,13 @@ DALI decode graph -> resize/flip (CPU: torch, or the graph with resize_on="dali"
 graph) -> `ImageBatch(image, label, keys)`. Without DALI (backend="portable"), PIL decodes
 each window in a thread pool and torch resizes (portable.py); the rest is the same.
 
-    from pipeline import image_loader
+    from shardflow import image_loader
     with image_loader("shards/train", batch_size=256) as loader:
         for batch in loader:
             ...  # batch.image: uint8 NCHW on the device; batch.label; batch.keys
 
 Two background stages overlap with the consumer: the reader stage (read, check labels and
-image headers, choose crop windows) and the decode stage (image_decode.py). Every sample's
+image headers, choose crop windows) and the decode stage (image/decode.py). Every sample's
 window comes from its header before decoding: a random-resized crop drawn from (seed, epoch,
 key) when training, the centre crop when evaluating, so memory is bounded by the output size.
 """
@@ -25,20 +25,26 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import DataError, OnError
-from pipeline.image import augment, batchops, choose, views
-from pipeline.image.config import ImageConfig
-from pipeline.image.decode import DecodeStage, ImageStage
-from pipeline.image.portable import PortableImageStage
-from pipeline.loading import mix, readers, tuning
-from pipeline.loading.batch import EncodedBatch
-from pipeline.loading.graphstage import GraphLoader
-from pipeline.loading.options import Device
-from pipeline.loading.rng import sample_rng
-from pipeline.loading.shardlist import Source
-from pipeline.samples import headers, masks
-from pipeline.samples.checks import IMAGE_EXTS, IMAGE_MEMBERS, CheckLimits, check_image, check_label
-from pipeline.shards.daliindex import parse_index
+from shardflow.errors import DataError, OnError
+from shardflow.image import augment, batchops, choose, views
+from shardflow.image.config import ImageConfig
+from shardflow.image.decode import DecodeStage, ImageStage
+from shardflow.image.portable import PortableImageStage
+from shardflow.loading import mix, readers, tuning
+from shardflow.loading.batch import EncodedBatch
+from shardflow.loading.graphstage import GraphLoader
+from shardflow.loading.options import Device
+from shardflow.loading.rng import sample_rng
+from shardflow.loading.shardlist import Source
+from shardflow.samples import headers, masks
+from shardflow.samples.checks import (
+    IMAGE_EXTS,
+    IMAGE_MEMBERS,
+    CheckLimits,
+    check_image,
+    check_label,
+)
+from shardflow.shards.daliindex import parse_index
 
 log = logging.getLogger(__name__)
 

@@ -30,16 +30,16 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from pipeline.errors import DataError
-from pipeline.image import restarts, rows
-from pipeline.image.augment import CropParams
-from pipeline.image.batchops import BatchOps
-from pipeline.image.config import ImageConfig
-from pipeline.image.decode import ImageStage, Item
-from pipeline.loading.portablestage import PortableStage
-from pipeline.loading.readers import Placement
-from pipeline.samples import headers
-from pipeline.samples.headers import ORIENTATIONS
+from shardflow.errors import DataError
+from shardflow.image import restarts, rows
+from shardflow.image.augment import CropParams
+from shardflow.image.batchops import BatchOps
+from shardflow.image.config import ImageConfig
+from shardflow.image.decode import ImageStage, Item
+from shardflow.loading.portablestage import PortableStage
+from shardflow.loading.readers import Placement
+from shardflow.samples import headers
+from shardflow.samples.headers import ORIENTATIONS
 
 # What the reader stage lets through (headers.read_header): JPEG, PNG, WebP, BMP, TIFF. (An
 # MPO opens as JPEG: PIL's JPEG plugin hands it to its MPO reader, which gives the first image.)

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.samples import jpegscan
-from pipeline.samples.headers import scan_start
+from shardflow.samples import jpegscan
+from shardflow.samples.headers import scan_start
 
 DRI = 0xDD
 HUFFMAN_SEQUENTIAL = (0xC0, 0xC1)  # baseline, extended: one scan per component set

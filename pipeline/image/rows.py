@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageFile
 
-from pipeline.samples.headers import whole_jpeg
+from shardflow.samples.headers import whole_jpeg
 
 SENTINEL = (13, 247, 61, 7)  # a row of this colour is left by no photo, and if one were,
 # the caller's full decode would give the same pixels: the sentinel costs time, never pixels

@@ -27,7 +27,7 @@ class View:
     """One view: its window op (None: the loader's own crop and flip) and its ops."""
 
     size: int
-    crop: Any  # pipeline.ops.WindowOp, or None
+    crop: Any  # shardflow.ops.WindowOp, or None
     ops: tuple[Any, ...]
 
 
@@ -60,8 +60,8 @@ def resolve(views: Any, size: int, augment: Sequence[Any], batch_augment: Sequen
 
 
 def _view(ops_: list[Any], size: int, index: int) -> View:
-    from pipeline import ops
-    from pipeline.ops.crop import WindowOp
+    from shardflow import ops
+    from shardflow.ops.crop import WindowOp
 
     crop = ops_.pop(0) if ops_ and isinstance(ops_[0], WindowOp) else None
     for op in ops_:
@@ -69,5 +69,5 @@ def _view(ops_: list[Any], size: int, index: int) -> View:
             raise ValueError(f"views[{index}]: {op!r} is a window op; it can only come first "
                              "in a view (the view's crop)")
         if not isinstance(op, ops.Op):
-            raise ValueError(f"views[{index}]: {op!r} is not a pipeline.ops.Op")
+            raise ValueError(f"views[{index}]: {op!r} is not a shardflow.ops.Op")
     return View(crop.size if crop is not None else size, crop, tuple(ops_))

@@ -24,10 +24,10 @@ import operator
 from collections.abc import Iterator
 from typing import Any
 
-from pipeline.loading.batch import EncodedBatch
-from pipeline.loading.deferred import Deferred
-from pipeline.loading.readplan import EpochPlan
-from pipeline.urls import redact
+from shardflow.loading.batch import EncodedBatch
+from shardflow.loading.deferred import Deferred
+from shardflow.loading.readplan import EpochPlan
+from shardflow.urls import redact
 
 _NEVER = math.inf  # the count of a shard whose count is unknown: never done by counting
 Snapshot = dict[str, Any]  # {"done": [index, ...], "partial": [[index, [key, ...]], ...]}

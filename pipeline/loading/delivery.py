@@ -6,7 +6,7 @@ one `DeviceCopier`, and every batch follows **the stream contract**:
 1. The copier has one side stream S on the loader's device. Everything a batch is made of on
    the GPU is allocated and written inside S's context: the host-to-device copies, the
    normalization and its temporaries, a GPU decoder's output copied out of DALI's buffer
-   (`pipeline.dali.to_cuda`), voxels computed on the GPU. Allocation inside S's context
+   (`shardflow.dali.to_cuda`), voxels computed on the GPU. Allocation inside S's context
    matters: the caching allocator ties a block to the stream it was allocated on, so a block
    freed by S is reused only by S's later work, in S's order.
 2. A host batch is first copied (by the CPU) into a **pinned buffer of a ring** (`PinnedRing`,
@@ -19,11 +19,11 @@ one `DeviceCopier`, and every batch follows **the stream contract**:
    the tensors (`C.wait_event(E)`: a GPU-side wait, no host sync), and calls
    `t.record_stream(C)` on every CUDA tensor of the batch: their blocks belong to S, and
    without it S could be handed one of them for the next batch while C still reads it
-   (`pipeline.loading.loader._wait`).
+   (`shardflow.loading.loader._wait`).
 5. Temporaries allocated and freed on S (the uint8 image before normalizing, the points before
    dropping bad clouds) need nothing more: S runs in order, so no later S work can overtake
    their readers.
-6. DALI reuses its output buffer once the next output is asked for: `pipeline.dali.to_cuda`
+6. DALI reuses its output buffer once the next output is asked for: `shardflow.dali.to_cuda`
    waits (host, in the decode thread) for its copy out of it before returning.
 """
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.loading import consumed
+from shardflow.loading import consumed
 
 RANK_FIELDS = ("epoch", "batches", "reader_state", "skipped", "rest")
 

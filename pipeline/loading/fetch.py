@@ -21,10 +21,10 @@ from typing import Any
 
 import fsspec
 
-from pipeline.errors import DataError
-from pipeline.loading.shardcache import CacheWriter, ShardCache
-from pipeline.loading.shardlist import ShardSpec
-from pipeline.urls import BACKOFF_S, RETRIES, is_remote, redact, scrub
+from shardflow.errors import DataError
+from shardflow.loading.shardcache import CacheWriter, ShardCache
+from shardflow.loading.shardlist import ShardSpec
+from shardflow.urls import BACKOFF_S, RETRIES, is_remote, redact, scrub
 
 log = logging.getLogger(__name__)
 CHUNK = 4 * 1024 * 1024

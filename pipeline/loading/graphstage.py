@@ -21,17 +21,17 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from pipeline import dali
-from pipeline.errors import DataError, OnError, SkipLog, handle
-from pipeline.loading import readers
-from pipeline.loading.batch import EncodedBatch
-from pipeline.loading.delivery import DeviceCopier
-from pipeline.loading.loader import Loader, Produced
-from pipeline.loading.options import GraphOptions
-from pipeline.loading.prefetch import one_core_in_this_thread
-from pipeline.loading.readers import Placement
-from pipeline.loading.readplan import EpochPlan
-from pipeline.loading.shardlist import Source
+from shardflow import dali
+from shardflow.errors import DataError, OnError, SkipLog, handle
+from shardflow.loading import readers
+from shardflow.loading.batch import EncodedBatch
+from shardflow.loading.delivery import DeviceCopier
+from shardflow.loading.loader import Loader, Produced
+from shardflow.loading.options import GraphOptions
+from shardflow.loading.prefetch import one_core_in_this_thread
+from shardflow.loading.readers import Placement
+from shardflow.loading.readplan import EpochPlan
+from shardflow.loading.shardlist import Source
 
 # (the encoded batch, then per-sample columns aligned with it: labels, windows, parameters)
 Item = tuple[Any, ...]

@@ -20,7 +20,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Literal
 
-from pipeline.loading.batch import EncodedBatch
+from shardflow.loading.batch import EncodedBatch
 
 Side = Literal["train", "eval"]
 

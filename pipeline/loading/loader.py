@@ -31,18 +31,18 @@ from typing import Any, TypeVar
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from pipeline.errors import DataError, OnError, SkipLog, handle
-from pipeline.loading import consumed, elastic, reader_dali
-from pipeline.loading.batch import EncodedBatch
-from pipeline.loading.deferred import resolved
-from pipeline.loading.holdout import KeyHoldout, select
-from pipeline.loading.options import LoaderOptions
-from pipeline.loading.prefetch import Burst, Stage
-from pipeline.loading.reader_stream import StreamOptions
-from pipeline.loading.readplan import EpochPlan, plan_epoch, plan_rest
-from pipeline.loading.shardcache import ShardCache
-from pipeline.loading.shardlist import Source
-from pipeline.loading.subset import Subset, subset_of
+from shardflow.errors import DataError, OnError, SkipLog, handle
+from shardflow.loading import consumed, elastic, reader_dali
+from shardflow.loading.batch import EncodedBatch
+from shardflow.loading.deferred import resolved
+from shardflow.loading.holdout import KeyHoldout, select
+from shardflow.loading.options import LoaderOptions
+from shardflow.loading.prefetch import Burst, Stage
+from shardflow.loading.reader_stream import StreamOptions
+from shardflow.loading.readplan import EpochPlan, plan_epoch, plan_rest
+from shardflow.loading.shardcache import ShardCache
+from shardflow.loading.shardlist import Source
+from shardflow.loading.subset import Subset, subset_of
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 1
@@ -92,7 +92,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
                           world_size: int) -> None:
         """The construction every modality shares, from its options: pick the reader, and for
         DALI's check the local shards first (a dropped shard changes the plan)."""
-        from pipeline.loading import readers
+        from shardflow.loading import readers
 
         _check_modality(source, self.kind)
         backend = readers.resolve_backend(cfg.backend, self.kind, cfg.decode)
@@ -288,7 +288,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         """The reader's batches of `plan` from `state` (readers.encoded); once all are read,
         DALI's reader of the next epoch is started for the next pass, which is that epoch
         from its start unless a pass is left early or a state loaded (then it is dropped)."""
-        from pipeline.loading import readers
+        from shardflow.loading import readers
 
         return readers.encoded(self.reader, plan, state, self.on_error, exts, extras,
                                self.stream, primed=self._primed,
@@ -322,7 +322,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         A whole state holds every rank's position and resumes on any rank and any number of
         ranks (elastic.py). Under torch.distributed it is gathered from all ranks, so call it
         on every rank (as Lightning and tools/train.py do); `gather=False` gives this rank's
-        own, which `pipeline.merge_states` joins, and which resumes on this rank alone.
+        own, which `shardflow.merge_states` joins, and which resumes on this rank alone.
         """
         local = self._local_state()
         states = elastic.gather(local, self.world_size) if gather else None

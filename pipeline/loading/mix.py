@@ -49,8 +49,8 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from pipeline.loading import elastic, rows
-from pipeline.loading.mixsource import Source
+from shardflow.loading import elastic, rows
+from shardflow.loading.mixsource import Source
 
 log = logging.getLogger(__name__)
 Mixture = Sequence[tuple[Any, float]]  # [(source, weight), ...]
@@ -314,7 +314,7 @@ class MixedLoader:
 def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     """One whole state from every rank's own (`state_dict(gather=False)`, in any order), of
     a mixture or a loader (elastic.merge_states): what `state_dict()` gathers under
-    torch.distributed. This is `pipeline.merge_states`."""
+    torch.distributed. This is `shardflow.merge_states`."""
     if not states or states[0].get("kind") != MixedLoader.kind or "ranks" in states[0]:
         return elastic.merge_states(states)
     world = int(states[0]["world_size"])

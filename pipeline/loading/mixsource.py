@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from pipeline.loading import rows
+from shardflow.loading import rows
 
 
 class Source:

@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pipeline.errors import OnError, check_on_error
-from pipeline.storage import check_storage_options
+from shardflow.errors import OnError, check_on_error
+from shardflow.storage import check_storage_options
 
 ReaderKind = Literal["auto", "dali", "stream", "index"]  # e.g. "stream" for remote shards
 # Where batches land and training runs, e.g. device="cuda:1"; "gpu" is the older spelling of

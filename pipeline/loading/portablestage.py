@@ -21,10 +21,10 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from pipeline.errors import DataError, OnError
-from pipeline.loading.graphstage import BackendStage, Item
-from pipeline.loading.loader import Produced
-from pipeline.loading.readers import Placement
+from shardflow.errors import DataError, OnError
+from shardflow.loading.graphstage import BackendStage, Item
+from shardflow.loading.loader import Produced
+from shardflow.loading.readers import Placement
 
 AHEAD = 2  # batches submitted to the pool beyond the one being assembled (as GraphRunner)
 

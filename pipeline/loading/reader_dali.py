@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import DataError
-from pipeline.loading.batch import EncodedBatch
-from pipeline.loading.readplan import EpochPlan
-from pipeline.shards.daliindex import parse_index
-from pipeline.shards.tarread import split_name
+from shardflow.errors import DataError
+from shardflow.loading.batch import EncodedBatch
+from shardflow.loading.readplan import EpochPlan
+from shardflow.shards.daliindex import parse_index
+from shardflow.shards.tarread import split_name
 
 
 def check_local_shard(url: str, idx: str | None = None) -> int:

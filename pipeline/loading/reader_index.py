@@ -41,12 +41,12 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import DataError
-from pipeline.loading.batch import EncodedBatch
-from pipeline.loading.readplan import EpochPlan
-from pipeline.shards.daliindex import parse_index
-from pipeline.shards.tarread import split_name
-from pipeline.urls import redact
+from shardflow.errors import DataError
+from shardflow.loading.batch import EncodedBatch
+from shardflow.loading.readplan import EpochPlan
+from shardflow.shards.daliindex import parse_index
+from shardflow.shards.tarread import split_name
+from shardflow.urls import redact
 
 # Samples whose tables stay cached (a table costs about 100 bytes a sample): the shards of a
 # few epochs of a rank on the usual datasets, parsed once per process, not once per epoch.

@@ -28,15 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import DataError, OnError, SkipLog, handle
-from pipeline.loading import refetch
-from pipeline.loading.batch import EncodedBatch
-from pipeline.loading.fetch import Fetcher, FetchStats
-from pipeline.loading.readplan import EpochPlan
-from pipeline.loading.shardcache import ShardCache
-from pipeline.loading.shardlist import ShardSpec
-from pipeline.shards.tarread import TarLimits, dotted_key, iter_samples
-from pipeline.urls import redact
+from shardflow.errors import DataError, OnError, SkipLog, handle
+from shardflow.loading import refetch
+from shardflow.loading.batch import EncodedBatch
+from shardflow.loading.fetch import Fetcher, FetchStats
+from shardflow.loading.readplan import EpochPlan
+from shardflow.loading.shardcache import ShardCache
+from shardflow.loading.shardlist import ShardSpec
+from shardflow.shards.tarread import TarLimits, dotted_key, iter_samples
+from shardflow.urls import redact
 
 log = logging.getLogger(__name__)
 Sample = dict[str, object]

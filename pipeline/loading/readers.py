@@ -14,14 +14,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from pipeline import dali
-from pipeline.errors import DataError, OnError, SkipLog, handle
-from pipeline.loading import consumed, reader_dali, reader_index, reader_stream
-from pipeline.loading.batch import EncodedBatch
-from pipeline.loading.options import Backend, ReaderKind, portable_conflict
-from pipeline.loading.readplan import EpochPlan
-from pipeline.loading.shardlist import ShardSpec, Source
-from pipeline.urls import is_remote
+from shardflow import dali
+from shardflow.errors import DataError, OnError, SkipLog, handle
+from shardflow.loading import consumed, reader_dali, reader_index, reader_stream
+from shardflow.loading.batch import EncodedBatch
+from shardflow.loading.options import Backend, ReaderKind, portable_conflict
+from shardflow.loading.readplan import EpochPlan
+from shardflow.loading.shardlist import ShardSpec, Source
+from shardflow.urls import is_remote
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pipeline.loading.shardlist import ShardSpec, Source, epoch_order, even_length, split_ranks
+from shardflow.loading.shardlist import ShardSpec, Source, epoch_order, even_length, split_ranks
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,11 @@ from typing import Any
 
 import fsspec
 
-from pipeline.errors import DataError
-from pipeline.loading.shardlist import ShardSpec
-from pipeline.shards.daliindex import parse_index
-from pipeline.shards.tarread import TarLimits, iter_samples, split_name
-from pipeline.urls import is_remote, redact
+from shardflow.errors import DataError
+from shardflow.loading.shardlist import ShardSpec
+from shardflow.shards.daliindex import parse_index
+from shardflow.shards.tarread import TarLimits, iter_samples, split_name
+from shardflow.urls import is_remote, redact
 
 log = logging.getLogger(__name__)
 Sample = dict[str, object]

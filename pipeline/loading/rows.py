@@ -19,7 +19,7 @@ from typing import Any
 
 def keyed_by_row(batch: Any) -> bool:
     """Whether `batch.keys` names its rows one by one (not a text batch's documents)."""
-    from pipeline.loading.batch import TextBatch
+    from shardflow.loading.batch import TextBatch
 
     return not isinstance(batch, TextBatch)
 
@@ -60,7 +60,7 @@ def join(pieces: list[Any]) -> Any:
 
 def _not_ragged(batch: Any) -> None:
     """A batch of scenes (batch.ScanBatch) has rows per point, not per sample: refused."""
-    from pipeline.loading.batch import ScanBatch
+    from shardflow.loading.batch import ScanBatch
 
     if isinstance(batch, ScanBatch):
         raise ValueError("mixing per sample: batches of scenes labelled per point are ragged "

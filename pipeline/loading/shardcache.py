@@ -25,8 +25,8 @@ import os
 import uuid
 from pathlib import Path
 
-from pipeline.loading.shardlist import ShardSpec
-from pipeline.urls import redact
+from shardflow.loading.shardlist import ShardSpec
+from shardflow.urls import redact
 
 log = logging.getLogger(__name__)
 SUFFIX = ".tar"

@@ -21,11 +21,11 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from pipeline.shards import indexdir
-from pipeline.shards.listing import count_from_index, list_shards, preflight
-from pipeline.shards.manifest import MANIFEST, TokenForm, load_manifest
-from pipeline.storage import check_storage_options
-from pipeline.urls import beside, check_scheme, expand_braces, redact
+from shardflow.shards import indexdir
+from shardflow.shards.listing import count_from_index, list_shards, preflight
+from shardflow.shards.manifest import MANIFEST, TokenForm, load_manifest
+from shardflow.storage import check_storage_options
+from shardflow.urls import beside, check_scheme, expand_braces, redact
 
 T = TypeVar("T")
 

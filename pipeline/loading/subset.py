@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.loading.batch import EncodedBatch
+from shardflow.loading.batch import EncodedBatch
 
 Select = Callable[[str, Mapping[str, Any]], bool]
 

@@ -63,7 +63,7 @@ class Tuning:
     portable: dict[str, int] | None = None
 
     def save(self, path: Path) -> None:
-        from pipeline.atomic import write_atomic
+        from shardflow.atomic import write_atomic
 
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, (json.dumps({"version": VERSION, **asdict(self)}, indent=1) + "\n")
@@ -192,8 +192,8 @@ def source_and_options(kind: str, source: Any, options: dict[str, Any],
     """What every `*_loader` function does first: resolve `source` (refusing `pipe:` unless
     `allow_pipe`; with `storage_options` for its URLs), then fill in the tuned choices that
     apply to it."""
-    from pipeline.loading.readers import dali_readable, resolve_backend
-    from pipeline.loading.shardlist import resolve_source
+    from shardflow.loading.readers import dali_readable, resolve_backend
+    from shardflow.loading.shardlist import resolve_source
 
     resolved = resolve_source(source, allow_pipe=bool(options.get("allow_pipe", False)),
                               storage_options=options.get("storage_options"),

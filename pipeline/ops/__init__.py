@@ -1,15 +1,15 @@
 """Augmentation ops you compose: each draws its parameters for one sample in Python, from the
 sample's own generator (seed, epoch, key), and applies them batched in torch over uint8
-images (N, C, H, W), on the CPU or on the device. See pipeline/ops/README.md.
+images (N, C, H, W), on the CPU or on the device. See the `ops/` section of pipeline/README.md.
 
-    from pipeline import ops
+    from shardflow import ops
     images = ops.apply([ops.ColorJitter(0.4, 0.4, 0.4, 0.1), ops.Solarize(128)], images,
                        ops.sample_rngs(seed, epoch, keys))
 """
 
-from pipeline.ops import points
-from pipeline.ops.base import Op, apply, on_device, sample_rngs
-from pipeline.ops.color import (
+from shardflow.ops import points
+from shardflow.ops.base import Op, apply, on_device, sample_rngs
+from shardflow.ops.color import (
     AutoContrast,
     Brightness,
     ColorJitter,
@@ -22,11 +22,11 @@ from pipeline.ops.color import (
     Saturation,
     Solarize,
 )
-from pipeline.ops.crop import CenterCrop, RandomResizedCrop, WindowOp
-from pipeline.ops.erase import RandomErasing
-from pipeline.ops.geometry import Affine, Flip, GaussianBlur, Rotate, Sharpness
-from pipeline.ops.mix import CutMix, Mix, MixUp, batch_rng, soft_targets
-from pipeline.ops.policies import AutoAugment, RandAugment, TrivialAugmentWide
+from shardflow.ops.crop import CenterCrop, RandomResizedCrop, WindowOp
+from shardflow.ops.erase import RandomErasing
+from shardflow.ops.geometry import Affine, Flip, GaussianBlur, Rotate, Sharpness
+from shardflow.ops.mix import CutMix, Mix, MixUp, batch_rng, soft_targets
+from shardflow.ops.policies import AutoAugment, RandAugment, TrivialAugmentWide
 
 __all__ = ["Affine", "AutoAugment", "AutoContrast", "Brightness", "CenterCrop", "ColorJitter",
            "Contrast", "CutMix", "Equalize", "Flip", "GaussianBlur", "Grayscale", "Hue", "Mix",

@@ -61,7 +61,7 @@ class Op:
 
 
 def sample_rngs(seed: int, epoch: int, keys: Sequence[str]) -> list[random.Random]:
-    """One generator per sample for the ops, apart from the crop's (pipeline.loading.rng):
+    """One generator per sample for the ops, apart from the crop's (shardflow.loading.rng):
     adding an op changes no crop window."""
     return [random.Random(f"ops/{seed}/{epoch}/{key}") for key in keys]
 

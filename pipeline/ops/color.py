@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor  # in the classes below, `torch` is also the method of each op
 
-from pipeline.ops.base import (
+from shardflow.ops.base import (
     Op,
     check_uint8,
     chosen,
@@ -337,7 +337,7 @@ def _histograms(images: torch.Tensor) -> torch.Tensor:
 
 class Normalize(Op):
     """torchvision's Normalize on a uint8 batch: float32 (x - mean) / std per channel, mean
-    and std in 0..255 units as the loaders take them (pipeline.image.graph.IMAGENET_MEAN:
+    and std in 0..255 units as the loaders take them (shardflow.image.graph.IMAGENET_MEAN:
     0.485 * 255, ...), i.e. torchvision's ToTensor then Normalize(mean / 255, std / 255).
 
     The last op of a recipe: it returns floats, and every op refuses what is not uint8

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor  # in the ops, `torch` is also a method
 
-from pipeline.ops.base import Op, check_uint8, to_uint8
+from shardflow.ops.base import Op, check_uint8, to_uint8
 
 Window = tuple[int, int, int, int]  # x, y, width, height
 
@@ -72,7 +72,7 @@ class RandomResizedCrop(WindowOp):
         self.size, self.scale, self.ratio = size, tuple(scale), tuple(ratio)
 
     def window(self, rng: random.Random, width: int, height: int) -> Window:
-        from pipeline.image.augment import random_window
+        from shardflow.image.augment import random_window
 
         return random_window(rng, width, height, self.scale, self.ratio)  # type: ignore[arg-type]
 
@@ -88,7 +88,7 @@ class CenterCrop(WindowOp):
         self.size, self.fraction = size, fraction
 
     def window(self, rng: random.Random, width: int, height: int) -> Window:
-        from pipeline.image.augment import center_crop
+        from shardflow.image.augment import center_crop
 
         c = center_crop(width, height, self.fraction)
         return c.x, c.y, c.width, c.height

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor  # in the class below, `torch` is also the method of the op
 
-from pipeline.ops.base import Op, check_uint8, on_device, put_rows, rows
+from shardflow.ops.base import Op, check_uint8, on_device, put_rows, rows
 
 Box = tuple[int, int, int, int]  # top, left, height, width
 Fill = int | tuple[int, ...] | str

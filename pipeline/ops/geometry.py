@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - torch's own spelling
 from torch import Tensor  # in the classes below, `torch` is also the method of each op
 
-from pipeline.ops.base import (
+from shardflow.ops.base import (
     Op,
     check_uint8,
     chosen,
@@ -32,7 +32,7 @@ from pipeline.ops.base import (
     rows,
     to_uint8,
 )
-from pipeline.ops.color import blend
+from shardflow.ops.color import blend
 
 
 def inverse_affine(angle: float, translate: tuple[float, float], scale: float,

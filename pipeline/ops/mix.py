@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.ops.base import to_uint8
+from shardflow.ops.base import to_uint8
 
 
 def batch_rng(seed: int, epoch: int, keys: Sequence[str]) -> random.Random:

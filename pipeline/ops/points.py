@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor  # in the ops, `torch` is also a method
 
-from pipeline.ops.base import on_device
+from shardflow.ops.base import on_device
 
 
 class PointOp:

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor  # in the classes below, `torch` is also the method of each op
 
-from pipeline.ops import color, geometry
-from pipeline.ops.base import Op, check_uint8, on_device
+from shardflow.ops import color, geometry
+from shardflow.ops.base import Op, check_uint8, on_device
 
 # name -> (magnitude of bin i of n for an image of h x w, signed); None: no magnitude
 Space = dict[str, tuple[Callable[[float, int, int, int], float] | None, bool]]

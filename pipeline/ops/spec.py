@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import re
 
-from pipeline.ops.base import Op
-from pipeline.ops.policies import AutoAugment, RandAugment, TrivialAugmentWide
+from shardflow.ops.base import Op
+from shardflow.ops.policies import AutoAugment, RandAugment, TrivialAugmentWide
 
 LEVELS = 10  # timm's magnitude scale
 _RAND = re.compile(r"rand((?:-(?:m[\d.]+|n\d+|mstd[\d.]+))*)")

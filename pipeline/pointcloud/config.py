@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.loading.options import GraphOptions, interval, positive
-from pipeline.pointcloud import voxelize
+from shardflow.loading.options import GraphOptions, interval, positive
+from shardflow.pointcloud import voxelize
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class PointCloudConfig(GraphOptions):
     scale: tuple[float, float] = (0.8, 1.2)  # training: isotropic factor, uniform in range
     jitter: float = 0.01  # training: std of the Gaussian noise added to every coordinate
     max_points: int = 2_000_000  # a cloud declaring more is refused from its header
-    # Training ops (pipeline.ops.points), in place of rotate, scale and jitter: a leading
+    # Training ops (shardflow.ops.points), in place of rotate, scale and jitter: a leading
     # RotateZ, Scale, Jitter run in the graph as those do; the rest in torch, before voxels.
     augment: Any = None
     # Scenes labelled per point (per_point_labels=True) only:
@@ -107,7 +107,7 @@ class PointCloudConfig(GraphOptions):
 
     def voxel_grid(self) -> Any:
         """The scenes' voxel grid (segvoxels.VoxelGrid), or None without voxel_size."""
-        from pipeline.pointcloud.segvoxels import VoxelGrid
+        from shardflow.pointcloud.segvoxels import VoxelGrid
 
         if self.voxel_size is None:
             return None
@@ -136,12 +136,12 @@ class PointCloudConfig(GraphOptions):
 def split_augment(augment: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """(the leading ops the graph runs: RotateZ, Scale, Jitter, each once, Jitter last as the
     graph adds noise last; the rest); ValueError for what is not a point op."""
-    from pipeline.ops import points
+    from shardflow.ops import points
 
     ops_ = tuple(augment) if isinstance(augment, (list, tuple)) else (augment,)
     for op in ops_:
         if not isinstance(op, points.PointOp):
-            raise ValueError(f"augment: {op!r} is not a pipeline.ops.points op (subclass "
+            raise ValueError(f"augment: {op!r} is not a shardflow.ops.points op (subclass "
                              "ops.points.PointOp with draw and torch)")
     lead: list[Any] = []
     for op in ops_:

@@ -1,4 +1,4 @@
-"""The point-cloud loader's decode stage: DALI graph (pointcloud_graph.py) -> value checks ->
+"""The point-cloud loader's decode stage: DALI graph (pointcloud/graph.py) -> value checks ->
 voxel grid -> host or device batch -> `PointBatch`.
 
 On the CPU the graph's points are copied out of DALI's buffer; on a GPU they are copied from
@@ -19,19 +19,19 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import dali
-from pipeline.errors import DataError
-from pipeline.loading.batch import EncodedBatch, PointBatch
-from pipeline.loading.delivery import DeviceCopier
-from pipeline.loading.graphstage import BackendStage, GraphStage
-from pipeline.loading.loader import Produced
-from pipeline.loading.readers import Placement
-from pipeline.pointcloud import graph as pointcloud_graph
-from pipeline.pointcloud import scene, voxelize
-from pipeline.pointcloud.config import PointCloudConfig
-from pipeline.pointcloud.sample import SampleParams
-from pipeline.samples import pointcloud_io
-from pipeline.samples.scans import NO_IGNORE
+from shardflow import dali
+from shardflow.errors import DataError
+from shardflow.loading.batch import EncodedBatch, PointBatch
+from shardflow.loading.delivery import DeviceCopier
+from shardflow.loading.graphstage import BackendStage, GraphStage
+from shardflow.loading.loader import Produced
+from shardflow.loading.readers import Placement
+from shardflow.pointcloud import graph as pointcloud_graph
+from shardflow.pointcloud import scene, voxelize
+from shardflow.pointcloud.config import PointCloudConfig
+from shardflow.pointcloud.sample import SampleParams
+from shardflow.samples import pointcloud_io
+from shardflow.samples.scans import NO_IGNORE
 
 Item = tuple[EncodedBatch, list[int], list[SampleParams]]  # (batch, labels, parameters)
 # Box sides (largest of a cloud's three) whose normalization stays well inside float32.
@@ -133,7 +133,7 @@ class CloudStage(BackendStage):
         torch_ops = self.cfg.torch_ops()
         if not torch_ops or not len(points):
             return points
-        from pipeline import ops
+        from shardflow import ops
 
         return ops.points.apply(torch_ops, points, ops.sample_rngs(self.cfg.seed, self.epoch,
                                                                    keys))

@@ -11,7 +11,7 @@ are not returned); the device is a parameter.
       -> scenes (ragged): padded to the batch's largest
 
 Nothing here is random: every parameter is drawn in numpy before the graph
-(pointcloud_sample.py), so a rebuilt graph computes the same values. Besides the points the
+(pointcloud/sample.py), so a rebuilt graph computes the same values. Besides the points the
 graph outputs two small per-sample values the decode stage checks: the finiteness sum and the
 box extent.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pipeline import dali
+from shardflow import dali
 
 UP = (0.0, 0.0, 1.0)  # rotations turn about z, the up axis of the built-in clouds and LiDAR
 
@@ -41,7 +41,7 @@ class GraphSpec:
 
 
 def build(spec: GraphSpec, **options: Any) -> Any:
-    """The built graph (see pipeline.dali.build for `options`), fed per batch with
+    """The built graph (see shardflow.dali.build for `options`), fed per batch with
     `feed_input` (encoded, index, angle, scale and noise when jittering); outputs (points,
     finiteness sum, box extent) per sample."""
     return dali.build(lambda: _graph(spec), **options)

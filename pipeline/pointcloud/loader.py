@@ -2,14 +2,14 @@
 `.npy` header checks, per-sample augmentation parameters -> DALI graph (decode, normalize,
 rotate and scale, sample or pad to num_points, jitter) -> voxel grid -> `PointBatch`.
 
-    from pipeline import pointcloud_loader
+    from shardflow import pointcloud_loader
     with pointcloud_loader("shards/pc", batch_size=32, voxels="occupancy") as loader:
         for batch in loader:
             ...  # batch.points (B, num_points, 3) float32; batch.voxels (B, 1, G, G, G)
 
 Two background stages overlap with the consumer: the reader stage (read, check labels and
-`.npy` headers, draw each sample's parameters: pointcloud_sample.py) and the decode stage (the
-graph in pointcloud_graph.py; value checks and voxels in pointcloud_decode.py). Everything
+`.npy` headers, draw each sample's parameters: pointcloud/sample.py) and the decode stage (the
+graph in pointcloud/graph.py; value checks and voxels in pointcloud/decode.py). Everything
 random is drawn in numpy from (seed, epoch, key), so a resumed loader or a rebuilt graph gives
 the same clouds; evaluation (train=False) keeps evenly spaced points and does not augment.
 """
@@ -23,18 +23,18 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import DataError, OnError
-from pipeline.loading import mix, readers, tuning
-from pipeline.loading.batch import EncodedBatch
-from pipeline.loading.graphstage import GraphLoader
-from pipeline.loading.options import Device
-from pipeline.loading.shardlist import Source
-from pipeline.pointcloud.config import PointCloudConfig, split_augment
-from pipeline.pointcloud.decode import CloudStage, DecodeStage
-from pipeline.pointcloud.portable import PortableCloudStage
-from pipeline.pointcloud.sample import SampleParams, check_npy, sample_params
-from pipeline.samples.checks import OFFSET_EXT, check_label, check_offset
-from pipeline.samples.scans import LABELS_EXT, NO_IGNORE, check_labels
+from shardflow.errors import DataError, OnError
+from shardflow.loading import mix, readers, tuning
+from shardflow.loading.batch import EncodedBatch
+from shardflow.loading.graphstage import GraphLoader
+from shardflow.loading.options import Device
+from shardflow.loading.shardlist import Source
+from shardflow.pointcloud.config import PointCloudConfig, split_augment
+from shardflow.pointcloud.decode import CloudStage, DecodeStage
+from shardflow.pointcloud.portable import PortableCloudStage
+from shardflow.pointcloud.sample import SampleParams, check_npy, sample_params
+from shardflow.samples.checks import OFFSET_EXT, check_label, check_offset
+from shardflow.samples.scans import LABELS_EXT, NO_IGNORE, check_labels
 
 log = logging.getLogger(__name__)
 MEMBERS = ("npy",)  # what the loader reads: make_shards stores every cloud as .npy

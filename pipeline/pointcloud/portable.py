@@ -20,13 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import DataError
-from pipeline.loading.graphstage import Item
-from pipeline.loading.portablestage import PortableStage
-from pipeline.loading.readers import Placement
-from pipeline.pointcloud.config import PointCloudConfig
-from pipeline.pointcloud.decode import CloudStage
-from pipeline.pointcloud.sample import SampleParams, npy_header
+from shardflow.errors import DataError
+from shardflow.loading.graphstage import Item
+from shardflow.loading.portablestage import PortableStage
+from shardflow.loading.readers import Placement
+from shardflow.pointcloud.config import PointCloudConfig
+from shardflow.pointcloud.decode import CloudStage
+from shardflow.pointcloud.sample import SampleParams, npy_header
 
 # (points (num_points, 3) float32, finiteness sum, box extent (3,)): graph.py's outputs
 Decoded = tuple[np.ndarray, np.float32, np.ndarray]

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.errors import DataError
-from pipeline.loading.rng import sample_rng
-from pipeline.pointcloud.config import AugmentSpec
-from pipeline.samples import pointcloud_io
+from shardflow.errors import DataError
+from shardflow.loading.rng import sample_rng
+from shardflow.pointcloud.config import AugmentSpec
+from shardflow.samples import pointcloud_io
 
 # numpy refuses .npy headers above 10,000 bytes by default; this covers the magic, the length
 # field and such a header.

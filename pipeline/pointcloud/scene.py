@@ -24,12 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import DataError
-from pipeline.loading.batch import ScanBatch
-from pipeline.loading.loader import Produced
-from pipeline.pointcloud import segvoxels
-from pipeline.pointcloud.sample import SampleParams
-from pipeline.samples.pointcloud_io import OFFSET_EXT
+from shardflow.errors import DataError
+from shardflow.loading.batch import ScanBatch
+from shardflow.loading.loader import Produced
+from shardflow.pointcloud import segvoxels
+from shardflow.pointcloud.sample import SampleParams
+from shardflow.samples.pointcloud_io import OFFSET_EXT
 
 
 def finish(stage: Any, item: tuple[Any, list[np.ndarray], list[SampleParams]],

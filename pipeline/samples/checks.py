@@ -16,9 +16,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 from PIL import Image
 
-from pipeline.errors import DataError
-from pipeline.samples import headers, jpegscan, masks, pointcloud_io, scans
-from pipeline.samples.downsize import GRAY16_MODES, KEPT_FOR_MASK, Downsize, downsized, gray16
+from shardflow.errors import DataError
+from shardflow.samples import headers, jpegscan, masks, pointcloud_io, scans
+from shardflow.samples.downsize import GRAY16_MODES, KEPT_FOR_MASK, Downsize, downsized, gray16
 
 log = logging.getLogger(__name__)
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif", "ppm", "pgm")
@@ -120,9 +120,9 @@ def _decode(data: bytes, limits: CheckLimits) -> str:
                                 f"more than max_pixels={limits.max_pixels}")
             if img.format in ("JPEG", "MPO"):
                 # At 1/8 scale (DCT-domain): libjpeg still entropy-decodes every block, so a
-                # truncated or corrupt JPEG fails as it fails in full (tests/test_cheap_check
-                # .py over 660 damaged files), and the inverse DCTs are skipped (1.5x faster
-                # at 400 px, more on large photos)
+                # truncated or corrupt JPEG fails as it fails in full
+                # (tests/test_cheap_check.py over 660 damaged files), and the inverse DCTs are
+                # skipped (1.5x faster at 400 px, more on large photos)
                 img.draft(img.mode, (max(1, width // 8), max(1, height // 8)))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)

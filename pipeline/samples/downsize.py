@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from pipeline.samples import headers
+from shardflow.samples import headers
 
 RESIZED = "resized"  # counted in the manifest's `reencoded`, as the repairs are
 REENCODED = "reencoded-at-quality"

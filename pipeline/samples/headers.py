@@ -21,7 +21,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pipeline.errors import DataError
+from shardflow.errors import DataError
 
 # JPEG start-of-frame markers (baseline, progressive, lossless, arithmetic...)
 _SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}

@@ -16,7 +16,7 @@ import warnings
 import numpy as np
 from PIL import Image
 
-from pipeline.errors import DataError
+from shardflow.errors import DataError
 
 MASK_EXT = "seg.png"  # the member make_shards writes; loaders may name another
 LABEL_MODES = ("L", "P", "I;16", "I;16B", "I;16L", "1")

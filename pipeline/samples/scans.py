@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import DataError
-from pipeline.samples import pointcloud_io
+from shardflow.errors import DataError
+from shardflow.samples import pointcloud_io
 
 LABELS_EXT = "labels.npy"
 LABEL_COUNTS = "__label_counts__"  # a sample's {label: points}, for the manifest

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.errors import DataError
+from shardflow.errors import DataError
 
 BLOCK_EXT = "npz"
 MEMBERS = ("label", "dense", "cat_offsets", "cat_blob", "dense_names", "cat_names")

@@ -20,9 +20,9 @@ from typing import Any
 
 import fsspec
 
-from pipeline.shards.listing import list_shards
-from pipeline.shards.manifest import MANIFEST, Manifest, ShardInfo, load_manifest
-from pipeline.urls import beside, expand_braces, redact
+from shardflow.shards.listing import list_shards
+from shardflow.shards.manifest import MANIFEST, Manifest, ShardInfo, load_manifest
+from shardflow.urls import beside, expand_braces, redact
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 

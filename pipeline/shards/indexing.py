@@ -32,15 +32,15 @@ from typing import Any
 
 import fsspec
 
-from pipeline.atomic import write_atomic
-from pipeline.errors import DataError, OnError, SkipLog, handle
-from pipeline.samples.checks import check_label, modality_of
-from pipeline.shards import daliindex, indexdir
-from pipeline.shards.listing import list_shards, regular_file
-from pipeline.shards.manifest import MANIFEST, LabelStats, Manifest, ShardInfo
-from pipeline.shards.tarread import Located, TarLimits, iter_located, split_name
-from pipeline.shards.verify import HashingReader
-from pipeline.urls import redact
+from shardflow.atomic import write_atomic
+from shardflow.errors import DataError, OnError, SkipLog, handle
+from shardflow.samples.checks import check_label, modality_of
+from shardflow.shards import daliindex, indexdir
+from shardflow.shards.listing import list_shards, regular_file
+from shardflow.shards.manifest import MANIFEST, LabelStats, Manifest, ShardInfo
+from shardflow.shards.tarread import Located, TarLimits, iter_located, split_name
+from shardflow.shards.verify import HashingReader
+from shardflow.urls import redact
 
 JOURNAL = ".shardflow-index.jsonl"
 GZIP_MAGIC = b"\x1f\x8b"

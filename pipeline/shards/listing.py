@@ -23,9 +23,9 @@ from typing import Any
 
 import fsspec
 
-from pipeline import urls as url_policy
-from pipeline.errors import DataError
-from pipeline.urls import check_scheme, expand_braces, is_remote, redact, scrub
+from shardflow import urls as url_policy
+from shardflow.errors import DataError
+from shardflow.urls import check_scheme, expand_braces, is_remote, redact, scrub
 
 log = logging.getLogger(__name__)
 

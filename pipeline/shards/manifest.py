@@ -16,10 +16,10 @@ from typing import Any
 
 import fsspec
 
-from pipeline.atomic import write_atomic
-from pipeline.shards import segstats
-from pipeline.storage import Store
-from pipeline.urls import redact
+from shardflow.atomic import write_atomic
+from shardflow.shards import segstats
+from shardflow.storage import Store
+from shardflow.urls import redact
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -28,7 +28,7 @@ _PART = re.compile(r"^manifest\.part-(\d+)-of-(\d+)\.json$")
 
 
 def tool_version() -> str:
-    from pipeline import __version__
+    from shardflow import __version__
 
     return __version__
 

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, NamedTuple
 
-from pipeline.errors import DataError, OnError, SkipLog, handle
+from shardflow.errors import DataError, OnError, SkipLog, handle
 
 Sample = dict[str, object]
 BLOCK = 512

@@ -15,15 +15,15 @@ from typing import Any
 
 import fsspec
 
-from pipeline import executor
-from pipeline.errors import DataError, SkipLog
-from pipeline.samples.checks import IMAGE_MEMBERS, TEXT_EXTS, CheckLimits, check_sample
-from pipeline.shards import daliindex, indexdir
-from pipeline.shards.listing import list_shards, regular_file
-from pipeline.shards.manifest import MANIFEST, Manifest, ShardInfo, TokenForm, load_manifest
-from pipeline.shards.tarread import TarLimits, dotted_key, iter_samples
-from pipeline.text import pretokenized
-from pipeline.urls import redact
+from shardflow import executor
+from shardflow.errors import DataError, SkipLog
+from shardflow.samples.checks import IMAGE_MEMBERS, TEXT_EXTS, CheckLimits, check_sample
+from shardflow.shards import daliindex, indexdir
+from shardflow.shards.listing import list_shards, regular_file
+from shardflow.shards.manifest import MANIFEST, Manifest, ShardInfo, TokenForm, load_manifest
+from shardflow.shards.tarread import TarLimits, dotted_key, iter_samples
+from shardflow.text import pretokenized
+from shardflow.urls import redact
 
 REQUIRED = {"image": (IMAGE_MEMBERS,), "text": (TEXT_EXTS,), "pointcloud": (("npy",),)}
 

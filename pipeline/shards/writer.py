@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from pipeline.atomic import fsync_dir, write_atomic
-from pipeline.errors import DataError
-from pipeline.shards import daliindex
-from pipeline.shards.manifest import ShardInfo
+from shardflow.atomic import fsync_dir, write_atomic
+from shardflow.errors import DataError
+from shardflow.shards import daliindex
+from shardflow.shards.manifest import ShardInfo
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 dense transforms (CPU) -> shuffled windows of rows -> `TabularBatch` on the device. No DALI.
 See pipeline/README.md."""
 
-from pipeline.tabular.config import FeatureSchema, TabularConfig
-from pipeline.tabular.loader import TabularLoader, tabular_loader
+from shardflow.tabular.config import FeatureSchema, TabularConfig
+from shardflow.tabular.loader import TabularLoader, tabular_loader
 
 __all__ = ["FeatureSchema", "TabularConfig", "TabularLoader", "tabular_loader"]

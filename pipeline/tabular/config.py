@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pipeline.loading.options import LoaderOptions, choice, positive
-from pipeline.tabular.dense import TRANSFORMS, DenseTransform
+from shardflow.loading.options import LoaderOptions, choice, positive
+from shardflow.tabular.dense import TRANSFORMS, DenseTransform
 
 MAX_BUCKETS = 2**32  # ids scale the hash's high 32 bits (hashing.py)
 

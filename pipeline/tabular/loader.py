@@ -2,7 +2,7 @@
 of the categorical fields, dense transforms -> windows of rows shuffled -> batches of rows ->
 `TabularBatch` on the device.
 
-    from pipeline import tabular_loader
+    from shardflow import tabular_loader
     with tabular_loader("shards/criteo", batch_size=4096, num_buckets=2**20) as loader:
         sizes = loader.schema.num_buckets      # one embedding table per categorical field
         for batch in loader:
@@ -34,21 +34,21 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import DataError
-from pipeline.loading import readers, tuning
-from pipeline.loading.agreement import rank_agreement
-from pipeline.loading.batch import EncodedBatch, TabularBatch
-from pipeline.loading.delivery import DeviceCopier
-from pipeline.loading.loader import Loader, Produced
-from pipeline.loading.prefetch import Stage
-from pipeline.loading.readplan import EpochPlan
-from pipeline.loading.shardlist import Source
-from pipeline.samples.tabular_block import BLOCK_EXT, Block, decode_block
-from pipeline.tabular import dense as dense_features
-from pipeline.tabular import hashing
-from pipeline.tabular.config import FeatureSchema, TabularConfig
-from pipeline.tabular.schema import SourceInfo, source_info
-from pipeline.tabular.window import Cut, Window, Windows
+from shardflow.errors import DataError
+from shardflow.loading import readers, tuning
+from shardflow.loading.agreement import rank_agreement
+from shardflow.loading.batch import EncodedBatch, TabularBatch
+from shardflow.loading.delivery import DeviceCopier
+from shardflow.loading.loader import Loader, Produced
+from shardflow.loading.prefetch import Stage
+from shardflow.loading.readplan import EpochPlan
+from shardflow.loading.shardlist import Source
+from shardflow.samples.tabular_block import BLOCK_EXT, Block, decode_block
+from shardflow.tabular import dense as dense_features
+from shardflow.tabular import hashing
+from shardflow.tabular.config import FeatureSchema, TabularConfig
+from shardflow.tabular.schema import SourceInfo, source_info
+from shardflow.tabular.window import Cut, Window, Windows
 
 log = logging.getLogger(__name__)
 

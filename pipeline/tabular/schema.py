@@ -12,12 +12,12 @@ from typing import Any
 
 import fsspec
 
-from pipeline.errors import DataError
-from pipeline.loading.shardlist import Source
-from pipeline.samples.tabular_block import BLOCK_EXT, TabularSchema, decode_block
-from pipeline.shards.manifest import MANIFEST, load_manifest
-from pipeline.shards.tarread import iter_samples
-from pipeline.urls import redact
+from shardflow.errors import DataError
+from shardflow.loading.shardlist import Source
+from shardflow.samples.tabular_block import BLOCK_EXT, TabularSchema, decode_block
+from shardflow.shards.manifest import MANIFEST, load_manifest
+from shardflow.shards.tarread import iter_samples
+from shardflow.urls import redact
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,11 @@ __all__ = ["TextConfig", "TextLoader", "text_loader"]
 def __getattr__(name: str) -> Any:
     # Lazy, as pipeline's own: make_shards' workers tokenize (pretokenized.py) without torch.
     if name == "TextConfig":
-        from pipeline.text.config import TextConfig
+        from shardflow.text.config import TextConfig
 
         return TextConfig
     if name in ("TextLoader", "text_loader"):
-        from pipeline.text import loader
+        from shardflow.text import loader
 
         return getattr(loader, name)
-    raise AttributeError(f"module 'pipeline.text' has no attribute {name!r}")
+    raise AttributeError(f"module 'shardflow.text' has no attribute {name!r}")

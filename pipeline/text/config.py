@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pipeline.loading.options import LoaderOptions, choice, positive
+from shardflow.loading.options import LoaderOptions, choice, positive
 
 Objective = Literal["mlm", "clm"]  # e.g. objective="mlm" for BERT-style masking
 READ_DOCS = 256  # packed text's documents per read at least, unless docs_per_read says

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.loading.deferred import Deferred
-from pipeline.text.packing import Packer
+from shardflow.loading.deferred import Deferred
+from shardflow.text.packing import Packer
 
 
 def in_progress(packer: Packer, ids: dict[str, int]) -> Deferred | None:

@@ -1,7 +1,7 @@
 """The text loader: shards of `.txt` documents -> checks -> tokenizer -> packed (or truncated)
 rows of `seq_len` tokens -> masking ("mlm") or next-token labels ("clm") -> `TextBatch`.
 
-    from pipeline import text_loader
+    from shardflow import text_loader
     with text_loader("shards/text", batch_size=32, seq_len=256, objective="mlm") as loader:
         for batch in loader:
             ...  # batch.input_ids, batch.labels, batch.attention_mask: int64 (32, 256)
@@ -31,21 +31,21 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import DataError, SkipLog, handle
-from pipeline.loading import consumed, mix, readers, tuning
-from pipeline.loading.agreement import rank_agreement
-from pipeline.loading.batch import EncodedBatch, TextBatch
-from pipeline.loading.delivery import DeviceCopier
-from pipeline.loading.loader import Loader, Produced
-from pipeline.loading.prefetch import Burst
-from pipeline.loading.readplan import EpochPlan
-from pipeline.loading.shardlist import Source
-from pipeline.samples.checks import TEXT_EXTS, text_of
-from pipeline.text import elastic as text_elastic
-from pipeline.text import masking, packing, pretokenized, tokenize
-from pipeline.text.config import Objective, TextConfig
-from pipeline.text.tokenizer import Tokenizer, load_tokenizer
-from pipeline.urls import redact
+from shardflow.errors import DataError, SkipLog, handle
+from shardflow.loading import consumed, mix, readers, tuning
+from shardflow.loading.agreement import rank_agreement
+from shardflow.loading.batch import EncodedBatch, TextBatch
+from shardflow.loading.delivery import DeviceCopier
+from shardflow.loading.loader import Loader, Produced
+from shardflow.loading.prefetch import Burst
+from shardflow.loading.readplan import EpochPlan
+from shardflow.loading.shardlist import Source
+from shardflow.samples.checks import TEXT_EXTS, text_of
+from shardflow.text import elastic as text_elastic
+from shardflow.text import masking, packing, pretokenized, tokenize
+from shardflow.text.config import Objective, TextConfig
+from shardflow.text.tokenizer import Tokenizer, load_tokenizer
+from shardflow.urls import redact
 
 log = logging.getLogger(__name__)
 # Batches of one read handed to the consumer at once, at most (prefetch.Burst): a queue entry

@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import DataError
-from pipeline.samples.checks import modality_of
-from pipeline.shards.manifest import TokenForm
+from shardflow.errors import DataError
+from shardflow.samples.checks import modality_of
+from shardflow.shards.manifest import TokenForm
 
 _DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 

@@ -5,7 +5,7 @@
 The byte tokenizer encodes a whole read in a few numpy calls (`encode_packed`), not a few
 calls per document: with bytes, Python's work per document is what bounds the loader. HF's
 tokenizer encodes in Rust threads with the GIL released, so the loader runs it `AHEAD` reads
-in front in helper threads (pipeline/loading/prefetch.ahead) while its own thread packs and
+in front in helper threads (`ahead` of pipeline/loading/prefetch.py) while its own thread packs and
 masks; called in the loader's own thread, the rest of the stage's work waited on it. A
 document cut by an elastic resume (text/elastic.py) goes through the per-document path.
 """
@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from pipeline.loading.prefetch import ahead
-from pipeline.text import elastic, packing
-from pipeline.text.tokenizer import Tokenizer
+from shardflow.loading.prefetch import ahead
+from shardflow.text import elastic, packing
+from shardflow.text.tokenizer import Tokenizer
 
 # Where the tokenizer releases the GIL: reads tokenized ahead of the one being packed, and
 # the helper threads doing it. Two helpers, so that one encodes (in Rust, on every core) while

@@ -67,7 +67,7 @@ class ByteTokenizer:
         data = np.frombuffer(("\0".join(texts) + "\0").encode("utf-8"), dtype=np.uint8)
         ends = np.flatnonzero(data == 0)
         if len(ends) != len(texts):  # a NUL inside a text: it is a byte like any other
-            from pipeline.text.packing import join
+            from shardflow.text.packing import join
 
             return join(self.encode_batch(texts), sep_id)
         tokens = data.astype(np.int32)
@@ -201,7 +201,7 @@ def train_bpe(texts: Iterable[str], out: Path, vocab_size: int) -> None:
     except ImportError:
         raise ImportError("training a tokenizer needs HF tokenizers: pip install "
                           "'shardflow[text]'") from None
-    from pipeline.atomic import write_atomic
+    from shardflow.atomic import write_atomic
 
     if vocab_size < 256 + len(SPECIALS):
         raise ValueError(f"vocab_size={vocab_size}: a byte-level BPE needs at least "
