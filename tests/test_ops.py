@@ -251,14 +251,37 @@ def test_augmented_and_mixed_batches_resume_bit_identical(op_shards, reader, bac
 
 # -- geometry and policies ---------------------------------------------------------------------
 
-def _pil_affine(image: Image.Image, angle, translate, scale, shear, center=None) -> Image.Image:
-    """torchvision's F.affine on a PIL image: the inverse matrix about the centre (in
-    pixels), through PIL's Image.transform, nearest neighbour."""
-    from shardflow.ops.geometry import inverse_affine
+def _affine_matrix(angle, translate, scale, shear, center) -> np.ndarray:
+    """torchvision's F.affine as its docstring composes it, in pixels (y down): translate
+    . centre . rotate (clockwise on screen) . scale . shear y . shear x . centre^-1, with
+    SHx(s) = [[1, -tan s], [0, 1]] and SHy(s) = [[1, 0], [-tan s, 1]]: the map from input to
+    output, 3 x 3, each factor written out (not shardflow's closed form)."""
+    a, sx, sy = (math.radians(v) for v in (angle, *shear))
 
+    def m(rows: list[list[float]]) -> np.ndarray:
+        return np.array([*rows, [0.0, 0.0, 1.0]])
+
+    centre = m([[1, 0, center[0]], [0, 1, center[1]]])
+    return (m([[1, 0, translate[0]], [0, 1, translate[1]]]) @ centre
+            @ m([[math.cos(a), -math.sin(a), 0], [math.sin(a), math.cos(a), 0]])
+            @ m([[scale, 0, 0], [0, scale, 0]])
+            @ m([[1, 0, 0], [-math.tan(sy), 1, 0]]) @ m([[1, -math.tan(sx), 0], [0, 1, 0]])
+            @ np.linalg.inv(centre))
+
+
+def _pil_affine(image: Image.Image, angle, translate, scale, shear, center=None) -> Image.Image:
+    """torchvision's F.affine on a PIL image: PIL's Image.transform (output pixel centre ->
+    input point, nearest neighbour) with the inverse of `_affine_matrix` about the centre."""
     w, h = image.size
-    matrix = inverse_affine(angle, translate, scale, shear, center or (w * 0.5, h * 0.5))
+    forward = _affine_matrix(angle, translate, scale, shear, center or (w * 0.5, h * 0.5))
+    matrix = tuple(np.linalg.inv(forward)[:2].ravel())
     return image.transform(image.size, Image.AFFINE, matrix, Image.NEAREST)
+
+
+def _pil_shear(image: Image.Image, x: float, y: float) -> Image.Image:
+    """AutoAugment's shears as its authors wrote them (and timm's shear_x/shear_y): PIL's
+    Image.transform with the inverse matrix (1, x, 0, y, 1, 0), about the top-left corner."""
+    return image.transform(image.size, Image.AFFINE, (1, x, 0, y, 1, 0), Image.NEAREST)
 
 
 def _share_differing(got: torch.Tensor, images: list[Image.Image]) -> float:
@@ -267,7 +290,7 @@ def _share_differing(got: torch.Tensor, images: list[Image.Image]) -> float:
 
 @pytest.mark.parametrize("angle, tx, ty, scale, sx, sy", [
     (30.0, 0.0, 0.0, 1.0, 0.0, 0.0), (-17.0, 0.05, -0.04, 1.2, 10.0, 0.0),
-    (0.0, 0.0, 0.0, 0.8, 0.0, 25.0)])
+    (0.0, 0.0, 0.0, 0.8, 0.0, 25.0), (12.0, -0.03, 0.06, 0.9, -7.0, 13.0)])
 def test_affine_is_pils_transform(photos, angle, tx, ty, scale, sx, sy):
     """Nearest neighbour both: the same source pixel, but for ties at exactly half a pixel
     (measured: 0 to 0.03% of the pixels)."""
@@ -292,13 +315,11 @@ def test_rotate_flip_and_sharpness_are_pils(photos):
 
 
 @pytest.mark.parametrize("name, magnitude, reference", [
-    # torchvision's _apply_op on PIL images: shears about the top-left corner
-    ("ShearX", 0.3, lambda p: _pil_affine(p, 0.0, (0.0, 0.0), 1.0,
-                                          (math.degrees(math.atan(0.3)), 0.0), (0.0, 0.0))),
+    # torchvision's _apply_op on PIL images: AutoAugment's shears, about the top-left corner
+    ("ShearX", 0.3, lambda p: _pil_shear(p, 0.3, 0.0)),
     # (-0.2 would put a fifth of the columns on exact half-pixel ties, which the two break
     # apart by float rounding: 9% of the pixels)
-    ("ShearY", -0.23, lambda p: _pil_affine(p, 0.0, (0.0, 0.0), 1.0,
-                                            (0.0, math.degrees(math.atan(-0.23))), (0.0, 0.0))),
+    ("ShearY", -0.23, lambda p: _pil_shear(p, 0.0, -0.23)),
     ("TranslateX", 13.7, lambda p: _pil_affine(p, 0.0, (13.0, 0.0), 1.0, (0.0, 0.0))),
     ("TranslateY", -9.2, lambda p: _pil_affine(p, 0.0, (0.0, -9.0), 1.0, (0.0, 0.0))),
     ("Rotate", 20.0, lambda p: p.rotate(20.0, Image.NEAREST)),
