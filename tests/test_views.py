@@ -3,6 +3,7 @@ following its own op list, the same on both backends and after a resume."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -14,6 +15,7 @@ from test_ops import Invert
 
 from shardflow import image_loader, ops
 from shardflow.builtin import make_photo_corpus
+from shardflow.image import augment
 from shardflow.ops.crop import CenterCrop, RandomResizedCrop
 
 BACKENDS = [pytest.param("dali", "dali", marks=pytest.mark.dali),
@@ -147,8 +149,9 @@ def test_window_ops_outside_a_loader_are_pils_crop_and_resize(tmp_path):
     rngs = ops.sample_rngs(0, 0, ["a", "b", "c", "d"])
     seeds = [op.draw(r) for r in ops.sample_rngs(0, 0, ["a", "b", "c", "d"])]
     got = ops.apply([op], images, rngs)
-    for image, photo, seed in zip(got, photos, seeds, strict=True):
-        x, y, w, h = op.window(random.Random(seed), 96, 72)
+    windows = [op.window(random.Random(seed), 96, 72) for seed in seeds]
+    assert (0, 0, 96, 72) not in windows  # crops, not only the resize
+    for image, photo, (x, y, w, h) in zip(got, photos, windows, strict=True):
         want = np.array(photo.resize((40, 40), Image.Resampling.BILINEAR,
                                      box=(x, y, x + w, y + h)))
         diff = np.abs(image.permute(1, 2, 0).numpy().astype(int) - want.astype(int))
@@ -156,6 +159,57 @@ def test_window_ops_outside_a_loader_are_pils_crop_and_resize(tmp_path):
         # levels apart, up to 2% of values by more than 1 and 0.4% by more than 2, a mean
         # of 0.16-0.24 (PIL's filter is fixed point, torch's float)
         assert diff.max() <= 5 and (diff > 2).mean() < 0.01 and diff.mean() < 0.4
+
+
+def _ks_uniform(values: np.ndarray, lo: float, hi: float) -> float:
+    """Kolmogorov-Smirnov statistic of `values` against the uniform distribution on
+    [lo, hi]: the largest gap between their empirical CDF and the straight line."""
+    x = np.sort((np.asarray(values, float) - lo) / (hi - lo))
+    n = len(x)
+    return float(max((np.arange(1, n + 1) / n - x).max(), (x - np.arange(n) / n).max()))
+
+
+def test_random_resized_crop_windows_follow_torchvisions_distribution():
+    """RandomResizedCrop's windows, and the loader's crop (the same draws with a flip), as
+    torchvision's get_params defines them, 4,000 draws a case. Where every try fits (at
+    most half the area of a square), the area's share is uniform in `scale` and
+    log(w / h) uniform in log(ratio), each a KS statistic below 1.95 / sqrt(n) (the 0.001
+    level: 0.031), the position uniform over where the window fits. Near the whole area a
+    try fits with probability p (from the definition: scale <= min(r, 1/r)), so
+    (1 - p) ** 10 of the windows are the fallback, the largest centred window within
+    `ratio` (here the whole image); an image outside `ratio` always falls back."""
+    n, side = 4000, 1000
+    crit = 1.95 / math.sqrt(n)
+    op = RandomResizedCrop(32, scale=(0.1, 0.5))
+    rng = random.Random(0)
+    windows = np.array([op.window(rng, side, side) for _ in range(n)], float)
+    x, y, w, h = windows.T
+    assert (x >= 0).all() and (y >= 0).all() and (x + w <= side).all() and (y + h <= side).all()
+    share = w * h / side**2  # w and h are rounded to pixels: within 0.4% of the drawn area
+    assert share.min() >= 0.1 * 0.996 and share.max() <= 0.5 * 1.004
+    assert _ks_uniform(share, 0.1, 0.5) < crit
+    assert _ks_uniform(np.log(w / h), math.log(3 / 4), math.log(4 / 3)) < crit
+    assert _ks_uniform(x / (side - w), 0, 1) < crit and _ks_uniform(y / (side - h), 0, 1) < crit
+    crops = [augment.random_resized_crop(rng, side, side, (0.1, 0.5), (3 / 4, 4 / 3))
+             for _ in range(n)]
+    assert _ks_uniform([c.width * c.height / side**2 for c in crops], 0.1, 0.5) < crit
+    assert sum(c.flip for c in crops) / n == pytest.approx(0.5, abs=4 * 0.5 / math.sqrt(n))
+
+    lo, ratio = 0.9, (3 / 4, 4 / 3)
+    u = np.linspace(0, math.log(ratio[1]), 200_001)  # |log r|, uniform on this range
+    p = np.clip((np.exp(-u) - lo) / (1 - lo), 0, 1).mean()  # P(a try fits): about 0.18
+    big = RandomResizedCrop(32, scale=(lo, 1.0), ratio=ratio)
+    drawn = np.array([big.window(rng, side, side) for _ in range(n)], float)
+    full = (drawn == (0, 0, side, side)).all(axis=1)
+    expect = (1 - p) ** 10
+    assert abs(full.mean() - expect) < 4 * math.sqrt(expect * (1 - expect) / n)
+    tried = drawn[~full]
+    share, aspect = tried[:, 2] * tried[:, 3] / side**2, tried[:, 2] / tried[:, 3]
+    assert share.min() >= lo * 0.998 and ratio[0] * 0.998 <= aspect.min()
+    assert aspect.max() <= ratio[1] * 1.002
+    # outside `ratio` no try fits: the centred window of the nearest ratio, whole one way
+    assert big.window(rng, 1000, 100) == ((1000 - 133) // 2, 0, 133, 100)
+    assert big.window(rng, 100, 1000) == (0, (1000 - 133) // 2, 100, 133)
 
 
 def test_what_cannot_be_views_is_refused(op_shards):
