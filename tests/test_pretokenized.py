@@ -156,6 +156,17 @@ def test_another_tokenizer_is_refused_naming_both(corpus, tmp_path):
             text_loader(found["bpe"][1], batch_size=4, **OPTS)  # the default: bytes
 
 
+def _stored_ids(out: Path) -> dict[str, np.ndarray]:
+    """The uint16 ids of every document in the shards of `out`, by key, read with tarfile."""
+    stored = {}
+    for shard in sorted(out.glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            stored.update({m.name.split(".", 1)[0]: np.frombuffer(
+                tar.extractfile(m).read(), "<u2")  # type: ignore[union-attr]
+                for m in tar if m.name.endswith(".tokens.u16")})
+    return stored
+
+
 def _rewrite(shard: Path, member_bytes: dict[str, bytes]) -> None:
     """The shard with some members' bytes replaced (the .idx beside it goes stale)."""
     with tarfile.open(shard) as tar:
@@ -215,11 +226,7 @@ def test_a_tokenizer_file_that_truncates_and_pads_cuts_nothing(tmp_path, caplog)
     assert max(map(len, whole)) > 100
     # at conversion too: the stored ids are the whole documents'
     _convert(docs, tmp_path / "ids", str(cutting))
-    stored = {}
-    for shard in (tmp_path / "ids").glob("*.tar"):
-        with tarfile.open(shard) as tar:
-            stored.update({m.name.split(".", 1)[0]: np.frombuffer(
-                tar.extractfile(m).read(), "<u2") for m in tar})  # type: ignore[union-attr]
+    stored = _stored_ids(tmp_path / "ids")
     for path, ids in zip(sorted(docs.iterdir()), whole, strict=True):
         assert np.array_equal(stored[path.stem], ids)
 
@@ -262,9 +269,15 @@ def test_make_shards_tokenizes_and_reshards_keep_the_ids(corpus, tmp_path):
                     "bytes")
     assert proc.returncode != 0 and "holds token ids already" in proc.stderr
     assert not (tmp_path / "d").exists() or not any((tmp_path / "d").iterdir())
+    # the byte tokenizer by its definition (an id a UTF-8 byte), on each source document
+    want_ids = {p.stem: np.frombuffer(p.read_bytes(), np.uint8) for p in docs.iterdir()}
     for out in ("a", "b", "c"):
         m = load_manifest(str(tmp_path / out / "manifest.json"))
         assert m.tokens is not None and m.tokens.member == "tokens.u16", out
+        stored = _stored_ids(tmp_path / out)
+        assert sorted(stored) == sorted(want_ids), out
+        for key, ids in stored.items():
+            assert np.array_equal(ids, want_ids[key]), (out, key)
     want = _all(root / "text", "bytes", train=False)
     for out in ("b", "c"):
         got = _all(tmp_path / out, "bytes", train=False)
