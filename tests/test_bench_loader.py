@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import shutil
+import time
 from collections import Counter
 
 import pytest
@@ -487,19 +488,52 @@ def test_bench_convert_shardwriter_checks_and_writes_every_photo(bench_tools, ti
         bench_tools[1].write_shardwriter(cut, tmp_path / "wds-cut")
 
 
-def test_bench_loader_lidar_frame_figures(tmp_path):
-    """Per frame: preparation, the step, both serialised and overlapped; the same work in
-    each, so the overlapped frame can be no faster than its slower stage alone."""
+def test_bench_loader_lidar_frame_figures(tmp_path, monkeypatch, capsys):
+    """Per frame: preparation, the step, both serialised and overlapped. Each figure is the
+    time this test measures around the same epoch (and the steps within it, each timed
+    here too), over the frames: the step epoch runs a step a batch and nothing else, the
+    overlapped one a step a batch as the loader hands them over."""
+    from shardflow.tools import bench_loader
+    from shardflow.tools.bench import lidar
+
+    epochs: list[dict] = []  # each epoch the benchmark times, as timed here
+    steps: list[float] = []  # each training step's seconds, timed here
+    real_epoch, real_step = lidar.one_epoch, lidar.Step.__call__
+
+    def step(self, batch) -> None:  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        real_step(self, batch)
+        steps.append(time.perf_counter() - start)
+
+    def one_epoch(source, epoch, step, batches=None):  # type: ignore[no-untyped-def]
+        kind = "prepare" if step is None else "step" if batches is not None else "overlapped"
+        first, start = len(steps), time.perf_counter()
+        seconds, seen = real_epoch(source, epoch, step, batches)
+        epochs.append({"kind": kind, "s": time.perf_counter() - start, "steps": steps[first:],
+                       "frames": sum(len(b) for b in seen) if kind == "prepare" else None})
+        return seconds, seen
+
+    monkeypatch.setattr(lidar, "one_epoch", one_epoch)
+    monkeypatch.setattr(lidar.Step, "__call__", step)
     out = tmp_path / "lidar.json"
-    proc = run_tool("bench_loader", "--modality", "lidar", "--frames", 4, "--repeats", 1,
-                    "--batch-size", 2, "--work", tmp_path / "work", "--json", out,
-                    check=True)
+    assert bench_loader.main(["--modality", "lidar", "--frames", "4", "--repeats", "1",
+                              "--batch-size", "2", "--work", str(tmp_path / "work"),
+                              "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     t = r["per_frame_ms"]
-    assert t["prepare"] > 0 and t["step"] > 0
-    assert t["serialised"] == pytest.approx(t["prepare"] + t["step"], abs=0.2)
+    # the warm-up, then the repeat's three epochs: 4 frames in 2 batches, a step each
+    assert [e["kind"] for e in epochs] == ["overlapped", "prepare", "step", "overlapped"]
+    assert [len(e["steps"]) for e in epochs] == [2, 0, 2, 2] and epochs[1]["frames"] == 4
+    own = {e["kind"]: e["s"] / 4 * 1000 for e in epochs[1:]}  # ms a frame, timed here
+    own["serialised"] = own["prepare"] + own["step"]
+    for name, ms in own.items():  # rounded to 0.1 ms; the wrapper adds microseconds
+        assert t[name] == pytest.approx(ms, rel=0.01, abs=0.1), (name, t, own)
+    for e in epochs[2:]:  # each epoch holds its steps
+        assert t[e["kind"]] >= sum(e["steps"]) / 4 * 1000 - 0.1, (t, e)
+    assert min(t["prepare"], t["step"]) > 0
+    # the same work overlapped: no faster than its slower stage alone
     assert t["overlapped"] >= 0.9 * max(t["prepare"], t["step"])
     assert r["voxelize"]["points_per_s_per_core"] > 0 and r["voxelize"]["frames"] == 2
     assert r["voxelize"]["points"] > 2 * 50_000  # real-size frames
-    assert out.with_suffix(".md").read_text().strip() in proc.stdout
+    assert out.with_suffix(".md").read_text().strip() in capsys.readouterr().out
     assert not (tmp_path / "work").exists()
