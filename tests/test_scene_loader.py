@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import math
+import tarfile
 from collections import Counter
 from pathlib import Path
 
@@ -278,11 +279,32 @@ def test_scene_options_are_checked(scenes, tmp_path: Path) -> None:
 
 
 def test_scenes_mix_by_batch_and_refuse_mixing_per_sample(scenes) -> None:
+    """Two sources (one shard; the other two): epoch_batches batches of batch_size scenes,
+    each batch whole from one source, each scene every point with its label."""
     shards, written = scenes
-    mixture = [(str(shards), 0.5), (str(shards) + "/train-*.tar", 0.5)]
+    mixture = [(str(shards / "train-000000.tar"), 0.5),
+               (str(shards / "train-{000001..000002}.tar"), 0.5)]
+    holds = []  # each source's keys, read from its tars
+    for pattern in ("train-000000.tar", "train-00000[12].tar"):
+        keys = set()
+        for path in shards.glob(pattern):
+            with tarfile.open(path) as tar:
+                keys |= {m.name.split(".", 1)[0] for m in tar}
+        holds.append(keys)
+    assert sorted(len(k) for k in holds) == [2, 4] and holds[0] | holds[1] == set(written)
     with pointcloud_loader(mixture, batch_size=2, per_point_labels=True, backend="portable",
                            mixing="batch", epoch_batches=3) as loader:
-        assert all(set(b.keys) <= set(written) for b in loader)
+        batches = list(loader)
+        counts = list(loader.last_counts.values())
+    assert [len(b.keys) for b in batches] == [2, 2, 2]
+    source = [next((i for i, keys in enumerate(holds) if set(b.keys) <= keys), None)
+              for b in batches]
+    assert None not in source and counts == [2 * source.count(i) for i in (0, 1)]
+    for b in batches:
+        for key, (points, labels) in frames(b).items():
+            assert len(points) == len(written[key][0])
+            assert np.array_equal(np.bincount(labels.numpy(), minlength=3),
+                                  np.bincount(written[key][1], minlength=3))
     with pointcloud_loader(mixture, batch_size=2, per_point_labels=True, backend="portable",
                            epoch_batches=3) as loader, \
             pytest.raises(ValueError, match="mixing='batch'"):
