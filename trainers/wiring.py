@@ -119,10 +119,7 @@ def split_eval(source: Source, eval_data: str | None, world_size: int = 1,
         return EvalSplit(source, source, f"held out {HOLD_OUT_PERCENT}% of samples by key hash "
                          f"(no --eval-data, {why}), never trained on", HOLD_OUT_PERCENT)
     names = ", ".join(redact(s.url).rsplit("/", 1)[-1] for s in held)
-    return EvalSplit(Source(train, source.classes, source.modality, source.tokens,
-                            source.segmentation),
-                     Source(tuple(held), source.classes, source.modality, source.tokens,
-                            source.segmentation),
+    return EvalSplit(replace(source, shards=train), replace(source, shards=tuple(held)),
                      f"every {HOLD_OUT_EVERY}th shard of --data, never trained on: {names}")
 
 
@@ -210,8 +207,7 @@ def eval_share(held: Source, rank: int, world: int) -> Source | None:
         mine = split_ranks(sorted(shards, key=lambda s: -(s.samples or 0)), world)[rank]
     else:
         mine = shards[rank::world]
-    return Source(tuple(mine), held.classes, held.modality, held.tokens,
-                  held.segmentation) if mine else None
+    return replace(held, shards=tuple(mine)) if mine else None
 
 
 def loader_options(opts: TaskOptions, source: Source, local_world: int = 1
@@ -477,12 +473,11 @@ def _ctr(opts: TaskOptions, split: EvalSplit, ranks: _Ranks, train_options: dict
                          "types, which DDP cannot wrap: drop the flag under torchrun (the "
                          "tables then live on each rank's device)")
     own: dict[str, Any] = {} if opts.num_buckets is None else {"num_buckets": opts.num_buckets}
-    store = opts.storage_options
     loader = TabularLoader(split.train, TabularConfig(train=True, **train_options, **own),
-                           source_info(opts.data, split.train, store), ranks.rank, ranks.world)
+                           source_info(split.train), ranks.rank, ranks.world)
     evaluation = None if held_options is None else TabularLoader(
         split.held, TabularConfig(train=False, **held_options, **own),
-        source_info(opts.eval_data or opts.data, split.held, store), 0, 1)
+        source_info(split.held), 0, 1)
     schema = loader.schema
     task = ClickThroughRate(model, len(schema.dense), schema.num_buckets, device_of(loader),
                             opts.embedding_dim, opts.embeddings_on_cpu)

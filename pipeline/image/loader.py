@@ -49,8 +49,8 @@ from shardflow.shards.daliindex import parse_index
 log = logging.getLogger(__name__)
 
 
-def image_loader(source: str | Path | Sequence[str] | mix.Mixture, *, batch_size: int,
-                 train: bool = True, seed: int = 0, device: Device = "auto",
+def image_loader(source: str | Path | Sequence[str] | Source | mix.Mixture, *,
+                 batch_size: int, train: bool = True, seed: int = 0, device: Device = "auto",
                  on_error: OnError = "raise", rank: int | None = None,
                  world_size: int | None = None,
                  tuning_file: Path | None = None, use_tuning: bool = True,
@@ -58,7 +58,8 @@ def image_loader(source: str | Path | Sequence[str] | mix.Mixture, *, batch_size
     """A resumable loader of image batches from shards (see `ImageConfig` for `options`).
 
     `source`: a folder with manifest.json, a glob, a brace pattern, a list of URLs, or any
-    fsspec URL; or a mixture `[(source, weight), ...]` (pipeline/loading/mix.py; its option
+    fsspec URL; a `Source` resolved already (resolve_source; e.g. a held-out part of one);
+    or a mixture `[(source, weight), ...]` (pipeline/loading/mix.py; its option
     `epoch_batches`). `rank`/`world_size` default to torch.distributed's when it is initialised.
     Choices left automatic (decode, reader, threads, prefetch, resize_on) come from the tuning
     file of `tools/bench_loader.py --tune` when one was measured on this machine (tuning.py).

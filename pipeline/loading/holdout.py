@@ -4,8 +4,9 @@ A sample is held out when a stable hash of its key (blake2b, never Python's salt
 falls in the first `percent` of 100 slots: the same split on every rank, in every process,
 after a resume, and wherever the shards are moved or however they are re-sharded.
 
-    loader.holdout = KeyHoldout("train", 10)      # every sample but the held-out tenth
-    evaluation.holdout = KeyHoldout("eval", 10)   # only the held-out tenth
+    image_loader(src, batch_size=64, holdout=KeyHoldout("train", 10))   # all but a tenth
+    image_loader(src, batch_size=64, train=False,
+                 holdout=KeyHoldout("eval", 10))                         # only that tenth
 
 A loader drops the samples of the other side where its reader stage first sees them
 (`Loader._check_each`, and the text loader before checking its documents), before any check:

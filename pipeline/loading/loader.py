@@ -108,6 +108,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         if rank == 0:  # a shard dropped before the rank split is counted once, by rank 0
             self.skips.extend(early.entries)
         self.subset = subset_of(cfg.seed, cfg.subsample, cfg.keys, cfg.exclude, cfg.select)
+        self.holdout = cfg.holdout
         cache = ShardCache(cfg.cache_dir, cfg.cache_limit) if cfg.cache_dir else None
         self.stream = StreamOptions(cfg.shards_in_flight, cache)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from shardflow.errors import OnError, check_on_error
+from shardflow.loading.holdout import KeyHoldout
 from shardflow.storage import check_storage_options
 
 ReaderKind = Literal["auto", "dali", "stream", "index"]  # e.g. "stream" for remote shards
@@ -79,6 +80,9 @@ class LoaderOptions:
     keys: Any = field(default=None, repr=False, compare=False)
     exclude: bool = False
     select: Any = field(default=None, repr=False, compare=False)
+    # One side of a split by key hash, e.g. KeyHoldout("eval", 10): only the held-out tenth
+    # (loading/holdout.py; shardflow train's split of data with too few shards)
+    holdout: KeyHoldout | None = None
 
     def __post_init__(self) -> None:
         positive(self, "batch_size", "prefetch", "shards_in_flight", "cache_limit")
@@ -96,6 +100,9 @@ class LoaderOptions:
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s}: seconds > 0, or None to wait "
                              "forever")
+        if self.holdout is not None and not isinstance(self.holdout, KeyHoldout):
+            raise ValueError(f"holdout={self.holdout!r}: pass KeyHoldout('train' or 'eval', "
+                             "percent) from shardflow.loading.holdout, or None")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, cast
 
 from shardflow import dali
@@ -154,8 +154,7 @@ def check_local_shards(source: Source, on_error: OnError, skips: SkipLog) -> Sou
             lost = f"; its {shard.samples} samples are lost" if shard.samples else ""
             handle(DataError(err.reason, err.detail + lost, source=err.source,
                              samples=shard.samples), on_error, skips)
-    return Source(tuple(good), source.classes, source.modality, source.tokens,
-                  source.segmentation)
+    return replace(source, shards=tuple(good))
 
 
 def distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:

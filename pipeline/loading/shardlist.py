@@ -58,6 +58,8 @@ class Source:
     tokens: TokenForm | None = None  # text stored as token ids (pipeline/text/pretokenized.py)
     # scenes labelled per point: the manifest's classes, ignore label, counts (segstats.py)
     segmentation: dict[str, Any] | None = None
+    # tabular rows: the manifest's schema and counts of the whole dataset (tabular/schema.py)
+    tabular: dict[str, Any] | None = None
 
     @property
     def total(self) -> int | None:
@@ -82,12 +84,16 @@ class Source:
         return f"{len(self.shards)} shards from {first}"
 
 
-def resolve_source(source: str | Path | Sequence[str], *, allow_pipe: bool = False,
+def resolve_source(source: str | Path | Sequence[str] | Source, *, allow_pipe: bool = False,
                    storage_options: Mapping[str, Any] | None = None,
                    index: str | Path | None = None) -> Source:
     """Resolve any accepted form of `source`; FileNotFoundError lists every missing shard.
     `storage_options`: fsspec's keyword arguments for its URLs, kept with each shard.
-    `index`: a folder holding the shards' manifest and .idx files (shards/indexdir.py)."""
+    `index`: a folder holding the shards' manifest and .idx files (shards/indexdir.py).
+    A `Source` (resolved already, perhaps split: a held-out part, a rank's share) is
+    returned as it is."""
+    if isinstance(source, Source):
+        return _resolved(source, storage_options, index)
     check_storage_options(storage_options)
     options = dict(storage_options or {})
     if index is not None:
@@ -107,6 +113,16 @@ def resolve_source(source: str | Path | Sequence[str], *, allow_pipe: bool = Fal
                         for u in urls))
 
 
+def _resolved(source: Source, storage_options: Mapping[str, Any] | None,
+              index: str | Path | None) -> Source:
+    # Refused rather than ignored: they were the resolver's to use, and a Source keeps
+    # what it was resolved with (each shard's storage options and .idx place).
+    if storage_options or index is not None:
+        raise ValueError(f"{source.describe()} is resolved already: pass storage_options and "
+                         "index to resolve_source, which keeps them with each shard")
+    return source
+
+
 def _from_manifest(text: str, options: Mapping[str, Any]) -> Source | None:
     base = text.rstrip("/")
     if base.endswith(".json"):
@@ -120,7 +136,7 @@ def _from_manifest(text: str, options: Mapping[str, Any]) -> Source | None:
     shards = tuple(ShardSpec(f"{base}/{s.name}", s.samples, s.sha256, options)
                    for s in m.shards)
     preflight([s.url for s in shards], text, options)
-    return Source(shards, m.classes, m.modality, m.tokens, m.segmentation)
+    return Source(shards, m.classes, m.modality, m.tokens, m.segmentation, m.tabular)
 
 
 def _from_index_dir(source: str | Path | Sequence[str], index: str,
@@ -132,7 +148,7 @@ def _from_index_dir(source: str | Path | Sequence[str], index: str,
     for s in shards:
         check_scheme(s.url)
     preflight([s.url for s in shards], str(source), options)
-    return Source(shards, m.classes, m.modality, m.tokens, m.segmentation)
+    return Source(shards, m.classes, m.modality, m.tokens, m.segmentation, m.tabular)
 
 
 def epoch_order(shards: Iterable[T], seed: int, epoch: int, shuffle: bool) -> list[T]:

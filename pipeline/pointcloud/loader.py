@@ -40,8 +40,9 @@ log = logging.getLogger(__name__)
 MEMBERS = ("npy",)  # what the loader reads: make_shards stores every cloud as .npy
 
 
-def pointcloud_loader(source: str | Path | Sequence[str] | mix.Mixture, *, batch_size: int,
-                      train: bool = True, seed: int = 0, device: Device = "auto",
+def pointcloud_loader(source: str | Path | Sequence[str] | Source | mix.Mixture, *,
+                      batch_size: int, train: bool = True, seed: int = 0,
+                      device: Device = "auto",
                       on_error: OnError = "raise", rank: int | None = None,
                       world_size: int | None = None, tuning_file: Path | None = None,
                       use_tuning: bool = True, **options: Any
@@ -49,7 +50,8 @@ def pointcloud_loader(source: str | Path | Sequence[str] | mix.Mixture, *, batch
     """A resumable loader of point-cloud batches (see `PointCloudConfig` for `options`).
 
     `source`: a folder with manifest.json, a glob, a brace pattern, a list of URLs, or any
-    fsspec URL; or a mixture `[(source, weight), ...]` (pipeline/loading/mix.py).
+    fsspec URL; a `Source` resolved already (resolve_source; e.g. a held-out part of one);
+    or a mixture `[(source, weight), ...]` (pipeline/loading/mix.py).
     `rank`/`world_size` default to torch.distributed's when it is initialised.
     Choices left automatic that a tuning file measured (decode, reader, threads, prefetch)
     come from it (pipeline/loading/tuning.py).

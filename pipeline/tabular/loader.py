@@ -53,7 +53,7 @@ from shardflow.tabular.window import Cut, Window, Windows
 log = logging.getLogger(__name__)
 
 
-def tabular_loader(source: str | Path | Sequence[str], *, batch_size: int,
+def tabular_loader(source: str | Path | Sequence[str] | Source, *, batch_size: int,
                    num_buckets: int | Sequence[int] = 2**18, seed: int = 0,
                    rank: int | None = None, world_size: int | None = None,
                    tuning_file: Path | None = None, use_tuning: bool = True,
@@ -61,14 +61,15 @@ def tabular_loader(source: str | Path | Sequence[str], *, batch_size: int,
     """A resumable loader of row batches from tabular shards (see `TabularConfig` for the
     options: shuffle_buffer, hash_seed, dense_transform, fill, clip...). `num_buckets`: ids
     per categorical field (one int for all, or one per field); `loader.schema` says the
-    columns and sizes. `rank`/`world_size` default to torch.distributed's."""
+    columns and sizes. `source` may be a `Source` resolved already (resolve_source; e.g. a
+    held-out part of one: its manifest's schema and counts travel with it).
+    `rank`/`world_size` default to torch.distributed's."""
     resolved, options = tuning.source_and_options("tabular", source, options, tuning_file,
                                                   use_tuning)
     buckets = num_buckets if isinstance(num_buckets, int) else tuple(num_buckets)
     cfg = TabularConfig(batch_size=batch_size, num_buckets=buckets, seed=seed, **options)
     rank, world_size = readers.distributed(rank, world_size)
-    info = source_info(source, resolved, cfg.storage_options)
-    return TabularLoader(resolved, cfg, info, rank, world_size)
+    return TabularLoader(resolved, cfg, source_info(resolved), rank, world_size)
 
 
 class TabularLoader(Loader):

@@ -5,17 +5,13 @@ section, or, for shards named without their manifest, from the first block of th
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import fsspec
 
 from shardflow.errors import DataError
 from shardflow.loading.shardlist import Source
 from shardflow.samples.tabular_block import BLOCK_EXT, TabularSchema, decode_block
-from shardflow.shards.manifest import MANIFEST, load_manifest
 from shardflow.shards.tarread import iter_samples
 from shardflow.urls import redact
 
@@ -29,32 +25,20 @@ class SourceInfo:
     # skipped, hold fewer)
 
 
-def source_info(source: str | Path | Sequence[str], resolved: Source,
-                storage_options: Mapping[str, Any] | None) -> SourceInfo:
-    """The source's schema and counts; ValueError when it holds another modality."""
+def source_info(resolved: Source) -> SourceInfo:
+    """The source's schema and counts: its manifest's `tabular` section (which
+    resolve_source keeps with the Source), else the first block; ValueError when it holds
+    another modality."""
     if resolved.modality not in (None, "tabular", "unknown"):
         raise ValueError(f"these shards hold {resolved.modality} (manifest.json's modality), "
                          "not tabular rows: convert tables with make_shards.py tabular")
-    doc = _manifest_section(source, storage_options or {})
+    # None where the manifest has no tabular section (shards re-sharded by the `shards` kind),
+    # or there is no manifest: the first block says the schema then.
+    doc = resolved.tabular
     if doc is not None:
         return SourceInfo(TabularSchema.from_json(doc["schema"]), int(doc["rows"]),
                           int(doc["blocks"]), int(doc["rows_per_block"]))
     return _from_first_block(resolved)
-
-
-def _manifest_section(source: str | Path | Sequence[str], options: Mapping[str, Any]
-                      ) -> dict[str, Any] | None:
-    """manifest.json's `tabular` section, where the source is a folder (or URL) with one."""
-    if not isinstance(source, (str, Path)):
-        return None
-    base = str(source).rstrip("/")
-    url = base if base.endswith(".json") else f"{base}/{MANIFEST}"
-    fs, path = fsspec.core.url_to_fs(url, **options)
-    if not fs.exists(path):
-        return None
-    # None where the manifest has no tabular section (shards re-sharded by the `shards` kind):
-    # the first block says the schema then.
-    return load_manifest(url, options).tabular
 
 
 def _from_first_block(resolved: Source) -> SourceInfo:

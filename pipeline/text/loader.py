@@ -53,8 +53,8 @@ log = logging.getLogger(__name__)
 BURST = 4
 
 
-def text_loader(source: str | Path | Sequence[str] | mix.Mixture, *, batch_size: int,
-                seq_len: int = 256, objective: Objective = "clm",
+def text_loader(source: str | Path | Sequence[str] | Source | mix.Mixture, *,
+                batch_size: int, seq_len: int = 256, objective: Objective = "clm",
                 tokenizer: str | Path | Tokenizer = "bytes",
                 seed: int = 0, rank: int | None = None, world_size: int | None = None,
                 tuning_file: Path | None = None, use_tuning: bool = True,
@@ -62,9 +62,10 @@ def text_loader(source: str | Path | Sequence[str] | mix.Mixture, *, batch_size:
     """A resumable loader of token batches from text shards (see `TextConfig`).
 
     `tokenizer`: "bytes" (built in), a tokenizer.json path (HF tokenizers), or an object
-    with the same methods. `source` may be a mixture `[(source, weight), ...]`
-    (pipeline/loading/mix.py; packed text needs its `epoch_batches`). `rank`/`world_size`
-    default to torch.distributed's. A tuning file's reader and prefetch apply where left
+    with the same methods. `source` may be a `Source` resolved already (resolve_source; e.g.
+    a held-out part of one), or a mixture `[(source, weight), ...]` (pipeline/loading/mix.py;
+    packed text needs its `epoch_batches`). `rank`/`world_size` default to
+    torch.distributed's. A tuning file's reader and prefetch apply where left
     automatic (pipeline/loading/tuning.py).
     """
     if mix.is_mixture(source) or "epoch_samples" in options:  # by weight; mix.py
