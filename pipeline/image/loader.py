@@ -30,7 +30,7 @@ from shardflow.image import augment, batchops, choose, views
 from shardflow.image.config import ImageConfig
 from shardflow.image.decode import DecodeStage, ImageStage
 from shardflow.image.portable import PortableImageStage
-from shardflow.loading import mix, readers, tuning
+from shardflow.loading import mix, readers, settled, tuning
 from shardflow.loading.batch import EncodedBatch
 from shardflow.loading.graphstage import GraphLoader
 from shardflow.loading.options import Device
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 def image_loader(source: str | Path | Sequence[str] | Source | mix.Mixture, *,
                  batch_size: int, train: bool = True, seed: int = 0, device: Device = "auto",
                  on_error: OnError = "raise", rank: int | None = None,
-                 world_size: int | None = None,
+                 world_size: int | None = None, local_world_size: int = 1,
                  tuning_file: Path | None = None, use_tuning: bool = True,
                  **options: Any) -> ImageLoader | mix.MixedLoader:
     """A resumable loader of image batches from shards (see `ImageConfig` for `options`).
@@ -60,28 +60,35 @@ def image_loader(source: str | Path | Sequence[str] | Source | mix.Mixture, *,
     `source`: a folder with manifest.json, a glob, a brace pattern, a list of URLs, or any
     fsspec URL; a `Source` resolved already (resolve_source; e.g. a held-out part of one);
     or a mixture `[(source, weight), ...]` (pipeline/loading/mix.py; its option
-    `epoch_batches`). `rank`/`world_size` default to torch.distributed's when it is initialised.
-    Choices left automatic (decode, reader, threads, prefetch, resize_on) come from the tuning
-    file of `tools/bench_loader.py --tune` when one was measured on this machine (tuning.py).
+    `epoch_batches`). `rank`/`world_size` default to torch.distributed's when it is initialised;
+    `local_world_size`: the ranks on this node (torchrun's LOCAL_WORLD_SIZE), which share its
+    cores among their decode threads. Choices left automatic (decode, reader, threads,
+    prefetch, resize_on) come from the tuning file of `tools/bench_loader.py --tune` when one
+    was measured on this machine (tuning.py), else from the rules of loading/settled.py;
+    `loader.settled` records which.
     """
     if mix.is_mixture(source) or "epoch_samples" in options:  # by weight; mix.py
         return mix.build_from(image_loader, mix.sources_of(source), {
             "batch_size": batch_size, "train": train, "seed": seed, "device": device,
             "on_error": on_error, "rank": rank, "world_size": world_size,
-            "tuning_file": tuning_file, "use_tuning": use_tuning, **options})
+            "local_world_size": local_world_size, "tuning_file": tuning_file,
+            "use_tuning": use_tuning, **options})
     if options.get("views") is not None and options.get("decode", "auto") == "auto":
         options["decode"] = "cpu"  # views resize on the CPU (views.py); a tuning file's
         # decode="gpu" would refuse them, and the views still land on the device
     asked = {"device": device, **options}
     resolved, _ = tuning.source_and_options("image", source, asked, tuning_file, False)
-    options = choose.settle_backend(resolved, asked, tuning_file, use_tuning)
-    if "prefetch" not in options and (options.get("augment") or options.get("batch_augment")) \
-            and _lands_on_cpu(device):
-        options["prefetch"] = AUGMENT_PREFETCH
+    tuned = choose.settle_backend(resolved, asked, tuning_file, use_tuning)
+    rules = settled.thread_rule(local_world_size)
+    if (asked.get("augment") or asked.get("batch_augment")) and _lands_on_cpu(device):
+        rules["prefetch"] = (AUGMENT_PREFETCH, "the image loader's with augment on a CPU")
+    options, record = settled.settle(asked, tuned, tuning_file, rules)
     cfg = ImageConfig(batch_size=batch_size, train=train, seed=seed, on_error=on_error,
                       **options)
     rank, world_size = readers.distributed(rank, world_size)
-    return ImageLoader(resolved, cfg, rank, world_size)
+    loader = ImageLoader(resolved, cfg, rank, world_size)
+    loader.settled = record
+    return loader
 
 
 # A CPU loader's prefetch when it runs the user's ops (decode.py's helper threads) and no

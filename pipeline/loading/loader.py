@@ -40,6 +40,7 @@ from shardflow.loading.options import LoaderOptions
 from shardflow.loading.prefetch import Burst, Stage
 from shardflow.loading.reader_stream import StreamOptions
 from shardflow.loading.readplan import EpochPlan, plan_epoch, plan_rest
+from shardflow.loading.settled import Settled
 from shardflow.loading.shardcache import ShardCache
 from shardflow.loading.shardlist import Source
 from shardflow.loading.subset import Subset, subset_of
@@ -61,6 +62,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
     subset: Subset | None = None  # part of the dataset, by key (subset.py)
     left_out = 0  # samples the subset left out so far (counted as read, re-reads included)
     stream = StreamOptions()  # how the streaming reader fetches (set from the options)
+    settled = Settled()  # which options its `*_loader` function filled in, and why (settled.py)
 
     def __init__(self, source: Source, *, batch_size: int, seed: int, rank: int,
                  world_size: int, shuffle: bool, shuffle_buffer: int, on_error: OnError,

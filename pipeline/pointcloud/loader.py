@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from shardflow.errors import DataError, OnError
-from shardflow.loading import mix, readers, tuning
+from shardflow.loading import mix, readers, settled, tuning
 from shardflow.loading.batch import EncodedBatch
 from shardflow.loading.graphstage import GraphLoader
 from shardflow.loading.options import Device
@@ -42,9 +42,9 @@ MEMBERS = ("npy",)  # what the loader reads: make_shards stores every cloud as .
 
 def pointcloud_loader(source: str | Path | Sequence[str] | Source | mix.Mixture, *,
                       batch_size: int, train: bool = True, seed: int = 0,
-                      device: Device = "auto",
-                      on_error: OnError = "raise", rank: int | None = None,
-                      world_size: int | None = None, tuning_file: Path | None = None,
+                      device: Device = "auto", on_error: OnError = "raise",
+                      rank: int | None = None, world_size: int | None = None,
+                      local_world_size: int = 1, tuning_file: Path | None = None,
                       use_tuning: bool = True, **options: Any
                       ) -> PointCloudLoader | mix.MixedLoader:
     """A resumable loader of point-cloud batches (see `PointCloudConfig` for `options`).
@@ -52,21 +52,29 @@ def pointcloud_loader(source: str | Path | Sequence[str] | Source | mix.Mixture,
     `source`: a folder with manifest.json, a glob, a brace pattern, a list of URLs, or any
     fsspec URL; a `Source` resolved already (resolve_source; e.g. a held-out part of one);
     or a mixture `[(source, weight), ...]` (pipeline/loading/mix.py).
-    `rank`/`world_size` default to torch.distributed's when it is initialised.
-    Choices left automatic that a tuning file measured (decode, reader, threads, prefetch)
-    come from it (pipeline/loading/tuning.py).
+    `rank`/`world_size` default to torch.distributed's when it is initialised;
+    `local_world_size`: the ranks on this node (torchrun's LOCAL_WORLD_SIZE), which share its
+    cores among their decode threads. Choices left automatic that a tuning file measured
+    (decode, reader, threads, prefetch) come from it (pipeline/loading/tuning.py), else from
+    the rules of loading/settled.py; `loader.settled` records which.
     """
     if mix.is_mixture(source) or "epoch_samples" in options:  # by weight; mix.py
         return mix.build_from(pointcloud_loader, mix.sources_of(source), {
             "batch_size": batch_size, "train": train, "seed": seed, "device": device,
             "on_error": on_error, "rank": rank, "world_size": world_size,
-            "tuning_file": tuning_file, "use_tuning": use_tuning, **options})
-    resolved, options = tuning.source_and_options(
-        "pointcloud", source, {"device": device, **options}, tuning_file, use_tuning)
+            "local_world_size": local_world_size, "tuning_file": tuning_file,
+            "use_tuning": use_tuning, **options})
+    asked = {"device": device, **options}
+    resolved, tuned = tuning.source_and_options("pointcloud", source, asked, tuning_file,
+                                                use_tuning)
+    options, record = settled.settle(asked, tuned, tuning_file,
+                                     settled.thread_rule(local_world_size))
     cfg = PointCloudConfig(batch_size=batch_size, train=train, seed=seed, on_error=on_error,
                            **options)
     rank, world_size = readers.distributed(rank, world_size)
-    return PointCloudLoader(resolved, cfg, rank, world_size)
+    loader = PointCloudLoader(resolved, cfg, rank, world_size)
+    loader.settled = record
+    return loader
 
 
 class PointCloudLoader(GraphLoader):

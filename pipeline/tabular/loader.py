@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from shardflow.errors import DataError
-from shardflow.loading import readers, tuning
+from shardflow.loading import readers, settled, tuning
 from shardflow.loading.agreement import rank_agreement
 from shardflow.loading.batch import EncodedBatch, TabularBatch
 from shardflow.loading.delivery import DeviceCopier
@@ -64,12 +64,15 @@ def tabular_loader(source: str | Path | Sequence[str] | Source, *, batch_size: i
     columns and sizes. `source` may be a `Source` resolved already (resolve_source; e.g. a
     held-out part of one: its manifest's schema and counts travel with it).
     `rank`/`world_size` default to torch.distributed's."""
-    resolved, options = tuning.source_and_options("tabular", source, options, tuning_file,
-                                                  use_tuning)
+    resolved, tuned = tuning.source_and_options("tabular", source, options, tuning_file,
+                                                use_tuning)
+    options, record = settled.settle(options, tuned, tuning_file, {})
     buckets = num_buckets if isinstance(num_buckets, int) else tuple(num_buckets)
     cfg = TabularConfig(batch_size=batch_size, num_buckets=buckets, seed=seed, **options)
     rank, world_size = readers.distributed(rank, world_size)
-    return TabularLoader(resolved, cfg, source_info(resolved), rank, world_size)
+    loader = TabularLoader(resolved, cfg, source_info(resolved), rank, world_size)
+    loader.settled = record
+    return loader
 
 
 class TabularLoader(Loader):

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from shardflow.errors import DataError, SkipLog, handle
-from shardflow.loading import consumed, mix, readers, tuning
+from shardflow.loading import consumed, mix, readers, settled, tuning
 from shardflow.loading.agreement import rank_agreement
 from shardflow.loading.batch import EncodedBatch, TextBatch
 from shardflow.loading.delivery import DeviceCopier
@@ -65,20 +65,24 @@ def text_loader(source: str | Path | Sequence[str] | Source | mix.Mixture, *,
     with the same methods. `source` may be a `Source` resolved already (resolve_source; e.g.
     a held-out part of one), or a mixture `[(source, weight), ...]` (pipeline/loading/mix.py;
     packed text needs its `epoch_batches`). `rank`/`world_size` default to
-    torch.distributed's. A tuning file's reader and prefetch apply where left
-    automatic (pipeline/loading/tuning.py).
+    torch.distributed's. A tuning file's reader and prefetch apply where left automatic
+    (pipeline/loading/tuning.py); `loader.settled` records which.
     """
     if mix.is_mixture(source) or "epoch_samples" in options:  # by weight; mix.py
         return mix.build_from(text_loader, mix.sources_of(source), {
             "batch_size": batch_size, "seq_len": seq_len, "objective": objective,
             "tokenizer": tokenizer, "seed": seed, "rank": rank, "world_size": world_size,
             "tuning_file": tuning_file, "use_tuning": use_tuning, **options})
-    resolved, options = tuning.source_and_options("text", source, options, tuning_file,
-                                                  use_tuning)
+    resolved, tuned = tuning.source_and_options("text", source, options, tuning_file,
+                                                use_tuning)
+    options, record = settled.settle(options, tuned, tuning_file, {})
     cfg = TextConfig(batch_size=batch_size, seq_len=seq_len, objective=objective, seed=seed,
                      **options)
     rank, world_size = readers.distributed(rank, world_size)
-    return TextLoader(resolved, cfg, load_tokenizer(tokenizer, cfg.pad_token), rank, world_size)
+    loader = TextLoader(resolved, cfg, load_tokenizer(tokenizer, cfg.pad_token), rank,
+                        world_size)
+    loader.settled = record
+    return loader
 
 
 class TextLoader(Loader):
