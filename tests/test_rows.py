@@ -258,7 +258,7 @@ def test_training_settles_the_backend_as_image_loader_does(tmp_path) -> None:
     photos whatever reader the tuning file chose, and report the tuned choices they used."""
     from shardflow.loading.shardlist import resolve_source
     from shardflow.loading.tuning import Tuning
-    from shardflow.trainers.wiring import TaskOptions, loader_options
+    from shardflow.trainers.wiring import TaskOptions, build_task, split_eval
 
     shards = side_corpora(tmp_path)
     path = tmp_path / "tuning.json"
@@ -266,7 +266,10 @@ def test_training_settles_the_backend_as_image_loader_does(tmp_path) -> None:
     for name, want in (("large", "portable"), ("small", "dali")):
         opts = TaskOptions(task="image", data=str(shards[name]), batch_size=2, device="cpu",
                            tuning_file=path)
-        options, settings = loader_options(opts, resolve_source(str(shards[name])))
-        assert options["backend"] == want, name
-        assert options.get("reader", "auto") == ("dali" if want == "dali" else "auto")
+        split = split_eval(resolve_source(str(shards[name])), None)
+        built = build_task(opts, split, 0, 1)
+        with built.loader as loader, built.evaluation:
+            assert (loader.cfg.backend, loader.backend) == (want, want), name
+            assert loader.cfg.reader == ("dali" if want == "dali" else "auto")
+        settings = built.loader_settings
         assert "backend" not in settings["tuned"] and settings["tuned"]["threads"] == 3

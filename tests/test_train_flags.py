@@ -98,37 +98,45 @@ def _opts(data: Path, **flags: Any) -> TaskOptions:
     return TaskOptions(task="image", data=str(data), device="cpu", backend="portable", **flags)
 
 
+def _settings(data: Path, local_world: int = 1, **flags: Any) -> tuple[Any, dict[str, Any]]:
+    """The training loader's config and summary.json's loader settings, as built for
+    `shardflow train` on one-shard `data` (the loaders closed)."""
+    split = split_eval(resolve_source(data), None)
+    built = build_task(_opts(data, batch_size=8, size=24, **flags), split, 0, 1, local_world)
+    built.loader.close()
+    built.evaluation.close()
+    return built.loader.cfg, built.loader_settings
+
+
 def test_loader_threads_divide_the_cores_among_the_ranks_on_this_node(one_shard):
-    source = resolve_source(one_shard)
-    options, settings = loader_options(_opts(one_shard), source, local_world=2)
-    assert options["threads"] == settings["threads"] == max(1, cores() // 2)
-    assert "LOCAL_WORLD_SIZE" in settings["threads_from"] and "prefetch" not in options
-    assert settings["prefetch"] == 2 and settings["tuned"] == {}
-    options, settings = loader_options(_opts(one_shard, loader_threads=3, prefetch=5), source,
-                                       local_world=8)
-    assert (options["threads"], options["prefetch"]) == (3, 5)
+    cfg, settings = _settings(one_shard, local_world=2)
+    assert cfg.threads == settings["threads"] == max(1, cores() // 2)
+    assert "local_world_size=2 ranks on this node" in settings["threads_from"]
+    assert (cfg.prefetch, settings["prefetch"]) == (2, 2) and settings["tuned"] == {}
+    assert settings["prefetch_from"] == "the loaders' default"
+    cfg, settings = _settings(one_shard, local_world=8, loader_threads=3, prefetch=5)
+    assert (cfg.threads, cfg.prefetch) == (3, 5)
     assert (settings["threads_from"], settings["prefetch_from"]) == ("--loader-threads",
                                                                       "--prefetch")
     text = TaskOptions(task="text", data=str(one_shard))
-    assert "threads" not in loader_options(text, source)[0]
+    assert not {"threads", "local_world_size"} & set(loader_options(text, 4))
 
 
 def test_a_tuning_file_fills_in_what_the_flags_leave_and_no_more(one_shard, tmp_path):
-    source, path = resolve_source(one_shard), tmp_path / "tuning.json"
+    path = tmp_path / "tuning.json"
     Tuning("cpu", "stream", 3, 5, 1000.0).save(path)
-    options, settings = loader_options(_opts(one_shard, tuning_file=path), source, 4)
-    assert (options["threads"], options["prefetch"], options["decode"]) == (3, 5, "cpu")
+    cfg, settings = _settings(one_shard, 4, tuning_file=path)
+    assert (cfg.threads, cfg.prefetch, cfg.decode) == (3, 5, "cpu")
     assert settings["threads_from"] == settings["prefetch_from"] == "the tuning file"
     assert settings["tuned"] == {"decode": "cpu", "reader": "stream", "threads": 3,
                                  "prefetch": 5} and settings["tuning_file"] == str(path)
     # explicit flag > tuning file > divided default
-    options, settings = loader_options(_opts(one_shard, tuning_file=path, loader_threads=7),
-                                       source, 4)
-    assert (options["threads"], options["prefetch"]) == (7, 5)
+    cfg, settings = _settings(one_shard, 4, tuning_file=path, loader_threads=7)
+    assert (cfg.threads, cfg.prefetch) == (7, 5)
     assert settings["threads_from"] == "--loader-threads" and "threads" not in settings["tuned"]
-    options, settings = loader_options(_opts(one_shard, tuning_file=path, use_tuning=False),
-                                       source, 4)
-    assert options["threads"] == max(1, cores() // 4) and settings["tuned"] == {}
+    cfg, settings = _settings(one_shard, 4, tuning_file=path, use_tuning=False)
+    assert cfg.threads == max(1, cores() // 4) and settings["tuned"] == {}
+    assert settings["tuning_file"] is None
 
 
 def test_loader_flags_are_refused_where_they_mean_nothing(one_shard, tmp_path, monkeypatch):
@@ -215,7 +223,7 @@ def test_train_py_trains_one_shard_holding_out_by_key_and_resumes_alike(one_shar
     assert summary["held_out"].startswith("held out 10% of samples by key hash (no --eval-data,"
                                           " 1 shard)"), summary["held_out"]
     assert summary["loader"]["threads"] == max(1, cores() // 2)
-    assert "LOCAL_WORLD_SIZE" in summary["loader"]["threads_from"]
+    assert "local_world_size=2 ranks on this node" in summary["loader"]["threads_from"]
     assert summary["skipped_samples"] == 0 and "held out 10%" in first.stdout
     run_tool("train", *common, "--steps", 6, "--prefetch", 3, check=True)
     again = json.loads((out / "summary.json").read_text())

@@ -13,8 +13,9 @@ evaluation and never trained on; with too few shards for that (one, or fewer tha
 plus one), 10% of the samples by key hash instead. summary.json says which.
 
 Loader threads and prefetch: --loader-threads / --prefetch, else the tuning file's choices
-(tools/bench_loader.py --tune; --tuning-file, --no-tuning), else the cores divided among the
-ranks on this node (torchrun's LOCAL_WORLD_SIZE). summary.json's "loader" says which was used.
+(tools/bench_loader.py --tune; --tuning-file, --no-tuning), else what the loader functions
+choose for the same arguments (threads: the cores divided among the ranks on this node,
+torchrun's LOCAL_WORLD_SIZE). summary.json's "loader" says which was used.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def add_loader_flags(p: argparse.ArgumentParser) -> None:
                    "divided by the ranks on this node (torchrun's LOCAL_WORLD_SIZE)")
     p.add_argument("--prefetch", type=positive_int, default=None, metavar="N",
                    help="batches each loader stage prepares ahead; default: the tuning "
-                   "file's, else 2")
+                   "file's, else 2 (4 for --augment/--mixup/--cutmix on the CPU)")
     p.add_argument("--shards-in-flight", type=positive_int, default=2, metavar="N",
                    help="streaming reader: shards fetched at once per rank, their samples "
                    "interleaved (default 2)")

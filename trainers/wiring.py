@@ -5,9 +5,10 @@ task for `--task`, from the command line's options (one field per flag, see Task
     build_task(opts, split, rank, world, local_world) -> Built (loader, evaluation, task,
                                                         the loaders' threads and prefetch)
 
-The loaders' options: the flags; then, as the `*_loader` functions do, a tuning file's choices
-where the flags left them automatic (pipeline/loading/tuning.py); then, for decode threads
-(images, point clouds) still unset, this machine's cores divided among the ranks on this node.
+Every loader, training and evaluation, is built by its public `*_loader` function, called
+with the flags as a user would call it (`loader_options`) and the split's resolved `Source`:
+the tuning file, the backend choice and the automatic decode threads and prefetch are the
+factory's, and summary.json reads what it settled off the built loader (`loader.settled`).
 The trainer itself (loop.py, run.py) knows no modality; this module is where a modality's
 loader and task meet.
 """
@@ -23,7 +24,6 @@ from typing import Any, NamedTuple
 import fsspec
 
 from shardflow.loading.holdout import KeyHoldout, Side
-from shardflow.loading.options import LoaderOptions, cores
 from shardflow.loading.shardlist import Source, resolve_source, split_ranks
 from shardflow.shards.manifest import MANIFEST, LabelStats, load_manifest
 from shardflow.urls import redact
@@ -33,7 +33,6 @@ HOLD_OUT_EVERY = 10
 HOLD_OUT_PERCENT = 100 // HOLD_OUT_EVERY  # by key hash, when there are too few shards
 # loaders with decode threads (GraphOptions.threads)
 GRAPH_TASKS = ("image", "pointcloud", "pointcloud-seg")
-LOADER_KIND = {"pointcloud-seg": "pointcloud"}  # a task whose loader is another task's
 SEG_FLAGS = {"frame_points": "--frame-points", "voxel_size": "--voxel-size",
              "point_range": "--point-range"}
 
@@ -74,8 +73,8 @@ class TaskOptions:
     label_smoothing: float = 0.0
     num_classes: int | None = None  # when the manifest has no class map or label statistics
     pad_token: str | None = None  # text: the padding token of a tokenizer.json without one
-    loader_threads: int | None = None  # None: the tuning file's, else cores // local ranks
-    prefetch: int | None = None  # None: the tuning file's, else the loaders' default
+    loader_threads: int | None = None  # None: the factory's (tuning file, else cores / ranks)
+    prefetch: int | None = None  # None: the factory's (the tuning file, else its default)
     shards_in_flight: int = 2  # the streaming reader's fetches at once per rank
     cache_dir: str | None = None  # the streaming reader's local cache of remote shards
     index: str | None = None  # the folder of `data`'s manifest and .idx files, if not beside
@@ -135,9 +134,11 @@ class Built(NamedTuple):
 
 @dataclass(frozen=True)
 class _Ranks:
+    """Where the loaders read: this rank of `world`, and its evaluation share (None: none)."""
+
     rank: int
     world: int
-    local_world: int
+    held: Source | None
 
 
 def build_task(opts: TaskOptions, split: EvalSplit, rank: int, world: int,
@@ -147,7 +148,7 @@ def build_task(opts: TaskOptions, split: EvalSplit, rank: int, world: int,
     exactly one rank, so the summed metrics are those of one process evaluating it all); a
     rank left without a shard evaluates nothing (None) and adds nothing to the sums.
     `local_world`: the ranks on this node (torchrun's LOCAL_WORLD_SIZE), which share its
-    cores."""
+    cores (the factories' `local_world_size`)."""
     builders = {"image": _image, "text": _text, "pointcloud": _pointcloud,
                 "pointcloud-seg": _pointcloud_seg, "ctr": _ctr}
     if opts.task not in builders:
@@ -156,19 +157,26 @@ def build_task(opts: TaskOptions, split: EvalSplit, rank: int, world: int,
     if opts.tuning_file is not None and not Path(opts.tuning_file).is_file():
         raise FileNotFoundError(f"--tuning-file {opts.tuning_file}: no such file (write one "
                                 "with tools/bench_loader.py --tune, or drop the flag)")
-    ranks = _Ranks(rank, world, max(local_world, 1))
-    train_options, settings = loader_options(opts, split.train, ranks.local_world)
-    share = eval_share(split.held, rank, world)
-    held_options = None if share is None else \
-        loader_options(opts, share, ranks.local_world)[0]
-    mine = split if share is None else replace(split, held=share)
-    loader, evaluation, task = builders[opts.task](opts, mine, ranks, train_options,
-                                                   held_options)
-    loader.holdout = split.holdout("train")
-    if evaluation is not None:
-        evaluation.holdout = split.holdout("eval")
+    ranks = _Ranks(rank, world, eval_share(split.held, rank, world))
+    loader, evaluation, task = builders[opts.task](opts, split, ranks,
+                                                   loader_options(opts, local_world))
+    settings = loader_settings(opts, loader)
     log.info("loaders: %s", describe_settings(settings))
     return Built(loader, evaluation, task, settings)
+
+
+def _pair(factory: Any, split: EvalSplit, ranks: _Ranks, options: dict[str, Any],
+          train: dict[str, Any] | None = None, held: dict[str, Any] | None = None
+          ) -> tuple[Any, Any]:
+    """The training loader and this rank's evaluation loader (None: no share) of `factory`,
+    each on its part of the split and its side of a split by key hash; `train` and `held`:
+    the options of one of them alone."""
+    loader = factory(split.train, train=True, rank=ranks.rank, world_size=ranks.world,
+                     holdout=split.holdout("train"), **options, **(train or {}))
+    if ranks.held is None:
+        return loader, None
+    return loader, factory(ranks.held, train=False, rank=0, world_size=1,
+                           holdout=split.holdout("eval"), **options, **(held or {}))
 
 
 def _refuse_misplaced(opts: TaskOptions) -> None:
@@ -210,38 +218,41 @@ def eval_share(held: Source, rank: int, world: int) -> Source | None:
     return replace(held, shards=tuple(mine)) if mine else None
 
 
-def loader_options(opts: TaskOptions, source: Source, local_world: int = 1
-                   ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The options of a `opts.task` loader of `source` (what its config takes besides the
-    modality's own), and what summary.json says of them. Precedence, for decode threads and
-    prefetch alike: the flag, else the tuning file's choice, else the default (threads: the
-    cores divided among this node's `local_world` ranks; prefetch: the loaders' own)."""
-    graph = opts.task in GRAPH_TASKS
-    flags = {"threads": opts.loader_threads if graph else None, "prefetch": opts.prefetch}
-    given = {name: value for name, value in flags.items() if value is not None}
-    asked = {"batch_size": opts.batch_size, "seed": opts.seed, "device": opts.device,
-             "decode": opts.decode, "on_error": opts.on_error, "reader": opts.reader,
-             "backend": opts.backend, "shards_in_flight": opts.shards_in_flight,
-             "cache_dir": opts.cache_dir, "cache_limit": opts.cache_limit, **given}
-    options = _tuned(opts, source, asked) if opts.use_tuning else dict(asked)
-    tuned = {name: value for name, value in options.items()
-             if asked.get(name) != value and name != "backend"}  # backend: choose.py's
-    if graph and "threads" not in options:
-        options["threads"] = max(1, cores() // local_world)
-    defaults = {"threads": f"all {cores()} cores" if local_world == 1 else
-                f"{cores()} cores / LOCAL_WORLD_SIZE={local_world} ranks on this node",
-                "prefetch": "the loaders' default"}
+def loader_options(opts: TaskOptions, local_world: int = 1) -> dict[str, Any]:
+    """The keyword arguments of an `opts.task` loader that the flags give, for its `*_loader`
+    function, as a user would pass them: a flag left automatic (None) is left out, for the
+    factory to settle (the tuning file, else its own rule or default)."""
+    options: dict[str, Any] = {
+        "batch_size": opts.batch_size, "seed": opts.seed, "device": opts.device,
+        "decode": opts.decode, "on_error": opts.on_error, "reader": opts.reader,
+        "backend": opts.backend, "shards_in_flight": opts.shards_in_flight,
+        "cache_dir": opts.cache_dir, "cache_limit": opts.cache_limit,
+        "tuning_file": opts.tuning_file, "use_tuning": opts.use_tuning}
+    if opts.prefetch is not None:
+        options["prefetch"] = opts.prefetch
+    if opts.task in GRAPH_TASKS:
+        options["local_world_size"] = local_world
+        if opts.loader_threads is not None:
+            options["threads"] = opts.loader_threads
+    return options
+
+
+def loader_settings(opts: TaskOptions, loader: Any) -> dict[str, Any]:
+    """What summary.json says of the training loader: its decode threads and prefetch as
+    built, where each came from (the flag; else what its factory recorded, the tuning file
+    or a rule of its own; else the loaders' default), and the tuning file's choices used."""
+    flags = {"threads": ("--loader-threads", opts.loader_threads),
+             "prefetch": ("--prefetch", opts.prefetch)}
     settings: dict[str, Any] = {}
-    for name, flag in (("threads", "--loader-threads"), ("prefetch", "--prefetch")):
-        if name == "threads" and not graph:
-            continue  # the text loader has no decode threads
-        settings[name] = options.get(name, LoaderOptions.prefetch)  # only prefetch unset
-        settings[f"{name}_from"] = (flag if name in given else
-                                    "the tuning file" if name in tuned else defaults[name])
-    settings["tuned"] = tuned
-    settings["tuning_file"] = str(opts.tuning_file or _default_tuning_path()) if tuned \
-        else None
-    return options, settings
+    for name, (flag, given) in flags.items():
+        if name == "threads" and opts.task not in GRAPH_TASKS:
+            continue  # the text and tabular loaders have no decode threads
+        settings[name] = getattr(loader.cfg, name)
+        settings[f"{name}_from"] = flag if given is not None else \
+            loader.settled.origin(name) or "the loaders' default"
+    settings["tuned"] = dict(loader.settled.tuned)
+    settings["tuning_file"] = loader.settled.tuning_file
+    return settings
 
 
 def describe_settings(settings: dict[str, Any]) -> str:
@@ -254,28 +265,6 @@ def describe_settings(settings: dict[str, Any]) -> str:
     if settings["tuned"]:
         parts.append(f"from the tuning file {settings['tuning_file']}: {settings['tuned']}")
     return ", ".join(parts)
-
-
-def _tuned(opts: TaskOptions, source: Source, options: dict[str, Any]) -> dict[str, Any]:
-    """`options` with the tuning file's choices filled in, as `tuning.source_and_options`
-    fills them in for the `*_loader` functions (which resolve their source first: `source`
-    here is resolved and split already)."""
-    from shardflow.loading import readers, tuning
-
-    kind = LOADER_KIND.get(opts.task, opts.task)
-    if kind == "image":  # backend="auto" on large photos too, as image_loader does
-        from shardflow.image import choose
-
-        return choose.settle_backend(source, options, opts.tuning_file, True, opts.size)
-    dali = readers.resolve_backend(opts.backend, kind) == "dali"
-    return tuning.apply(kind, options, opts.tuning_file,
-                        dali_readable=readers.dali_readable(source), dali=dali)
-
-
-def _default_tuning_path() -> Path:
-    from shardflow.loading import tuning
-
-    return tuning.default_path()
 
 
 def device_of(loader: Any) -> Any:
@@ -316,20 +305,16 @@ def _label_stats(data: str, storage_options: Mapping[str, Any]) -> LabelStats | 
     return load_manifest(url, storage_options).labels if fs.isfile(path) else None
 
 
-def _image(opts: TaskOptions, split: EvalSplit, ranks: _Ranks, train_options: dict[str, Any],
-           held_options: dict[str, Any] | None) -> tuple[Any, Any, Any]:
-    from shardflow.image import ImageConfig, ImageLoader
+def _image(opts: TaskOptions, split: EvalSplit, ranks: _Ranks, options: dict[str, Any]
+           ) -> tuple[Any, Any, Any]:
+    from shardflow import image_loader
     from shardflow.trainers.image_task import ImageClassification
 
     classes = _classes(opts, split.train)
-    own: dict[str, Any] = {"size": opts.size, "num_classes": classes}
     augment, batch_augment = _augment(opts, classes)
-    loader = ImageLoader(split.train, ImageConfig(train=True, augment=tuple(augment),
-                                                  batch_augment=tuple(batch_augment),
-                                                  **train_options, **own),
-                         ranks.rank, ranks.world)
-    evaluation = None if held_options is None else \
-        ImageLoader(split.held, ImageConfig(train=False, **held_options, **own), 0, 1)
+    loader, evaluation = _pair(image_loader, split, ranks,
+                               {**options, "size": opts.size, "num_classes": classes},
+                               train={"augment": augment, "batch_augment": batch_augment})
     recipe = None
     if augment or batch_augment or opts.label_smoothing:  # what summary.json's setup shows
         recipe = {"ops": [repr(op) for op in augment],
@@ -357,60 +342,49 @@ def _augment(opts: TaskOptions, classes: int) -> tuple[list[Any], list[Any]]:
                             label_smoothing=opts.label_smoothing)]
 
 
-def _text(opts: TaskOptions, split: EvalSplit, ranks: _Ranks, train_options: dict[str, Any],
-          held_options: dict[str, Any] | None) -> tuple[Any, Any, Any]:
-    from shardflow.text import TextConfig, TextLoader
-    from shardflow.text.tokenizer import load_tokenizer
+def _text(opts: TaskOptions, split: EvalSplit, ranks: _Ranks, options: dict[str, Any]
+          ) -> tuple[Any, Any, Any]:
+    from shardflow import text_loader
     from shardflow.trainers.text_task import LanguageModelling
 
     if opts.model:
         raise ValueError("--model is for image, pointcloud and ctr tasks; text models follow "
                          "--objective (mlm: encoder, clm: decoder)")
-    tokenizer = load_tokenizer(opts.tokenizer, pad_token=opts.pad_token)
-    own: dict[str, Any] = {"seq_len": opts.seq_len, "objective": opts.objective}
-    loader = TextLoader(split.train, TextConfig(train=True, **train_options, **own), tokenizer,
-                        ranks.rank, ranks.world)
-    evaluation = None if held_options is None else \
-        TextLoader(split.held, TextConfig(train=False, **held_options, **own), tokenizer, 0, 1)
-    task = LanguageModelling(opts.objective, tokenizer.vocab_size, opts.seq_len,
+    own = {"seq_len": opts.seq_len, "objective": opts.objective, "tokenizer": opts.tokenizer,
+           "pad_token": opts.pad_token}
+    loader, evaluation = _pair(text_loader, split, ranks, {**options, **own})
+    task = LanguageModelling(opts.objective, loader.tokenizer.vocab_size, opts.seq_len,
                              device_of(loader))
     return loader, evaluation, task
 
 
-def _pointcloud(opts: TaskOptions, split: EvalSplit, ranks: _Ranks,
-                train_options: dict[str, Any], held_options: dict[str, Any] | None
+def _pointcloud(opts: TaskOptions, split: EvalSplit, ranks: _Ranks, options: dict[str, Any]
                 ) -> tuple[Any, Any, Any]:
-    from shardflow.pointcloud import PointCloudConfig, PointCloudLoader
+    from shardflow import pointcloud_loader
     from shardflow.trainers.pointcloud_task import MODELS, PointCloudClassification
 
     classes, model = _classes(opts, split.train), opts.model or "pointnet"
     if model not in MODELS:  # before any loader is built
         raise ValueError(f"--model {model}: choose one of {', '.join(MODELS)} for point clouds")
-    own: dict[str, Any] = {"num_points": opts.num_points, "grid": opts.grid, "num_classes": classes,
+    own = {"num_points": opts.num_points, "grid": opts.grid, "num_classes": classes,
            "voxels": "occupancy" if model == "voxnet" else None}
-    loader = PointCloudLoader(split.train, PointCloudConfig(train=True, **train_options, **own),
-                              ranks.rank, ranks.world)
-    evaluation = None if held_options is None else PointCloudLoader(
-        split.held, PointCloudConfig(train=False, **held_options, **own), 0, 1)
+    loader, evaluation = _pair(pointcloud_loader, split, ranks, {**options, **own})
     task = PointCloudClassification(classes, model, device_of(loader), grid=opts.grid)
     return loader, evaluation, task
 
 
 def _pointcloud_seg(opts: TaskOptions, split: EvalSplit, ranks: _Ranks,
-                    train_options: dict[str, Any], held_options: dict[str, Any] | None
-                    ) -> tuple[Any, Any, Any]:
+                    options: dict[str, Any]) -> tuple[Any, Any, Any]:
     """LiDAR scans labelled per point: the point-cloud loader with per_point_labels (and the
     voxel grid for bev), every point of a held-out frame evaluated; the classes, the ignored
     label and the class names are the loader's (its manifest's)."""
     model, own, frame_points = _seg_geometry(opts)  # refused before anything is imported
-    from shardflow.pointcloud import PointCloudConfig, PointCloudLoader
+    from shardflow import pointcloud_loader
     from shardflow.trainers.segment_task import PointSegmentation
 
-    loader: Any = PointCloudLoader(split.train, PointCloudConfig(  # Any: read attributes below
-        train=True, frame_points=frame_points, **train_options, **own), ranks.rank, ranks.world)
-    evaluation = None if held_options is None else PointCloudLoader(
-        split.held, PointCloudConfig(train=False, frame_points=None, **held_options, **own),
-        0, 1)
+    loader, evaluation = _pair(pointcloud_loader, split, ranks, {**options, **own},
+                               train={"frame_points": frame_points},
+                               held={"frame_points": None})
     classes, names = _seg_classes(opts, loader)
     task = PointSegmentation(classes, model, loader.ignore_label, device_of(loader), names,
                              own.get("voxel_size"), own.get("point_range"))
@@ -456,12 +430,11 @@ def _seg_classes(opts: TaskOptions, loader: Any) -> tuple[int, list[str] | None]
     return classes, list(names) if names and len(names) == classes else None
 
 
-def _ctr(opts: TaskOptions, split: EvalSplit, ranks: _Ranks, train_options: dict[str, Any],
-         held_options: dict[str, Any] | None) -> tuple[Any, Any, Any]:
+def _ctr(opts: TaskOptions, split: EvalSplit, ranks: _Ranks, options: dict[str, Any]
+         ) -> tuple[Any, Any, Any]:
     """Click logs: the tabular loader hashes each categorical field into its buckets; the
     model's tables are sized by the loader's schema (the same buckets train and evaluate)."""
-    from shardflow.tabular import TabularConfig, TabularLoader
-    from shardflow.tabular.schema import source_info
+    from shardflow import tabular_loader
     from shardflow.trainers.ctr_models import MODELS
     from shardflow.trainers.ctr_task import ClickThroughRate
 
@@ -472,12 +445,8 @@ def _ctr(opts: TaskOptions, split: EvalSplit, ranks: _Ranks, train_options: dict
         raise ValueError("--embeddings-on-cpu puts the tables and the network on two device "
                          "types, which DDP cannot wrap: drop the flag under torchrun (the "
                          "tables then live on each rank's device)")
-    own: dict[str, Any] = {} if opts.num_buckets is None else {"num_buckets": opts.num_buckets}
-    loader = TabularLoader(split.train, TabularConfig(train=True, **train_options, **own),
-                           source_info(split.train), ranks.rank, ranks.world)
-    evaluation = None if held_options is None else TabularLoader(
-        split.held, TabularConfig(train=False, **held_options, **own),
-        source_info(split.held), 0, 1)
+    own = {} if opts.num_buckets is None else {"num_buckets": opts.num_buckets}
+    loader, evaluation = _pair(tabular_loader, split, ranks, {**options, **own})
     schema = loader.schema
     task = ClickThroughRate(model, len(schema.dense), schema.num_buckets, device_of(loader),
                             opts.embedding_dim, opts.embeddings_on_cpu)
