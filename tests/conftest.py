@@ -52,16 +52,25 @@ def import_or_skip(name: str) -> Any:
 
 
 def needs_dali(item: pytest.Item) -> bool:
-    """Marked `dali`, or parametrized over reader="dali" / backend="dali" (DALI's reader or
-    graph by name): such a test runs only where nvidia.dali imports."""
+    """Marked `dali`, or parametrized (directly or through a parametrized fixture, under any
+    name) with the value "dali" (DALI's reader or graph by name: reader="dali",
+    backend="dali") or with decode="gpu" (DALI's mixed decode or graph on the GPU): such a
+    test runs only where nvidia.dali imports."""
     params = getattr(item, "callspec", None)
     named = params.params if params is not None else {}
-    return item.get_closest_marker("dali") is not None or \
-        "dali" in (named.get("reader"), named.get("backend"))
+    return item.get_closest_marker("dali") is not None or any(
+        value == "dali" or (name == "decode" and value == "gpu")
+        for name, value in named.items() if isinstance(value, str))
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: "not dali" sees the added marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The no-DALI run (PYTHONPATH=tests/nodali, see the Makefile) skips DALI's own tests.
+    # A test that needs DALI by its parameters carries the `dali` marker, as one marked by
+    # hand does: `pytest -m "gpu and not dali"` leaves it out on any machine. The no-DALI run
+    # (PYTHONPATH=tests/nodali, see the Makefile) skips DALI's own tests.
+    for item in items:
+        if needs_dali(item) and item.get_closest_marker("dali") is None:
+            item.add_marker(pytest.mark.dali)
     if not dali_available():
         no_dali = pytest.mark.skip(reason="needs nvidia.dali (it does not import here)")
         for item in items:
