@@ -1,6 +1,8 @@
 """tools/gpu_check.py's orchestration, on the CPU: the dry run records every part and a header,
 the report is valid JSON after every part, a part over its timeout (or one that raises) is
-recorded and the next one runs, and a rerun after a SIGKILL starts afresh and completes.
+recorded and the next one runs, a rerun after a SIGKILL starts afresh and completes, and the
+whole run keeps to its budget (--budget: a part gets at most what is left, one that cannot
+start is skipped), whose default the default timeouts fit.
 
 Only the first test (and the last) run the real header and parts on the CPU; the others use
 --stand-in (a sleep, or a raise, for the header and each part): the same subprocesses, timeouts
@@ -49,8 +51,12 @@ def done(report: dict) -> list[str]:
 
 
 def test_dry_run_records_every_part_and_the_header(tmp_path: Path) -> None:
+    """Every part's CPU equivalent, through the same code. The timeouts and the budget are
+    the GPU machine's (6 minutes in all); a dry run on 2 shared cores came within 1.5x of some
+    parts' (amp_step, compile, ranks), so it gets twice as long here."""
     out = tmp_path / "gc.json"
-    proc = run_tool("gpu_check", "--dry-run", "--json", out)
+    proc = run_tool("gpu_check", "--dry-run", "--timeout-scale", "2", "--budget", "720",
+                    "--json", out)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = load(out)
     assert report["finished"] and report["dry_run"]
@@ -163,6 +169,62 @@ def test_any_failed_part_makes_the_exit_status_non_zero(tmp_path: Path) -> None:
     passing = run_tool("gpu_check", "--stand-in", "--stand-in-s", "0.01", "--only",
                        "delivery,copies", "--json", out)
     assert passing.returncode == 0, passing.stderr[-4000:]
+
+
+def test_the_default_timeouts_fit_the_budget_most_valuable_first() -> None:
+    """The header's and the parts' default timeouts add up to at most the default budget (6
+    minutes of one command on a lent GPU machine), and --list says so."""
+    from shardflow.tools.bench.gpu import BUDGET_S, HEADER_TIMEOUT_S
+    from shardflow.tools.bench.gpu import PARTS as SPECS
+
+    assert list(SPECS) == PARTS and BUDGET_S == 360
+    total = HEADER_TIMEOUT_S + sum(spec.timeout_s for spec in SPECS.values())
+    assert total <= BUDGET_S, total
+    listed = dict(line.split("\t") for line in run_tool("gpu_check", "--list",
+                                                         check=True).stdout.splitlines())
+    assert list(listed) == ["header", *PARTS, "total", "budget"]
+    assert listed["total"] == f"{total:g} s" and listed["budget"] == "360 s"
+
+
+def test_the_budget_cuts_a_part_to_what_is_left_and_skips_those_that_cannot_start(
+        tmp_path: Path) -> None:
+    """--budget 6 over three stand-ins of 3 s (their timeouts 10 s each, the start floor 10 s
+    x 0.05): the first runs whole, the second gets what is left (under 3 s: a timeout that
+    names the budget), the third is skipped for the budget; the run ends within it, and the
+    report was written after each."""
+    out = tmp_path / "gc.json"
+    start = time.monotonic()
+    proc = run_tool("gpu_check", "--stand-in", "--stand-in-s", "3", "--only",
+                    "delivery,copies,offload", "--timeout-scale", "0.05", "--timeout",
+                    "delivery=10", "--timeout", "copies=10", "--timeout", "offload=10",
+                    "--budget", "6", "--json", out)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr[-4000:]  # the part cut short did not pass
+    report = load(out)
+    assert report["finished"] and report["budget_s"] == 6.0 and report["elapsed_s"] <= 6.5
+    parts = report["parts"]
+    assert parts["delivery"]["status"] == "ok" and parts["delivery"]["timeout_s"] <= 6
+    cut = parts["copies"]
+    assert cut["status"] == "timeout" and cut["budget_cut_from_s"] == 10
+    assert cut["timeout_s"] < 3 and cut["error"].startswith("cut by the budget (--budget 6 s)")
+    skipped = parts["offload"]
+    assert skipped["status"] == "skipped" and skipped["budget"] and skipped["seconds"] == 0
+    assert "the budget" in skipped["reason"] and "| offload | skipped |" in proc.stdout
+    assert elapsed < 6 + 5  # the budget, and this tool's own start and end
+
+
+def test_a_budget_skip_alone_is_no_failure(tmp_path: Path) -> None:
+    """Too little left for the last part (under the start floor, 10 s x 0.5): it is skipped
+    and the exit status stays 0. A part whose own timeout is under that floor (ddp's 3 s)
+    still starts with its timeout left."""
+    out = tmp_path / "gc.json"
+    proc = run_tool("gpu_check", "--stand-in", "--stand-in-s", "0.5", "--only", "ddp,ranks",
+                    "--timeout-scale", "0.5", "--timeout", "ddp=3", "--timeout", "ranks=10",
+                    "--budget", "4", "--json", out)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    parts = load(out)["parts"]
+    assert parts["ddp"]["status"] == "ok" and parts["ddp"]["timeout_s"] == 3
+    assert parts["ranks"]["status"] == "skipped" and parts["ranks"]["budget"]
 
 
 def parts_of(parent_pid: int) -> list[int]:

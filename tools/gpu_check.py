@@ -11,19 +11,23 @@ into the checkout (tools/checkout.py):
 On a machine without CUDA, the same orchestration at tiny sizes on the CPU (what the tests run):
 
     python tools/gpu_check.py --dry-run --json /tmp/gc.json [--only delivery,copies]
-        [--timeout-scale 0.5] [--timeout copies=120] [--amp-batch 128] [--list]
+        [--timeout-scale 0.5] [--timeout copies=120] [--budget 600] [--amp-batch 128] [--list]
     python tools/gpu_check.py --stand-in [--stand-in-s 0.5] [--stand-in-fail ddp] --json ...
 
 Each part runs in its own subprocess (`--part NAME --json-part FILE`) under its own timeout
-(`--timeout-scale F` scales them all, `--timeout NAME=S` sets one); the report is rewritten
+(`--timeout-scale F` scales them all, `--timeout NAME=S` sets one), and the whole run under a
+budget (`--budget S`, default 360 s, the header and every part's start-up included): a part
+never gets more than what is left, and one that cannot start in what is left (10 s times
+--timeout-scale, or its own timeout if smaller) is recorded as skipped for the budget. The
+report is rewritten
 atomically (temp file, fsync, os.replace) after the header and after every part, so a kill
 loses at most the running part, and a part that times out or raises is recorded ("timeout" /
 "error", with the tail of its stderr) while the others go on. Every run starts from a fresh
 report and work folder (in the temp dir, wiped at the start and the end), and a part's process
 ends itself when the orchestrating one is killed. Report: {"header": {...}, "parts": {name:
 {"status": ok|failed|error|timeout|skipped|pending, "seconds", "timeout_s", "key": {key
-figures}, ...}}, "finished": bool}. The parts, most valuable first, and their default timeouts
-(525 s in all, plus 30 s for the header; about 6.5 minutes at worst on one GPU without DALI) are
+figures}, ...}}, "budget_s", "elapsed_s", "finished": bool}. The parts, most valuable first, and
+their default timeouts (335 s in all, plus 20 s for the header: 355 s, within the budget) are
 tools/bench/gpu's PARTS: described at the end of --help, listed by --list.
 
 Without CUDA (and without --dry-run) it says whether torch is a CPU-only build or a CUDA build
@@ -31,7 +35,9 @@ that sees no GPU, writes the header and exits 0. With --dry-run every part runs 
 equivalent at tiny sizes, through the same code (fp16 and bf16, which need CUDA or are emulated
 on most CPUs, become fp32; NCCL becomes gloo); --stand-in replaces the header and each part by
 a sleep (or a raise), to test the orchestration alone. Exit status: 1 when any part did not
-pass (failed, error or timeout; "skipped" passes), else 0. A markdown table of the key figures
+pass (failed, error or timeout; "skipped" passes, for the budget too: with the default timeouts
+only a part that overran, itself a failure, or a smaller --budget leaves too little for the
+last ones), else 0. A markdown table of the key figures
 is printed at the end; diagnostics go to stderr (logging), each part's into its work folder.
 """
 
@@ -56,7 +62,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import shardflow.tools.bench.gpu as gpu
-from shardflow.tools.bench.gpu import HEADER_TIMEOUT_S, PARTS
+from shardflow.tools.bench.gpu import BUDGET_S, HEADER_TIMEOUT_S, MIN_START_S, PARTS
 
 log = logging.getLogger("gpu_check")
 PASSING = ("ok", "skipped")
@@ -216,6 +222,45 @@ def timeouts(args: argparse.Namespace, names: list[str]) -> dict[str, float]:
     return {n: args.timeout.get(n, PARTS[n].timeout_s * args.timeout_scale) for n in names}
 
 
+class Budget:
+    """The whole run's wall-clock limit (--budget), counted from `start` (time.monotonic)."""
+
+    def __init__(self, seconds: float, start: float, min_start: float) -> None:
+        self.seconds, self.start, self.min_start = seconds, start, min_start
+
+    def left(self) -> float:
+        return self.seconds - (time.monotonic() - self.start)
+
+    def limit(self, timeout: float) -> float | None:
+        """The time a part of `timeout` gets: its timeout, or what is left if less; None when
+        what is left is under what a part needs to start (min_start, or its timeout if
+        smaller)."""
+        left = math.floor(self.left() * 10) / 10  # as the report shows it, never above
+        return None if left < min(timeout, self.min_start) else min(timeout, left)
+
+    def skipped(self, timeout: float) -> dict[str, Any]:
+        return {"status": "skipped", "budget": True, "seconds": 0.0, "timeout_s": timeout,
+                "reason": f"the budget: {max(self.left(), 0.0):.1f} s of --budget "
+                          f"{self.seconds:g} s left, too little to start"}
+
+
+def budgeted(name: str, args: argparse.Namespace, work: Path, timeout: float,
+             budget: Budget) -> dict[str, Any]:
+    """The part run under `timeout` or what is left of the budget, or skipped for it."""
+    limit = budget.limit(timeout)
+    if limit is None:
+        return budget.skipped(timeout)
+    log.info("part %s (timeout %.1f s%s)", name, limit,
+             f", cut from {timeout:g} s by the budget" if limit < timeout else "")
+    result = run_part_process(name, args, work, limit)
+    if limit < timeout:
+        result["budget_cut_from_s"] = timeout
+        if result["status"] == "timeout":
+            result["error"] = f"cut by the budget (--budget {budget.seconds:g} s): " + \
+                result["error"]
+    return result
+
+
 def header_message(header: dict[str, Any]) -> str:
     if header.get("stand_in"):
         return "header: a stand-in (--stand-in)"
@@ -249,7 +294,8 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_parts(args: argparse.Namespace, report: dict[str, Any], work: Path) -> None:
+def run_parts(args: argparse.Namespace, report: dict[str, Any], work: Path,
+              budget: Budget) -> None:
     limits = timeouts(args, list(report["parts"]))
     dali = report["header"].get("dali_imports")
     for name in report["parts"]:
@@ -257,25 +303,31 @@ def run_parts(args: argparse.Namespace, report: dict[str, Any], work: Path) -> N
             result = {"status": "skipped", "reason": "nvidia.dali does not import: "
                       f"{report['header'].get('dali_error', '')}", "seconds": 0.0}
         else:
-            log.info("part %s (timeout %.1f s)", name, limits[name])
-            result = run_part_process(name, args, work, limits[name])
+            result = budgeted(name, args, work, limits[name], budget)
         log.info("part %s: %s in %s s", name, result["status"], result["seconds"])
         report["parts"][name] = result
+        report["elapsed_s"] = round(time.monotonic() - budget.start, 1)
         write_json(args.json, report)
 
 
-def orchestrate(args: argparse.Namespace) -> int:
+def orchestrate(args: argparse.Namespace, start: float) -> int:
+    """The header, then every part in turn, all within the budget counted from `start`."""
     names = [n for n in PARTS if not args.only or n in args.only]  # most valuable first
+    budget = Budget(args.budget, start, MIN_START_S * args.timeout_scale)
     work = fresh_start(args.json)
+    limits = timeouts(args, names)
     report: dict[str, Any] = {
         "tool": "shardflow gpu-check", "dry_run": args.dry_run, "finished": False,
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "header": {"status": "pending"},
-        "parts": {n: {"status": "pending", "timeout_s": t}
-                  for n, t in timeouts(args, names).items()}}
+        "budget_s": args.budget, "header": {"status": "pending"},
+        "parts": {n: {"status": "pending", "timeout_s": t} for n, t in limits.items()}}
     write_json(args.json, report)
-    log.info("parts: %s", ", ".join(f"{n} ({t:g} s)" for n, t in timeouts(args, names).items()))
-    report["header"] = run_part_process("header", args, work, HEADER_TIMEOUT_S)
+    log.info("parts: %s", ", ".join(f"{n} ({t:g} s)" for n, t in limits.items()))
+    if HEADER_TIMEOUT_S + sum(limits.values()) > args.budget:
+        log.warning("the header's and parts' timeouts add up to %g s, over --budget %g s: the "
+                    "last parts may be cut short or skipped",
+                    HEADER_TIMEOUT_S + sum(limits.values()), args.budget)
+    report["header"] = budgeted("header", args, work, HEADER_TIMEOUT_S, budget)
     write_json(args.json, report)
     if not args.dry_run and report["header"].get("cuda_available") is False:
         state = report["header"]["cuda_state"]
@@ -289,7 +341,8 @@ def orchestrate(args: argparse.Namespace) -> int:
         # A CUDA build that sees no GPU is a broken GPU machine (a driver too old for its CUDA,
         # no device passed through): not a pass for a wrapper that reads the status only.
         return NO_GPU_SEEN if report["header"].get("cuda_build") else 0
-    run_parts(args, report, work)
+    run_parts(args, report, work, budget)
+    report["elapsed_s"] = round(time.monotonic() - start, 1)
     report["finished"] = True
     write_json(args.json, report)
     shutil.rmtree(work, ignore_errors=True)
@@ -329,6 +382,16 @@ def part_timeout(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=SECONDS") from None
 
 
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds above 0")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, epilog=gpu.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -338,8 +401,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout-scale", type=float, default=1.0, help="times every part's timeout")
     p.add_argument("--timeout", type=part_timeout, action="append", default=[],
                    metavar="NAME=S", help="one part's timeout in seconds (not scaled)")
+    p.add_argument("--budget", type=positive_seconds, default=BUDGET_S, metavar="S",
+                   help="the whole run's limit in seconds, header included (default "
+                        f"{BUDGET_S:g}): a part gets at most what is left, and is skipped when "
+                        f"less than {MIN_START_S:g} s (times --timeout-scale) is left")
     p.add_argument("--amp-batch", type=int, help="amp_step's batch (default 256; dry run 2)")
-    p.add_argument("--list", action="store_true", help="list the parts and their timeouts")
+    p.add_argument("--list", action="store_true",
+                   help="list the header's and parts' timeouts, their sum and the budget")
     p.add_argument("--stand-in", action="store_true",
                    help="dry run with a trivial stand-in for the header and each part: "
                         "tests of the orchestration")
@@ -358,15 +426,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    start = time.monotonic()  # the budget counts from here
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(process)d %(name)s: %(message)s")
     if args.list:
-        print("\n".join(f"{n}\t{s.timeout_s:g} s" for n, s in PARTS.items()))
+        rows = [("header", HEADER_TIMEOUT_S), *((n, s.timeout_s) for n, s in PARTS.items())]
+        print("\n".join(f"{n}\t{t:g} s" for n, t in rows))
+        print(f"total\t{sum(t for _, t in rows):g} s\nbudget\t{BUDGET_S:g} s")
         return 0
     if args.part:
         return run_part_here(args)
-    return orchestrate(args)
+    return orchestrate(args, start)
 
 
 def entry(argv: list[str] | None = None) -> NoReturn:

@@ -1,11 +1,14 @@
 """The parts of tools/gpu_check.py, most valuable first, with their default timeouts (PARTS:
-525 s in all, plus HEADER_TIMEOUT_S for the header; on one GPU without DALI, dali is skipped
-at once and ranks in seconds, so the worst case there is about 6.5 minutes):
+335 s in all, plus HEADER_TIMEOUT_S, 20 s, for the header: 355 s, within BUDGET_S, the 6
+minutes of one command on a lent GPU machine that the check may take; on one GPU without DALI,
+dali is skipped at once and ranks in seconds). The run as a whole has that budget (--budget):
+a part never gets more than what is left of it, and one that cannot start (less left than
+MIN_START_S, or than its own timeout if that is smaller) is recorded as skipped:
 
   delivery         correctness: the text loader's batches delivered to CUDA equal the CPU
                    loader's bit for bit, and DeviceCopier's uint8 batches (pinned host memory ->
                    side stream -> ready event) equal the host tensors, also normalized (within
-                   1e-5, relative), over >= 200 batches each while another thread allocates,
+                   1e-5, relative), over >= 150 batches each while another thread allocates,
                    fills, frees and multiplies on the default stream and the copier's stream is
                    stalled now and then. Status "failed" on any mismatch: the script exits 1.
   amp_step         samples/s of a ResNet-50 (trainers/models.py's own: no torchvision
@@ -30,9 +33,10 @@ at once and ranks in seconds, so the worst case there is about 6.5 minutes):
                    CPU loader's, and segvoxels there equal to it on the CPU ("failed"
                    otherwise), and segvoxels' points/s there.
   dali             with DALI only: CPU vs mixed (nvJPEG) decode images/s and a hw_decoder_load
-                   sweep (and how long each stage took); the two decodes' eval batches: the
-                   same keys and labels, pixels within PIXELS_APART levels on average
-                   ("failed" otherwise); on 3000-4000 px photos, the portable
+                   sweep (0, the default 0.65, 1; and how long each stage took); the two
+                   decodes' eval batches: the same keys and labels, pixels within
+                   PIXELS_APART levels on average ("failed" otherwise); on 3000-4000 px
+                   photos, the portable
                    backend's scaled decode beside DALI's CPU and nvJPEG decodes (whether
                    backend="auto" should leave DALI on a GPU too); "skipped" when nvidia.dali
                    does not import.
@@ -76,9 +80,16 @@ from shardflow.tools.bench.gpu.ranks import part_ranks
 from shardflow.tools.bench.gpu.steps import part_compile, part_sync_debug
 from shardflow.tools.bench.gpu.training import part_checkpointing, part_ddp, part_offload
 
-__all__ = ["HEADER_TIMEOUT_S", "PARTS", "Ctx", "PartSpec", "new_ctx", "run_part"]
+__all__ = ["BUDGET_S", "HEADER_TIMEOUT_S", "MIN_START_S", "PARTS", "Ctx", "PartSpec", "new_ctx",
+           "run_part"]
 
-HEADER_TIMEOUT_S = 30.0  # reading the header (torch and DALI imports, CUDA init): not scaled
+HEADER_TIMEOUT_S = 20.0  # reading the header (torch and DALI imports, CUDA init): not scaled
+# The whole run's default wall-clock limit, header and every part's start-up included: one
+# command on a lent GPU machine gets about 10 minutes with its own start; the check keeps 6.
+BUDGET_S = 360.0
+# Less than this left of the budget (times --timeout-scale; or the part's own timeout, if
+# smaller), a part is not started: its process could not even import torch and start CUDA.
+MIN_START_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -89,19 +100,19 @@ class PartSpec:
 
 
 PARTS: dict[str, PartSpec] = {
-    "delivery": PartSpec(part_delivery, 60),
-    "amp_step": PartSpec(part_amp_step, 60),
-    "copies": PartSpec(part_copies, 20),
-    "offload": PartSpec(part_offload, 35),
-    "ddp": PartSpec(part_ddp, 25),
-    "checkpointing": PartSpec(part_checkpointing, 25),
-    "text_pointcloud": PartSpec(part_text_pointcloud, 45),
-    "dali": PartSpec(part_dali, 100, needs_dali=True),  # 40 s of it: the large photos
-    "sync_debug": PartSpec(part_sync_debug, 25),
-    "compile": PartSpec(part_compile, 60),
-    "ranks": PartSpec(part_ranks, 40),
-    "ops": PartSpec(part_ops, 40),
-}  # 525 s in all, plus HEADER_TIMEOUT_S
+    "delivery": PartSpec(part_delivery, 35),
+    "amp_step": PartSpec(part_amp_step, 45),
+    "copies": PartSpec(part_copies, 15),
+    "offload": PartSpec(part_offload, 20),
+    "ddp": PartSpec(part_ddp, 20),
+    "checkpointing": PartSpec(part_checkpointing, 20),
+    "text_pointcloud": PartSpec(part_text_pointcloud, 35),
+    "dali": PartSpec(part_dali, 35, needs_dali=True),
+    "sync_debug": PartSpec(part_sync_debug, 20),
+    "compile": PartSpec(part_compile, 45),  # most of it inductor's compile
+    "ranks": PartSpec(part_ranks, 25),
+    "ops": PartSpec(part_ops, 20),
+}  # 335 s in all, plus HEADER_TIMEOUT_S: 355 s, within BUDGET_S (tests/test_gpu_check.py)
 
 
 def run_part(name: str, ctx: Ctx) -> dict[str, Any]:

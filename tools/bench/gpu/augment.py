@@ -35,7 +35,7 @@ def _ops_runs(ctx: Ctx) -> dict[str, Any]:
 
     from shardflow import ops
 
-    n, side = (8, 64) if ctx.dry else (64, 224)
+    n, side = (8, 64) if ctx.dry else (32, 224)
     g = torch.Generator().manual_seed(11)
     images = torch.randint(0, 256, (n, 3, side, side), dtype=torch.uint8, generator=g)
     masks = torch.randint(0, 21, (n, 1, side, side), dtype=torch.uint8, generator=g)

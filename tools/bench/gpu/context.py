@@ -25,16 +25,17 @@ POOL = 4  # distinct random image batches cycled (and offset) by the producers
 
 @dataclass(frozen=True)
 class Sizes:
-    """Every size the parts use; FULL on the H200 (10-60 s a part), DRY on a small CPU."""
+    """Every size the parts use; FULL on the GPU machine (10-45 s a part, within the
+    timeouts of tools/bench/gpu's PARTS: 6 minutes in all), DRY on a small CPU."""
 
-    min_batches: int = 200  # delivery: each of its three checks must compare at least this many
-    text_docs: int = 1200
+    min_batches: int = 150  # delivery: each of its three checks must compare at least this many
+    text_docs: int = 600  # about 150 batches a pass
     text_batch: int = 16
     text_seq: int = 128
     text_passes: int = 2
     image_batch: int = 64
     image_side: int = 224
-    image_batches: int = 200
+    image_batches: int = 150
     noise_matmul: int = 4096
     noise_mb: tuple[int, ...] = (64, 256, 1024)
     stall_every: int = 8  # delivery: a ~20 ms sleep queued on the copier's stream this often
@@ -44,8 +45,8 @@ class Sizes:
     amp_side: int = 224
     amp_classes: int = 1000
     amp_warmup: int = 5
-    amp_steps: int = 20
-    stall_steps: int = 30
+    amp_steps: int = 15
+    stall_steps: int = 20
     copy_mb: int = 256
     copy_repeats: int = 5
     overlap_n: int = 20
@@ -54,29 +55,29 @@ class Sizes:
     offload_width: int = 1024
     offload_layers: int = 4
     offload_batch: int = 512
-    offload_steps: int = 50
+    offload_steps: int = 30
     ckpt_batch: int = 256
     ckpt_side: int = 224
-    lm_docs: int = 1200
+    lm_docs: int = 600
     lm_batch: int = 64
     lm_seq: int = 256
     lm_shape: dict[str, int] = field(default_factory=lambda: {"width": 512, "layers": 6,
                                                               "heads": 8})
     lm_warmup: int = 5
-    lm_steps: int = 60
+    lm_steps: int = 30
     points_batch: int = 32
     points_n: int = 100_000
     voxel_grid: int = 64
-    voxel_reps: int = 50
-    dali_images: int = 600
+    voxel_reps: int = 20
+    dali_images: int = 192  # 3 batches of 64 a pass
     dali_batch: int = 64
-    large_images: int = 64  # 3000-4000 px photos (make_large_photos), 8 of them distinct
-    large_distinct: int = 8
+    large_images: int = 12  # 3000-4000 px photos (make_large_photos), 3 of them distinct
+    large_distinct: int = 3
     convert_workers: int = 8
     sync_steps: int = 4  # optimizer steps (8 micro-steps) under CUDA's sync debug mode
     sync_batch: int = 64
     sync_side: int = 64
-    compile_steps: int = 12
+    compile_steps: int = 8
     compile_batch: int = 128
     compile_side: int = 64
     nccl_mb: int = 256
@@ -86,7 +87,7 @@ FULL = Sizes()
 DRY = Sizes(min_batches=1, text_docs=40, text_batch=4, text_seq=32, text_passes=1,
             image_batch=4, image_side=16, image_batches=12, noise_matmul=64, noise_mb=(1, 2),
             amp_model="resnet50-local", amp_batch=2, amp_side=32, amp_classes=10, amp_warmup=1,
-            amp_steps=2, stall_steps=3, copy_mb=4, copy_repeats=2, overlap_n=2,
+            amp_steps=1, stall_steps=2, copy_mb=4, copy_repeats=2, overlap_n=2,
             overlap_chunk_mb=1, overlap_matmul=64, offload_width=32, offload_layers=2,
             offload_batch=16, offload_steps=5, ckpt_batch=2, ckpt_side=16, lm_docs=40,
             lm_batch=4, lm_seq=32, lm_shape={"width": 32, "layers": 1, "heads": 2},
