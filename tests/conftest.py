@@ -197,6 +197,140 @@ def photo_tensor(images: list[Image.Image]) -> Any:
                         for p in images])
 
 
+# -- what a GPU test shows with CUDA, counted on the CPU ----------------------------------------
+
+# Every call that reads a tensor's value on the host (a device sync on a GPU), and an explicit
+# synchronize. On the CPU nothing syncs, so the calls are counted instead.
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu",
+              "numpy")
+
+
+def count_host_reads(monkeypatch: pytest.MonkeyPatch, counted: list[str],
+                     allowed: tuple[Any, ...] = ()) -> None:
+    """Record in `counted` each host read, except those made directly from the functions
+    whose code objects are in `allowed`."""
+    import torch
+
+    for name in HOST_READS:
+        real = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _real=real, _name=name, **kwargs):  # type: ignore[no-untyped-def]
+            if sys._getframe(1).f_code not in allowed:
+                counted.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    real_sync = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize",
+                        lambda *a, **k: (counted.append("synchronize"), real_sync(*a, **k))[1]
+                        if torch.cuda.is_available() else counted.append("synchronize"))
+
+
+def count_host_copies(monkeypatch: pytest.MonkeyPatch, counted: list[str],
+                      through: tuple[Any, ...]) -> None:
+    """Record in `counted` each copy of host values to another device (Tensor.to, copy_,
+    torch.tensor or as_tensor with a device) not made directly from the functions whose code
+    objects are in `through`. On CUDA such a copy from pageable memory waits for the stream:
+    a host sync that only the route through pinned memory (ops.base.on_device) avoids."""
+    import torch
+
+    def caller() -> Any:
+        return sys._getframe(2).f_code
+
+    real_to, real_copy = torch.Tensor.to, torch.Tensor.copy_
+
+    def to(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = real_to(self, *args, **kwargs)
+        if self.device.type == "cpu" and out.device.type != "cpu" and caller() not in through:
+            counted.append(f"Tensor.to in {caller().co_name}")
+        return out
+
+    def copy_(self, src, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self.device.type != "cpu" and src.device.type == "cpu" and caller() not in through:
+            counted.append(f"Tensor.copy_ in {caller().co_name}")
+        return real_copy(self, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    for name in ("tensor", "as_tensor"):
+        real = getattr(torch, name)
+
+        def made(*args, _real=real, _name=name, **kwargs):  # type: ignore[no-untyped-def]
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type != "cpu" and \
+                    caller() not in through:
+                counted.append(f"torch.{_name} in {caller().co_name}")
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(torch, name, made)
+
+
+def on_the_device_path(run: Any, *tensors: Any) -> list[str]:
+    """What `run(*tensors)` does on a device that is not the CPU, without CUDA: the tensors
+    are moved to "meta" (shapes and dtypes, no values) first, so every `device.type == "cpu"`
+    branch takes the device's side, and reading a value raises. Returns the host reads (and
+    what raised) and the host-to-device copies not made through ops.base.on_device (pinned,
+    asynchronous on CUDA): each a host sync on a GPU. The CPU twin of a test under CUDA's
+    sync debug mode."""
+    import torch
+
+    from shardflow.ops import base
+
+    moved = [t.to(torch.device("meta")) for t in tensors]  # as a test copies before it counts
+    found: list[str] = []
+    with pytest.MonkeyPatch.context() as patch:
+        count_host_reads(patch, found)
+        count_host_copies(patch, found, (base.on_device.__code__,))
+        try:
+            run(*moved)
+        except (RuntimeError, NotImplementedError) as e:  # a value read on "meta"
+            found.append(f"raised {type(e).__name__}: {e}")
+    return found
+
+
+def copier_outputs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every tensor a loader's DeviceCopier hands out from now on (kept: no id is reused).
+    On the CPU the copier hands its inputs back; here each is a new view of them, so that a
+    batch holding the tensor it gave the copier, not the one it got back, is told apart."""
+    from shardflow.loading.delivery import DeviceCopier
+
+    out: list[Any] = []
+    real_call, real_move = DeviceCopier.__call__, DeviceCopier.move
+
+    def handed(tensors: Any) -> list[Any]:
+        views = [None if t is None else t.view_as(t) for t in tensors]
+        out.extend(views)
+        return views
+
+    def call(self, image, label):  # type: ignore[no-untyped-def]
+        image, label, ready = real_call(self, image, label)
+        return (*handed((image, label)), ready)
+
+    def move(self, *tensors):  # type: ignore[no-untyped-def]
+        moved, ready = real_move(self, *tensors)
+        return tuple(handed(moved)), ready
+
+    monkeypatch.setattr(DeviceCopier, "__call__", call)
+    monkeypatch.setattr(DeviceCopier, "move", move)
+    return out
+
+
+def not_delivered(batch: Any, outputs: list[Any]) -> list[str]:
+    """The fields of `batch` holding a tensor (in a list or dict too) that did not come out
+    of the copier (`copier_outputs`): on a GPU it would stay in host memory. The CPU twin of
+    a GPU test's `is_cuda` on every field."""
+    import torch
+
+    copied = {id(t) for t in outputs if t is not None}
+    missing = []
+    for name, value in vars(batch).items():
+        values = value if isinstance(value, list) else \
+            list(value.values()) if isinstance(value, dict) else [value]
+        if any(isinstance(v, torch.Tensor) and id(v) not in copied for v in values):
+            missing.append(name)
+    return missing
+
+
 def chi_square(counts: list[int]) -> float:
     """Pearson's statistic of `counts` against equal expected counts."""
     expected = sum(counts) / len(counts)

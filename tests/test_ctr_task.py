@@ -309,6 +309,32 @@ def test_pooled_vectors_cross_to_the_gpu_from_pinned_memory(monkeypatch):
     assert pinned == [(8, FIELDS, 4)]
 
 
+def test_pooled_vectors_bound_for_cuda_are_pinned_then_copied_without_blocking(monkeypatch):
+    """The CPU twin of the test above, CUDA faked where the pooled vectors meet it:
+    pin_memory (which needs an accelerator) hands the tensor back, noted; the copy to "cuda"
+    is noted, not made. The pinned tensor is what crosses, without blocking, and the
+    gradients still reach the tables."""
+    emb = FieldEmbeddings([50] * FIELDS, 4)
+    pinned: list[torch.Tensor] = []
+    crossed: list[tuple[bool, bool]] = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory",
+                        lambda self, *a, **k: (pinned.append(self), self)[1])
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        target = args[0] if args else kwargs.get("device")
+        if isinstance(target, str | torch.device) and torch.device(target).type == "cuda":
+            crossed.append((any(self is p for p in pinned), kwargs.get("non_blocking", False)))
+            return self
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    out = emb(torch.randint(0, 50, (8, FIELDS)), torch.device("cuda"))
+    assert [tuple(p.shape) for p in pinned] == [(8, FIELDS, 4)] and crossed == [(True, True)]
+    out.square().sum().backward()
+    assert emb.bag.weight.grad is not None and emb.bag.weight.grad.abs().sum() > 0
+
+
 # -- the task -----------------------------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import chi_square, photo_tensor
+from conftest import chi_square, on_the_device_path, photo_tensor
 from PIL import Image, ImageEnhance, ImageOps
 
 from shardflow import ops
@@ -410,6 +410,25 @@ def test_ops_on_cuda_are_the_cpu_ops_and_never_wait_for_the_host(photos):
     diff = (gpu.cpu().int() - cpu.int()).abs()
     assert (diff > 1).float().mean() < 0.01 and targets.shape == (24, 10)
     assert mixed.device.type == "cuda"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_ops_on_a_device_never_read_the_host_on_the_cpu_too(photos, seed):
+    """The CPU twin of the test above: the same recipe and mixup on "meta" tensors take every
+    branch a GPU takes, and make no host read and no copy from pageable memory (the GPU
+    test's sync debug mode, counted here), over several draws."""
+    recipe = [ops.RandAugment(num_ops=2, magnitude=15), ops.ColorJitter(0.4, 0.4, 0.4, 0.1),
+              ops.Affine(15, (0.1, 0.1), (0.9, 1.1), (-8, 8)), ops.Flip(), ops.Equalize()]
+    keys = [f"g{i}" for i in range(24)]
+    mix = ops.Mix(0.8, 1.0, classes=10)
+
+    def run(images: torch.Tensor, labels: torch.Tensor) -> None:
+        out = ops.apply(recipe, images, ops.sample_rngs(seed, 0, keys))
+        mixed, targets, _ = mix(out, labels, ops.batch_rng(seed, 0, keys))
+        assert mixed.device.type == targets.device.type == "meta"
+        assert mixed.shape == images.shape and targets.shape == (24, 10)
+
+    assert on_the_device_path(run, photo_tensor(photos * 4), torch.arange(24) % 10) == []
 
 
 def test_the_cpu_fast_paths_give_the_general_forms_pixels():

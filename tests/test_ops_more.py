@@ -11,7 +11,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import chi_square, import_or_skip, photo_tensor
+from conftest import chi_square, import_or_skip, on_the_device_path, photo_tensor
 from PIL import ImageFilter, ImageOps
 
 from shardflow import ops
@@ -334,3 +334,18 @@ def test_new_ops_on_cuda_are_the_cpu_ops_and_never_wait_for_the_host(photos):
         torch.cuda.set_sync_debug_mode("default")
     diff = (gpu.cpu() - cpu).abs() * 64.0  # in levels
     assert (diff > 1.01).float().mean() < 0.01 and gpu.device.type == "cuda"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_new_ops_on_a_device_never_read_the_host_on_the_cpu_too(photos, seed):
+    """The CPU twin of the test above: the same ops on "meta" tensors take every branch a
+    GPU takes, and make no host read and no copy from pageable memory, over several draws."""
+    recipe = [ops.AutoAugment(), ops.RandomErasing(p=0.7, value="random"),
+              ops.GaussianBlur(5, p=0.5), ops.Normalize((127.0, 127.0, 127.0), (64.0,) * 3)]
+    keys = [f"g{i}" for i in range(24)]
+
+    def run(images: torch.Tensor) -> None:
+        out = ops.apply(recipe, images, ops.sample_rngs(seed, 0, keys))
+        assert out.device.type == "meta" and out.shape == images.shape
+
+    assert on_the_device_path(run, photo_tensor(photos * 4)) == []

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ROOT, http_server, run_tool
+from conftest import ROOT, count_host_reads, http_server, run_tool
 
 from shardflow import ops
 from shardflow.builtin import make_image_folder
@@ -109,6 +109,41 @@ def test_fp16_on_cuda_skips_counts_and_rescales_an_overflowed_step(tmp_path, off
         return p.host_scaler.scale if p.host_scaler else p.scaler.get_scale()  # type: ignore
 
     batches = [ImageBatch(b.image.to(cuda), b.label.to(cuda), b.keys) for b in _batches(2)]
+    before, first_scale = [t.detach().clone() for t in task.model.parameters()], scale()
+    real_forward = task.forward
+    task.forward = lambda batch: StepOutput(real_forward(batch).loss * float("inf"))
+    trainer.micro_step(batches[0])
+    assert trainer.step == 1 and p.skipped_steps == 1 and trainer.bad_steps == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, task.model.parameters(), strict=True))
+    assert scale() == first_scale / 2
+    task.forward = real_forward
+    trainer.micro_step(batches[1])
+    assert p.skipped_steps == 1 and scale() == first_scale / 2  # no growth after one step
+    changed = [not torch.equal(a, b) for a, b in zip(before, task.model.parameters(),
+                                                     strict=True)]
+    assert all(changed), "the clean step after the skipped one must update every parameter"
+    assert all(torch.isfinite(t).all() for t in task.model.parameters())
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["GradScaler", "HostScaler"])
+def test_fp16_on_the_cpu_skips_counts_and_rescales_an_overflowed_step(tmp_path, offload):
+    """The CPU twin of the test above, with fp16's loss scaling run on the CPU (_cpu_fp16:
+    GradScaler("cpu") on the device path, HostScaler offloaded): the overflowed step skipped
+    and counted, the scale halved; the next clean step applies and updates every parameter."""
+    from shardflow.trainers.task import StepOutput
+
+    torch.manual_seed(0)
+    task = ImageClassification(10, device=CPU)
+    cfg = TrainConfig(run_dir=tmp_path, steps=4, warmup=0, precision="fp32",
+                      offload_optimizer=offload)
+    trainer = Trainer(task, loader=None, cfg=cfg, device=CPU, fingerprint={})
+    _cpu_fp16(trainer, offload)
+    p = trainer.precision
+
+    def scale() -> float:
+        return p.host_scaler.scale if p.host_scaler else p.scaler.get_scale()  # type: ignore
+
+    batches = _batches(2)
     before, first_scale = [t.detach().clone() for t in task.model.parameters()], scale()
     real_forward = task.forward
     task.forward = lambda batch: StepOutput(real_forward(batch).loss * float("inf"))
@@ -531,31 +566,6 @@ def test_activation_checkpointing_gives_the_same_training(tmp_path):
     assert len(calls["plain"]) == 16 and len(calls["ckpt"]) == 32
 
 
-# Every call that reads a tensor's value on the host (a device sync on a GPU), and an explicit
-# synchronize. On the CPU nothing syncs, so the calls are counted instead.
-_HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu",
-               "numpy")
-
-
-def _count_host_reads(monkeypatch: pytest.MonkeyPatch, counted: list[str],
-                      allowed: tuple[Any, ...] = ()) -> None:
-    """Record in `counted` each host read, except those made directly from the functions
-    whose code objects are in `allowed`."""
-    for name in _HOST_READS:
-        real = getattr(torch.Tensor, name)
-
-        def counting(self, *args, _real=real, _name=name, **kwargs):
-            if sys._getframe(1).f_code not in allowed:
-                counted.append(_name)
-            return _real(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counting)
-    real_sync = torch.cuda.synchronize
-    monkeypatch.setattr(torch.cuda, "synchronize",
-                        lambda *a, **k: (counted.append("synchronize"), real_sync(*a, **k))[1]
-                        if torch.cuda.is_available() else counted.append("synchronize"))
-
-
 def _cpu_fp16(trainer: Trainer, offload: bool) -> None:
     """fp16's loss scaling on the CPU (which train.py refuses: fp16 is for CUDA), to run
     its step here: torch's GradScaler("cpu") on the device path, HostScaler offloaded."""
@@ -591,7 +601,7 @@ def test_steps_read_nothing_back_but_the_offloaded_steps_one_flag(tmp_path, monk
     elif precision == "bf16":
         trainer.precision = Precision("bf16", CPU, offloaded=offload)
     counted: list[str] = []
-    _count_host_reads(monkeypatch, counted, (_get_value.__code__,) if offload else ())
+    count_host_reads(monkeypatch, counted, (_get_value.__code__,) if offload else ())
     per_micro_step = []
     for batch in _batches(8):
         counted.clear()
