@@ -12,7 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import QuietHandler, http_server, jpeg_bytes, make_image_folder, run_tool
+from conftest import (
+    QuietHandler,
+    copier_outputs,
+    http_server,
+    jpeg_bytes,
+    make_image_folder,
+    not_delivered,
+    run_tool,
+)
 
 from shardflow import image_loader
 from shardflow.builtin import make_image_folder as builtin_images
@@ -323,6 +331,18 @@ def test_cuda_batches_decoded_on_the_cpu_are_the_cpu_batches(shards):
         assert image.is_cuda and label.is_cuda and image.dtype == torch.uint8
         assert keys == cpu_keys
         assert torch.equal(image.cpu(), cpu_image) and torch.equal(label.cpu(), cpu_label)
+
+
+@pytest.mark.parametrize("extra", [{}, {"normalize": True}], ids=["uint8", "normalized"])
+def test_every_tensor_of_an_image_batch_comes_out_of_the_copier(shards, monkeypatch, extra):
+    """The CPU twin of the test above: the image and the labels are what the copier hands
+    out, so on a GPU they land there (normalized there when asked)."""
+    outputs = copier_outputs(monkeypatch)
+    with image_loader(shards, batch_size=8, seed=4, use_tuning=False, device="cpu",
+                      **OPTS, **extra) as loader:
+        batches = list(loader)
+    assert batches and all(b.image is not None and b.label is not None for b in batches)
+    assert [not_delivered(b, outputs) for b in batches] == [[]] * len(batches)
 
 
 @pytest.mark.parametrize("reader", ["dali", "stream"])

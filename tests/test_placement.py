@@ -17,7 +17,7 @@ from conftest import ROOT
 
 from shardflow.builtin import make_image_folder, make_pointcloud_folder, make_text_corpus
 from shardflow.convert import ConvertConfig, convert
-from shardflow.loading.delivery import DeviceCopier
+from shardflow.loading.delivery import DeviceCopier, PinnedRing
 from shardflow.loading.readers import Placement, resolve_placement
 
 
@@ -191,3 +191,59 @@ def test_the_pinned_ring_never_refills_a_buffer_a_copy_still_reads():
         current.wait_event(ready)
         assert on_device.is_cuda and on_device.device.index == torch.cuda.current_device()
         assert torch.equal(on_device.cpu(), image) and torch.equal(on_device_label.cpu(), label)
+
+
+class LaggingStream:
+    """A copy stream on the CPU that runs far behind, as the GPU test's stalled one: a copy is
+    only queued, and runs when an event recorded after it is waited on (or at the end)."""
+
+    def __init__(self) -> None:
+        self.queued: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.done = 0
+
+    def copy(self, source: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(source)
+        self.queued.append((out, source))  # reads `source` later: the pinned buffer itself
+        return out
+
+    def record(self) -> LaggingEvent:
+        return LaggingEvent(self, len(self.queued))
+
+    def run_until(self, n: int) -> None:
+        for out, source in self.queued[self.done:n]:
+            out.copy_(source)
+        self.done = max(self.done, n)
+
+
+class LaggingEvent:
+    def __init__(self, stream: LaggingStream, after: int) -> None:
+        self.stream, self.after = stream, after
+
+    def synchronize(self) -> None:
+        self.stream.run_until(self.after)
+
+
+def test_the_pinned_ring_waits_for_a_buffers_copy_before_refilling_it(monkeypatch):
+    """The CPU twin of the test above: 50 random batches of changing sizes through 2-slot
+    rings (image, label) whose copies run only when the ring waits for them (no pinned
+    memory here: plain buffers); each copy, run as late as the ring allows, still reads the
+    batch it was queued for."""
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
+    rings, stream = (PinnedRing(2), PinnedRing(2)), LaggingStream()
+    g = torch.Generator().manual_seed(0)
+    sent, delivered = [], []
+    for _ in range(50):
+        n = int(torch.randint(1, 9, (1,), generator=g))
+        batch = (torch.randint(0, 256, (n, 3, 16, 16), dtype=torch.uint8, generator=g),
+                 torch.randint(0, 1000, (n,), generator=g))
+        sent.append(tuple(t.clone() for t in batch))
+        delivered.append([stream.copy(ring.stage(t)) for ring, t in zip(rings, batch,
+                                                                          strict=True)])
+        ready = stream.record()
+        for ring in rings:
+            ring.release(ready)
+    assert stream.done < len(stream.queued)  # the copies did run behind
+    stream.run_until(len(stream.queued))
+    for want, got in zip(sent, delivered, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import copier_outputs, not_delivered
 
 from shardflow.convert import ConvertConfig, convert
 from shardflow.errors import DataError
@@ -328,6 +329,21 @@ def test_scenes_on_cuda_equal_the_cpu_batches(scenes, backend: str, decode: str)
         torch.testing.assert_close(b.points.cpu(), a.points, atol=1e-5, rtol=0)
         for name in ("offsets", "labels", "voxel_coords", "voxel_labels", "point_voxel"):
             assert torch.equal(getattr(b, name).cpu(), getattr(a, name)), name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_tensor_of_a_scene_batch_comes_out_of_the_copier(scenes, monkeypatch, backend):
+    """The CPU twin of the test above (for decode="cpu"): the ragged batch and its voxel rows
+    are all moved by the copier, so on a GPU every field lands there."""
+    shards, _ = scenes
+    outputs = copier_outputs(monkeypatch)
+    with pointcloud_loader(str(shards), batch_size=3, train=False, per_point_labels=True,
+                           voxel_size=0.5, backend=backend, device="cpu") as loader:
+        batches = list(loader)
+    names = ("points", "offsets", "labels", "voxel_coords", "voxel_labels", "point_voxel")
+    assert batches and all(isinstance(getattr(b, n), torch.Tensor) for b in batches
+                           for n in names)
+    assert [not_delivered(b, outputs) for b in batches] == [[]] * len(batches)
 
 
 def test_a_labels_header_declaring_too_much_is_a_skip_not_an_allocation(tmp_path: Path

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import copier_outputs, not_delivered
 
 from shardflow import tabular_loader
 from shardflow.convert import ConvertConfig, convert
@@ -336,6 +337,18 @@ def test_batches_land_on_the_gpu(shards):
     with tabular_loader(out, batch_size=64, device="cuda") as loader:
         batch = next(iter(loader))
     assert batch.dense.is_cuda and batch.sparse.is_cuda and batch.label.is_cuda
+
+
+def test_every_tensor_of_a_batch_comes_out_of_the_copier(shards, monkeypatch):
+    """The CPU twin of the test above: what the copier moves lands on the device, so a batch
+    field made after it would stay on the host there."""
+    out, _ = shards
+    outputs = copier_outputs(monkeypatch)
+    with tabular_loader(out, batch_size=64, device="cpu") as loader:
+        batches = list(loader)
+    assert batches and all(isinstance(t, torch.Tensor) for b in batches
+                           for t in (b.dense, b.sparse, b.label))
+    assert [not_delivered(b, outputs) for b in batches] == [[]] * len(batches)
 
 
 def test_no_warning_floods_for_one_rank(shards, caplog):
