@@ -228,6 +228,27 @@ def test_a_gpu_loaders_ops_run_on_the_device_and_match_the_cpu(op_shards):
         assert torch.allclose(a.target.cpu(), b.target)
 
 
+def test_a_gpu_loaders_route_run_on_the_cpu_gives_the_cpu_loaders_batches(op_shards,
+                                                                           monkeypatch):
+    """The CPU twin of the test above: the route a GPU loader takes (the decode stage hands
+    out plain batches, the ops run once each is delivered, in the consumer's thread, with
+    the draws of its epoch and keys) taken on the CPU gives the batches of the ops run in the
+    decode stage, bit for bit (one device: the same maths)."""
+    from shardflow.image import batchops
+
+    mix = ops.CutMix(1.0, classes=10)
+    with _make(op_shards, "stream", "portable", augment=_recipe(), batch_augment=mix) as cpu:
+        want = [list(cpu), list(cpu)]  # two epochs: the second's draws differ
+    monkeypatch.setattr(batchops, "after_delivery", lambda placement: True)
+    with _make(op_shards, "stream", "portable", augment=_recipe(), batch_augment=mix) as late:
+        assert late._decoder.batch_ops is None  # not in the stage: after delivery
+        got = [list(late), list(late)]
+    for epoch_got, epoch_want in zip(got, want, strict=True):
+        for a, b in zip(epoch_got, epoch_want, strict=True):
+            assert a.keys == b.keys and torch.equal(a.image, b.image)
+            assert torch.equal(a.target, b.target)
+
+
 @pytest.mark.parametrize("threads", [1, 6])
 def test_a_cpu_loader_with_ops_reuses_its_batch_buffers(op_shards, threads):
     """The op helpers hold batch buffers too (up to one more than they run at once): the

@@ -239,3 +239,20 @@ def test_views_on_a_gpu_are_the_cpu_views(op_shards):
     for a, b in zip(got, want, strict=True):
         assert all(x.is_cuda and torch.equal(x.cpu(), y)
                    for x, y in zip(a.views, b.views, strict=True))
+
+
+def test_views_made_after_delivery_on_the_cpu_are_the_cpu_views(op_shards, monkeypatch):
+    """The CPU twin of the test above: views resized in the decode stage and their ops run
+    once the batch is delivered (a GPU loader's route, taken on the CPU) are the views of
+    the ops run in the decode stage."""
+    from shardflow.image import batchops
+
+    with _make(op_shards, views=_dino()) as cpu:
+        want = list(cpu)
+    monkeypatch.setattr(batchops, "after_delivery", lambda placement: True)
+    with _make(op_shards, views=_dino()) as late:
+        got = list(late)
+        assert late._decoder.batch_ops is None
+    for a, b in zip(got, want, strict=True):
+        assert len(a.views) == len(b.views) == 5
+        assert all(torch.equal(x, y) for x, y in zip(a.views, b.views, strict=True))

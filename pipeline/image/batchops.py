@@ -22,6 +22,7 @@ from typing import Any
 
 from shardflow.image.views import View, view_key
 from shardflow.loading.batch import ImageBatch
+from shardflow.loading.readers import Placement
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,13 @@ class BatchOps:
         if self.mix is not None:
             entries.append({"op": repr(self.mix), "runs": where})
         return entries
+
+
+def after_delivery(placement: Placement) -> bool:
+    """Whether a loader placed so runs its ops on the consumer's side once a batch is
+    delivered (a GPU loader), not in the decode stage (a CPU loader): one decision, that the
+    stage (decode.py) and the loader (loader.py's `_delivered`) both read here."""
+    return placement.target != "cpu"
 
 
 def build(augment: Sequence[Any], batch_augment: Sequence[Any], *, seed: int,

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from shardflow import dali
+from shardflow.image import batchops, resize
 from shardflow.image import graph as image_graph
-from shardflow.image import resize
 from shardflow.image.batchops import BatchOps
 from shardflow.image.config import ImageConfig
 from shardflow.loading.batch import EncodedBatch, ImageBatch
@@ -51,7 +51,7 @@ class ImageStage(BackendStage):
         self.cfg = cfg
         # The user's ops (batchops.py): run here for a CPU loader, on the batches of the
         # epoch the loader set before the pass; a GPU loader runs them after delivery.
-        self.batch_ops = batch_ops if placement.target == "cpu" else None
+        self.batch_ops = None if batchops.after_delivery(placement) else batch_ops
         # The leading ops the DALI graph runs (DecodeStage, where the graph resizes); the
         # rest run in torch after it (batchops.py, told how many are done).
         self.graph_ops: tuple[Any, ...] = ()

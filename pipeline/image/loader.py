@@ -162,7 +162,7 @@ class ImageLoader(GraphLoader):
     # -- the user's ops ---------------------------------------------------------------------
 
     def _delivered(self, batch: Any, epoch: int) -> Any:
-        if self.batch_ops is None or self.placement.target == "cpu":
+        if self.batch_ops is None or not batchops.after_delivery(self.placement):
             return batch  # none, or run by the decode stage already
         return self.batch_ops(batch, epoch, done=self._in_graph)
 
