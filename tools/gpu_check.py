@@ -19,16 +19,16 @@ Each part runs in its own subprocess (`--part NAME --json-part FILE`) under its 
 budget (`--budget S`, default 360 s, the header and every part's start-up included): a part
 never gets more than what is left, and one that cannot start in what is left (10 s times
 --timeout-scale, or its own timeout if smaller) is recorded as skipped for the budget. The
-report is rewritten
-atomically (temp file, fsync, os.replace) after the header and after every part, so a kill
-loses at most the running part, and a part that times out or raises is recorded ("timeout" /
-"error", with the tail of its stderr) while the others go on. Every run starts from a fresh
-report and work folder (in the temp dir, wiped at the start and the end), and a part's process
-ends itself when the orchestrating one is killed. Report: {"header": {...}, "parts": {name:
-{"status": ok|failed|error|timeout|skipped|pending, "seconds", "timeout_s", "key": {key
-figures}, ...}}, "budget_s", "elapsed_s", "finished": bool}. The parts, most valuable first, and
-their default timeouts (335 s in all, plus 20 s for the header: 355 s, within the budget) are
-tools/bench/gpu's PARTS: described at the end of --help, listed by --list.
+report is rewritten atomically (temp file, fsync, os.replace) after the header and after every
+part, so a kill loses at most the running part, and a part that times out or raises is
+recorded ("timeout" / "error", with the tail of its stderr) while the others go on. Every run
+starts from a fresh report and work folder (in the temp dir, wiped at the start and the end),
+and a part's process ends itself when the orchestrating one is killed. Report: {"header":
+{...}, "parts": {name: {"status": ok|failed|error|timeout|skipped|pending, "seconds",
+"timeout_s", "key": {key figures}, ...}}, "budget_s", "elapsed_s", "finished": bool}. The
+parts, most valuable first, and their default timeouts (335 s in all, plus 20 s for the header:
+355 s, within the budget) are tools/bench/gpu's PARTS: described at the end of --help, listed
+by --list.
 
 Without CUDA (and without --dry-run) it says whether torch is a CPU-only build or a CUDA build
 that sees no GPU, writes the header and exits 0. With --dry-run every part runs its CPU
@@ -37,8 +37,8 @@ on most CPUs, become fp32; NCCL becomes gloo); --stand-in replaces the header an
 a sleep (or a raise), to test the orchestration alone. Exit status: 1 when any part did not
 pass (failed, error or timeout; "skipped" passes, for the budget too: with the default timeouts
 only a part that overran, itself a failure, or a smaller --budget leaves too little for the
-last ones), else 0. A markdown table of the key figures
-is printed at the end; diagnostics go to stderr (logging), each part's into its work folder.
+last ones), else 0. A markdown table of the key figures is printed at the end; diagnostics go
+to stderr (logging), each part's into its work folder.
 """
 
 from __future__ import annotations
