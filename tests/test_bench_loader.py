@@ -10,7 +10,7 @@ import time
 from collections import Counter
 
 import pytest
-from conftest import ROOT, run_tool
+from conftest import run_tool
 
 from shardflow.loading.readers import dali_importable
 
@@ -178,13 +178,10 @@ def _needs(name: str) -> None:
 
 @pytest.fixture(scope="module")
 def bench_tools():
-    """tools/bench_loader.py and tools/bench_convert.py as modules."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(ROOT / "tools"))
-        import bench_convert
-        import bench_loader
+    """The bench and bench-convert commands' modules (tools/bench_loader.py, bench_convert.py)."""
+    from shardflow.tools import bench_convert, bench_loader
 
-        yield bench_loader, bench_convert
+    return bench_loader, bench_convert
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +281,7 @@ def test_the_floor_is_a_contender_on_large_photos_only(bench_tools, tiny_corpus,
                                                        monkeypatch):
     """--photos large (and camera) adds the floor beside the loaders."""
     bench_loader = bench_tools[0]
-    monkeypatch.setattr(bench_loader._command, "OPTIONAL", {})  # the peers are tested below
+    monkeypatch.setattr(bench_loader, "OPTIONAL", {})  # the peers are tested below
     small = bench_loader.contenders(tiny_corpus, photos="small")
     large = bench_loader.contenders(tiny_corpus, photos="large")
     assert set(large) - set(small) == {bench_loader.FLOOR}

@@ -8,20 +8,16 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, load_manifest, run_tool
+from conftest import load_manifest, run_tool
 
 
 @pytest.fixture(scope="module")
 def demo():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(ROOT / "tools"))
-        import demo
+    from shardflow.tools import demo
 
-        yield demo
-    sys.modules.pop("demo", None)
+    return demo
 
 
 def test_it_refuses_a_folder_it_did_not_make_and_replaces_its_own(demo, tmp_path):

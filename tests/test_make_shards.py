@@ -434,11 +434,9 @@ def test_a_script_read_from_stdin_converts_with_worker_processes(tmp_path):
     import subprocess
     import sys
 
-    from conftest import ROOT
 
     src = make_image_folder(tmp_path / "src", classes=2, per_class=20)  # 3 chunks: 2 workers
-    script = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
-              "from shardflow.convert import ConvertConfig, convert\n"
+    script = ("from shardflow.convert import ConvertConfig, convert\n"
               f"m = convert(ConvertConfig(kind='imagefolder', src={str(src)!r}, "
               f"out={str(tmp_path / 'out')!r}, max_count=4, workers=2))\n"
               "print('samples', sum(s.samples for s in m.shards))\n")

@@ -3,7 +3,6 @@ the bottleneck advice in its terms, and the held-out slice by key hash of a one-
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -25,13 +24,10 @@ from shardflow.trainers.wiring import TaskOptions, build_task, loader_options, s
 
 
 def train_tool(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """tools/train.py as a module (its `cliutil` import needs tools/ on the path)."""
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    spec = importlib.util.spec_from_file_location("train_tool", ROOT / "tools" / "train.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The train command's module (tools/train.py)."""
+    from shardflow.tools import train
+
+    return train
 
 
 @pytest.fixture(scope="module")
