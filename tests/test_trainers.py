@@ -232,6 +232,7 @@ def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_measured_cost(monkeypatch
 
 # -- learning and the tool -------------------------------------------------------------------
 
+@pytest.mark.accuracy
 def test_train_tool_learns_and_writes_metrics_and_summary(shards, tmp_path):
     out = tmp_path / "run"
     proc = run_tool("train", "--task", "image", "--data", shards, "--out", out, "--steps", 120,
@@ -258,6 +259,7 @@ def test_invalid_options_are_named(shards, tmp_path, bad, option):
 
 # -- checkpoints -------------------------------------------------------------------------------
 
+@pytest.mark.backend
 def test_resume_from_a_checkpoint_gives_bit_identical_steps(shards, tmp_path):
     whole = _trainer(shards, tmp_path / "a", steps=14, checkpoint_every=7, keep=5)
     fit(whole)
@@ -277,6 +279,7 @@ def _same_models(a: Trainer, b: Trainer) -> None:
         assert torch.equal(x, y), name
 
 
+@pytest.mark.backend
 @pytest.mark.parametrize("case", ["grad_accum=2", "offloaded", "augmented"])
 def test_resume_bit_identical_with_accumulation_and_offloaded(shards, tmp_path, case):
     """A run stopped at a checkpoint and resumed from it ends with the parameters of the
@@ -306,6 +309,7 @@ def test_resume_bit_identical_with_accumulation_and_offloaded(shards, tmp_path, 
             assert torch.equal(m, p.detach())
 
 
+@pytest.mark.backend
 def test_time_based_checkpoints_and_keep(shards, tmp_path):
     """checkpoint_minutes: a checkpoint after every step once the minutes have passed (a
     tiny value: always), between the every-N-steps ones; keep: only the newest N files."""
@@ -324,6 +328,7 @@ def test_time_based_checkpoints_and_keep(shards, tmp_path):
     assert names(tmp_path / "clock") == ["ckpt-00000007.pt"] and resumed.step == 7
 
 
+@pytest.mark.backend
 def test_corrupt_newest_checkpoint_is_named_and_the_previous_used(shards, tmp_path, caplog):
     run = tmp_path / "run"
     fit(_trainer(shards, run, steps=6, checkpoint_every=3, keep=5))
@@ -339,6 +344,7 @@ class _Payload:
         return (print, ("this ran",))
 
 
+@pytest.mark.backend
 def test_checkpoint_with_a_pickled_object_is_refused(shards, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -348,6 +354,7 @@ def test_checkpoint_with_a_pickled_object_is_refused(shards, tmp_path):
         _trainer(shards, run, steps=2).resume()
 
 
+@pytest.mark.backend
 def test_checkpoint_of_another_model_is_refused_with_what_differs(shards, tmp_path):
     run = tmp_path / "run"
     fit(_trainer(shards, run, steps=2, checkpoint_every=2))
@@ -359,6 +366,7 @@ def test_checkpoint_of_another_model_is_refused_with_what_differs(shards, tmp_pa
 
 # -- a real kill -------------------------------------------------------------------------------
 
+@pytest.mark.backend
 def test_sigkill_then_rerun_finishes_and_sees_each_sample_once(shards, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, str(ROOT / "tools" / "train.py"), "--task", "image", "--data",
@@ -388,6 +396,7 @@ def test_sigkill_then_rerun_finishes_and_sees_each_sample_once(shards, tmp_path)
     assert len(epoch0) == len(set(epoch0)) == 270  # 300 images, one shard of 30 held out
 
 
+@pytest.mark.backend
 def test_torchrun_two_gloo_ranks_see_disjoint_samples_and_agree(shards, tmp_path):
     out = tmp_path / "ddp"
     proc = subprocess.run(
@@ -471,8 +480,11 @@ def test_the_local_resnet50_has_resnet50s_shape():
 def test_offloaded_optimizer_step_matches_the_on_device_step(tmp_path):
     plain = _train_steps(tmp_path, "plain")
     offloaded = _train_steps(tmp_path, "offload", offload_optimizer=True)
+    # Two AdamW implementations (the fused step on the device, the host's on the masters)
+    # round apart by up to about 1e-6 after four steps, more or less with the CPU threads
+    # torch runs; every weight moves by 8e-3 or more in those steps.
     for name, value in plain.items():
-        assert torch.allclose(value.float(), offloaded[name].float(), atol=1e-6), name
+        assert torch.allclose(value.float(), offloaded[name].float(), atol=1e-5), name
 
 
 def test_offloaded_masters_and_state_live_on_the_host_and_reach_the_model_by_push(tmp_path):
@@ -762,6 +774,7 @@ def test_a_nonfinite_first_step_leaves_the_next_step_as_if_it_were_the_first(tmp
         assert torch.equal(a, b)
 
 
+@pytest.mark.backend
 def test_rerunning_a_finished_run_keeps_its_summary(shards, tmp_path):
     fit(_trainer(shards, tmp_path / "r", steps=3, checkpoint_every=3))
     before = (tmp_path / "r" / "summary.json").read_text()
@@ -790,6 +803,7 @@ def test_a_pass_with_no_usable_sample_stops_with_an_error(tmp_path):
         fit(trainer)
 
 
+@pytest.mark.backend
 def test_checkpoint_of_another_dataset_is_refused(shards, tmp_path):
     other_src = make_image_folder(tmp_path / "src", per_class=30, size=40, seed=7)
     run_tool("make_shards", "imagefolder", other_src, tmp_path / "other", "--max-count", 30,
@@ -822,6 +836,7 @@ def test_bottleneck_report_names_the_limit_and_the_fix():
         assert "tokeniz" in report(40.0, 60.0, loader)["advice"]
 
 
+@pytest.mark.backend
 def test_full_disk_while_saving_leaves_the_previous_checkpoint_and_rerun_finishes(shards,
                                                                                   tmp_path):
     import os
@@ -853,6 +868,7 @@ def checkpoint_size(shards: Path, tmp_path: Path) -> int:
     return checkpoint.checkpoint_path(run, 1).stat().st_size
 
 
+@pytest.mark.backend
 def test_credentials_in_the_data_url_appear_nowhere_in_the_run(shards, tmp_path):
     """Shards behind http://user:SECRET@host: the run folder (checkpoints, metrics, summary,
     keys) and everything printed are free of the secret."""
@@ -870,6 +886,7 @@ def test_credentials_in_the_data_url_appear_nowhere_in_the_run(shards, tmp_path)
     assert "train-000009.tar" in (tmp_path / "run" / "summary.json").read_text()
 
 
+@pytest.mark.backend
 def test_torchrun_a_rank_with_an_empty_batch_does_not_hang_the_others(shards, tmp_path):
     data = tmp_path / "shards"
     shutil.copytree(shards, data)
@@ -889,6 +906,7 @@ def test_torchrun_a_rank_with_an_empty_batch_does_not_hang_the_others(shards, tm
     assert summary["samples_left_out_with_an_empty_rank"] > 0
 
 
+@pytest.mark.accuracy
 def test_train_py_with_randaugment_and_mixup_learns_above_chance(shards, tmp_path):
     """train.py --augment rand-m9-n2 --mixup 0.8 --cutmix 1.0 --label-smoothing 0.1: the
     batches go through RandAugment and mix (summary's setup says so), the soft-target loss
