@@ -72,7 +72,9 @@ def test_the_whole_demo_trains_every_modality_past_what_chance_allows(tmp_path, 
     auc, achievable = map(float, re.search(r"held-out AUC ([\d.]+) against the planted "
                                            r"achievable ([\d.]+), within", out).groups())
     assert images > 30 and clouds > 34, (images, clouds)  # 3x and 2x chance
-    assert loss < entropy - 0.3, (loss, entropy)  # learned more than byte frequencies
+    # clm learned more than byte frequencies (measured 0.4 of the entropy; test_text_loader
+    # leaves this claim, once its own 150-step run, to the demo)
+    assert loss < 0.75 * entropy, (loss, entropy)
     assert achievable - 0.03 < auc <= achievable + 0.01, (auc, achievable)
     miou, majority = map(float, re.search(r"lidar \(bev\): held-out mIoU ([\d.]+)% against "
                                           r"([\d.]+)% for the majority class, above", out).groups())

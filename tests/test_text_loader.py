@@ -26,6 +26,10 @@ from shardflow.shards.writer import ShardWriter
 from shardflow.text import masking
 from shardflow.text.tokenizer import ByteTokenizer, byte_unigram_entropy
 
+# The no-DALI pass (the Makefile's second) runs these: what they load takes the
+# automatic backend or reader, the portable one where DALI does not import.
+pytestmark = pytest.mark.backend
+
 SEP, PAD, MASK = ByteTokenizer.sep_id, ByteTokenizer.pad_id, ByteTokenizer.mask_id
 OPTS = {"device": "cpu", "shuffle_buffer": 16, "prefetch": 2}
 
@@ -423,20 +427,20 @@ def test_unknown_tokenizer_file_is_named(corpus, tmp_path):
 
 # -- the tasks learn ------------------------------------------------------------------------------
 
-# Measured: clm reaches ~0.57 of the entropy in 150 steps; mlm, which is trained on the 15%
-# of tokens it masks, ~0.81 in 300.
-@pytest.mark.parametrize("objective,steps,share", [("clm", 150, 0.75), ("mlm", 300, 0.9)])
-def test_language_models_learn_below_the_unigram_entropy(tmp_path, objective, steps, share):
+# Measured: mlm, which is trained on the 15% of tokens it masks, reaches ~0.81 of the entropy
+# in 300 steps. clm's (below 0.75 of it) is the demo's to show: tests/test_demo.py.
+@pytest.mark.accuracy
+def test_masked_language_model_learns_below_the_unigram_entropy(tmp_path):
     docs = make_text_corpus(tmp_path / "docs", docs=200)
     convert(ConvertConfig(kind="text", src=str(docs), out=tmp_path / "shards", max_count=20,
                           workers=1))
-    out = tmp_path / objective
-    run_tool("train", "--task", "text", "--objective", objective, "--data",
-             tmp_path / "shards", "--out", out, "--steps", steps, "--batch-size", 16,
+    out = tmp_path / "mlm"
+    run_tool("train", "--task", "text", "--objective", "mlm", "--data",
+             tmp_path / "shards", "--out", out, "--steps", 300, "--batch-size", 16,
              "--seq-len", 64, "--device", "cpu", "--precision", "fp32", "--quiet", check=True)
     summary = json.loads((out / "summary.json").read_text())
     entropy = byte_unigram_entropy(p.read_text() for p in docs.iterdir())
-    assert summary["eval_loss"] < share * entropy, (summary["eval_loss"], entropy)
+    assert summary["eval_loss"] < 0.9 * entropy, (summary["eval_loss"], entropy)
 
 
 @pytest.mark.slow  # a whole benchmark run (the no-DALI pass of the Makefile leaves it out)
