@@ -14,6 +14,10 @@ from conftest import run_tool
 
 from shardflow.loading.readers import dali_importable
 
+# The no-DALI pass (the Makefile's second) runs these: what they load takes the
+# automatic backend or reader, the portable one where DALI does not import.
+pytestmark = pytest.mark.backend
+
 
 @pytest.mark.parametrize("modality,size", [("image", ["--images", 24]),
                                            ("pointcloud", ["--clouds", 60])])

@@ -62,6 +62,10 @@ from shardflow.shards.manifest import Manifest, ShardInfo
 from shardflow.shards.writer import ShardWriter
 from shardflow.text.loader import text_loader
 
+# The no-DALI pass (the Makefile's second) runs these: what they load takes the
+# automatic backend or reader, the portable one where DALI does not import.
+pytestmark = pytest.mark.backend
+
 Members = dict[str, bytes]
 
 

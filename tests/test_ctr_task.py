@@ -382,12 +382,14 @@ def _learn(model: str, steps: int, lr: float, tmp_path: Path) -> tuple[float, fl
     return metrics["auc"], roc_auc(held.label, held.truth), metrics["logloss"]
 
 
+@pytest.mark.accuracy
 def test_dlrm_learns_the_planted_signal_to_within_003_of_the_achievable_auc(tmp_path):
     auc, achievable, loss = _learn("dlrm", 250, 1e-2, tmp_path)
     assert achievable - 0.03 < auc <= achievable + 0.01, (auc, achievable)
     assert loss < 0.47  # predicting the click rate alone: about 0.56
 
 
+@pytest.mark.accuracy
 def test_deepfm_learns_the_planted_signal(tmp_path):
     """DeepFM sums every pair of fields with equal weight, the 20 noise fields' pairs too,
     where DLRM's top MLP learns to ignore them: on these logs it stays further below."""

@@ -16,6 +16,10 @@ from PIL import Image, ImageOps
 
 from shardflow import image_loader
 
+# The no-DALI pass (the Makefile's second) runs these: what they load takes the
+# automatic backend or reader, the portable one where DALI does not import.
+pytestmark = pytest.mark.backend
+
 ORIENTATION = 0x0112
 
 

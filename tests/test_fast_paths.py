@@ -251,6 +251,7 @@ def test_ahead_keeps_the_order_re_raises_and_leaves_no_thread():
     assert not [t for t in threading.enumerate() if t.name.startswith("test-ahead")]
 
 
+@pytest.mark.backend
 def test_the_tokenizer_ahead_gives_the_batches_of_the_inline_path(shards, monkeypatch):
     pytest.importorskip("tokenizers")
     from shardflow.text.tokenizer import train_bpe

@@ -23,6 +23,10 @@ from shardflow.errors import DataError
 from shardflow.image.portable import _as_stored
 from shardflow.samples import checks, headers
 
+# The no-DALI pass (the Makefile's second) runs these: what they load takes the
+# automatic backend or reader, the portable one where DALI does not import.
+pytestmark = pytest.mark.backend
+
 # A dependency, but absent where nothing installs (the lent GPU machine's own Python):
 # this file then skips instead of stopping `pytest -m gpu` at collection.
 wds = pytest.importorskip("webdataset")

@@ -27,6 +27,10 @@ from shardflow.builtin import make_image_folder as builtin_images
 from shardflow.errors import DataError
 from shardflow.image.graph import IMAGENET_MEAN, IMAGENET_STD
 
+# The no-DALI pass (the Makefile's second) runs these: what they load takes the
+# automatic backend or reader, the portable one where DALI does not import.
+pytestmark = pytest.mark.backend
+
 OPTS = {"size": 32, "threads": 1, "shuffle_buffer": 16}
 
 

@@ -30,6 +30,10 @@ from shardflow.shards import daliindex
 from shardflow.shards.indexing import index_shard
 from shardflow.shards.tarread import TarLimits
 
+# The no-DALI pass (the Makefile's second) runs these: what they load takes the
+# automatic backend or reader, the portable one where DALI does not import.
+pytestmark = pytest.mark.backend
+
 # A dependency, but absent where nothing installs (the lent GPU machine's own Python):
 # this file then skips instead of stopping `pytest -m gpu` at collection.
 wds = pytest.importorskip("webdataset")

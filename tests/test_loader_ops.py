@@ -15,6 +15,10 @@ from test_ops import Invert  # the own op of docs/ops.md
 
 from shardflow import image_loader, ops
 
+# The no-DALI pass (the Makefile's second) runs these: what they load takes the
+# automatic backend or reader, the portable one where DALI does not import.
+pytestmark = pytest.mark.backend
+
 BACKENDS = [pytest.param("dali", "dali", marks=pytest.mark.dali),
             pytest.param("stream", "dali", marks=pytest.mark.dali),
             ("stream", "portable")]

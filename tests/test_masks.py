@@ -19,6 +19,10 @@ from PIL import Image
 from shardflow import image_loader, ops
 from shardflow.errors import DataError
 
+# The no-DALI pass (the Makefile's second) runs these: what they load takes the
+# automatic backend or reader, the portable one where DALI does not import.
+pytestmark = pytest.mark.backend
+
 SIZE = 32
 
 

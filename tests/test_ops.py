@@ -219,6 +219,7 @@ def _augmented(loader, batches, recipe, mix) -> list[tuple[list, torch.Tensor, t
 
 @pytest.mark.parametrize("reader, backend", [
     pytest.param("dali", "dali", marks=pytest.mark.dali), ("stream", "portable")])
+@pytest.mark.backend
 def test_augmented_and_mixed_batches_resume_bit_identical(op_shards, reader, backend):
     """Ops on a loader's batches, own op included, resumed mid-epoch after a state saved:
     the same keys, pixels and targets as the run that went on."""

@@ -25,6 +25,10 @@ from shardflow.pointcloud.voxelize import voxelize
 from shardflow.shards.writer import ShardWriter
 from shardflow.tools.bench.pointcloud import augment_numpy
 
+# The no-DALI pass (the Makefile's second) runs these: what they load takes the
+# automatic backend or reader, the portable one where DALI does not import.
+pytestmark = pytest.mark.backend
+
 OPTS = {"device": "cpu", "threads": 1, "shuffle_buffer": 16}
 POINTS = 96  # per stored cloud
 
@@ -457,6 +461,7 @@ def test_train_tool_runs_both_models_under_bf16(train_shards, tmp_path, model, o
     assert len(losses) == 8 and losses[-1] < 0.85 * losses[0], losses
 
 
+@pytest.mark.accuracy
 @pytest.mark.parametrize("model", ["pointnet", "voxnet"])
 def test_both_models_learn_the_primitives_far_above_chance(train_shards, tmp_path, model,
                                                           one_thread):

@@ -42,6 +42,10 @@ from shardflow.pointcloud.sample import SampleParams
 from shardflow.samples import headers
 from shardflow.shards.writer import ShardWriter
 
+# The no-DALI pass (the Makefile's second) runs these: what they load takes the
+# automatic backend or reader, the portable one where DALI does not import.
+pytestmark = pytest.mark.backend
+
 OPTS = {"device": "cpu", "threads": 2, "shuffle_buffer": 16, "use_tuning": False}
 # Pixels of a window decoded at 1/2-1/8 scale (PIL's draft) and resized, against the same
 # window decoded whole and resized as DALI's CPU path does: the mean |difference| per image,

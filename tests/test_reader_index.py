@@ -27,6 +27,10 @@ from shardflow.loading.readplan import plan_epoch
 from shardflow.loading.shardlist import resolve_source
 from shardflow.shards.daliindex import parse_index
 
+# The no-DALI pass (the Makefile's second) runs these: what they load takes the
+# automatic backend or reader, the portable one where DALI does not import.
+pytestmark = pytest.mark.backend
+
 DALI = pytest.mark.skipif(not dali_available(), reason="DALI is not installed")
 
 

@@ -142,6 +142,7 @@ def side_corpora(root) -> dict[str, object]:
     return {name: root / f"{name}-shards" for name in ("large", "small")}
 
 
+@pytest.mark.backend
 @pytest.mark.dali
 def test_auto_runs_the_portable_backend_on_large_photos_only(tmp_path) -> None:
     from shardflow import image_loader
@@ -208,6 +209,7 @@ def test_the_size_probe_reads_long_headers_and_passes_over_a_bad_sample(tmp_path
     assert sides == [300, None, None, 300]
 
 
+@pytest.mark.backend
 @pytest.mark.dali
 def test_auto_follows_the_tuning_files_split_and_not_its_dali_reader(tmp_path, caplog
                                                                       ) -> None:
@@ -252,6 +254,7 @@ def test_auto_follows_the_tuning_files_split_and_not_its_dali_reader(tmp_path, c
     assert backend("large")[0] == "dali"
 
 
+@pytest.mark.backend
 @pytest.mark.dali
 def test_training_settles_the_backend_as_image_loader_does(tmp_path) -> None:
     """shardflow train's loaders (trainers/wiring.py) take the portable backend on large

@@ -18,6 +18,10 @@ from shardflow.builtin import make_photo_corpus
 from shardflow.image import augment
 from shardflow.ops.crop import CenterCrop, RandomResizedCrop
 
+# The no-DALI pass (the Makefile's second) runs these: what they load takes the
+# automatic backend or reader, the portable one where DALI does not import.
+pytestmark = pytest.mark.backend
+
 BACKENDS = [pytest.param("dali", "dali", marks=pytest.mark.dali),
             pytest.param("stream", "dali", marks=pytest.mark.dali),
             ("stream", "portable")]
