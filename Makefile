@@ -20,22 +20,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
-# The loader, conversion and training tests again with nvidia.dali unimportable (an import
-# hook: tests/nodali/sitecustomize.py), so that the portable backend cannot rot; tests of DALI
-# itself skip there. The runs that train to an accuracy are left to the first pass (they take
-# minutes and do not depend on the backend); the rest takes a few minutes on 2 cores.
-NODALI_TESTS := tests/test_portable.py tests/test_image_loader.py \
-	tests/test_pointcloud_loader.py tests/test_text_loader.py tests/test_corpus.py \
-	tests/test_make_shards.py tests/test_trainers.py tests/test_bench_loader.py \
-	tests/test_fast_paths.py tests/test_ops.py tests/test_loader_ops.py tests/test_views.py \
-	tests/test_masks.py tests/test_point_ops.py tests/test_formats.py tests/test_index_shards.py \
-	tests/test_downsize.py tests/test_reader_index.py tests/test_pretokenized.py \
-	tests/test_scene_loader.py tests/test_rows.py
-NODALI_SKIP := not learn_the_primitives and not learn_below_the_unigram_entropy
+# The suite in three pytest-xdist workers on our two cores (a third fills the gaps where a
+# test waits on a process or a server), the long tests handed out first (conftest.py); the
+# docs' pages stay in one worker (they share the shards converting.md makes).
+XDIST := -n 3 --dist loadgroup
 
+# Then the tests marked `backend` again with nvidia.dali unimportable (an import hook:
+# tests/nodali/sitecustomize.py): what they load takes the automatic backend or reader,
+# the portable one there, so that it cannot rot. Tests of DALI itself skip there; the runs
+# that train to an accuracy (`accuracy`) and the `slow` ones are left to the first pass.
 test: $(STAMP)
-	$(PY) -m pytest -q
-	PYTHONPATH=tests/nodali $(PY) -m pytest -q -m "not slow" -k "$(NODALI_SKIP)" $(NODALI_TESTS)
+	$(PY) -m pytest -q $(XDIST)
+	PYTHONPATH=tests/nodali $(PY) -m pytest -q $(XDIST) -m "backend and not slow and not accuracy"
 
 lint: $(STAMP)
 	$(PY) -m ruff check pipeline trainers tools tests

@@ -3,6 +3,7 @@ and shards read back with webdataset and with DALI's own reader in CPU mode."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import http.server
@@ -14,6 +15,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +26,12 @@ import pytest
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Under pytest-xdist (`make test`: three workers on our two cores) each worker, and every tool
+# it starts, runs torch on one thread: two or three processes whose OpenMP threads spin-wait
+# for each other ran the suite 1.5x slower than one process (measured; tests/README.md).
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def gpu_available() -> bool:
@@ -76,12 +84,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if needs_dali(item):
                 item.add_marker(no_dali)
+    items.sort(key=longest_first)
     if gpu_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (no GPU on this machine)")
     for item in items:
         if item.get_closest_marker("gpu") is not None:  # the marker, not a parameter id
             item.add_marker(skip)
+
+
+def longest_first(item: pytest.Item) -> int:
+    """The order tests are handed to xdist's workers in: the long ones (`slow`, `accuracy`,
+    the docs' pages, which run one after another in one worker) first, so that no worker is
+    left with a long test while the others wait at the end. A stable sort: the rest keeps
+    pytest's order."""
+    long = ("slow", "accuracy", "xdist_group")
+    return 0 if any(item.get_closest_marker(name) for name in long) else 1
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -362,12 +380,63 @@ def op_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "out"
 
 
+# Commands run in a child of tests/toolserver.py, a process that imported them once: the
+# training command's imports (torch, DALI, matplotlib) are seconds of every run, and the suite
+# starts it dozens of times. The others start as a new Python, as a user starts them.
+FORKED = {"train"}
+
+
 def run_tool(name: str, *args: object, check: bool = False) -> subprocess.CompletedProcess[str]:
+    """`python tools/NAME.py ARGS` (the command `shardflow` runs for it), its output captured;
+    a run over 300 s raises subprocess.TimeoutExpired."""
     cmd = [sys.executable, str(ROOT / "tools" / f"{name}.py"), *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if name in FORKED:
+        proc = ToolServer.get().run(f"shardflow.tools.{name}", cmd[1:], timeout=300)
+    else:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+class ToolServer:
+    """This test process's tests/toolserver.py, started at its first use, ended at exit."""
+
+    _running: ToolServer | None = None
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "toolserver.py")],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.lock = threading.Lock()
+        atexit.register(self.close)
+
+    @classmethod
+    def get(cls) -> ToolServer:
+        if cls._running is None or cls._running.proc.poll() is not None:
+            cls._running = cls()
+        return cls._running
+
+    def run(self, module: str, argv: list[str], timeout: float
+            ) -> subprocess.CompletedProcess[str]:
+        with self.lock, tempfile.TemporaryDirectory() as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            request = {"module": module, "script": argv[0], "argv": argv[1:],
+                       "cwd": os.getcwd(), "env": dict(os.environ), "stdout": str(out),
+                       "stderr": str(err), "timeout": timeout}
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            code = json.loads(self.proc.stdout.readline())["code"]
+            if code == -signal.SIGALRM:
+                raise subprocess.TimeoutExpired([sys.executable, *argv], timeout)
+            return subprocess.CompletedProcess([sys.executable, *argv], code,
+                                               out.read_text(), err.read_text())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
 
 
 def load_manifest(out: Path) -> dict:

@@ -20,6 +20,10 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
+# One worker runs every page (pytest-xdist's loadgroup): they share the folder
+# converting.md's blocks fill.
+pytestmark = pytest.mark.xdist_group("docs")
+
 DOCS = ROOT / "docs"
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)\s*$")
 NOT_RUN = re.compile(r"^# not run here: (?P<why>.{10,})$")
