@@ -14,13 +14,10 @@ from conftest import run_tool
 
 from shardflow.loading.readers import dali_importable
 
-# The no-DALI pass (the Makefile's second) runs these: what they load takes the
-# automatic backend or reader, the portable one where DALI does not import.
-pytestmark = pytest.mark.backend
-
 
 @pytest.mark.parametrize("modality,size", [("image", ["--images", 24]),
                                            ("pointcloud", ["--clouds", 60])])
+@pytest.mark.backend
 def test_bench_loader_figures(tmp_path, modality, size):
     out = tmp_path / "bench.json"
     proc = run_tool("bench_loader", "--modality", modality, *size, "--repeats", 1,
@@ -281,6 +278,7 @@ def test_the_entropy_floor_decodes_every_photo_whole(tiny_corpus, tmp_path):
         WholeEighthDecode(dataclasses.replace(tiny_corpus, folder=cut)).epoch()
 
 
+@pytest.mark.backend
 def test_the_floor_is_a_contender_on_large_photos_only(bench_tools, tiny_corpus,
                                                        monkeypatch):
     """--photos large (and camera) adds the floor beside the loaders."""

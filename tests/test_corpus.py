@@ -62,10 +62,6 @@ from shardflow.shards.manifest import Manifest, ShardInfo
 from shardflow.shards.writer import ShardWriter
 from shardflow.text.loader import text_loader
 
-# The no-DALI pass (the Makefile's second) runs these: what they load takes the
-# automatic backend or reader, the portable one where DALI does not import.
-pytestmark = pytest.mark.backend
-
 Members = dict[str, bytes]
 
 
@@ -330,6 +326,7 @@ READERS = [("made", "dali"), ("made", "stream"), ("foreign", "stream")]
 
 @pytest.mark.parametrize("modality", list(LOADERS))
 @pytest.mark.parametrize("kind, reader", READERS)
+@pytest.mark.backend
 def test_skip_names_every_bad_input_and_read_plus_skipped_is_total(tmp_path, modality, kind,
                                                                    reader):
     marker = tmp_path / "unpickled"
@@ -366,6 +363,7 @@ def sample_cases(modality: str) -> list[tuple[str, str, str]]:
 @pytest.mark.parametrize("reader", ["dali", "stream"])
 @pytest.mark.parametrize("modality, key, reason",
                          [c for m in LOADERS for c in sample_cases(m)])
+@pytest.mark.backend
 def test_raise_on_a_bad_sample_names_shard_key_and_reason(tmp_path, modality, key, reason,
                                                           reader):
     marker = tmp_path / "unpickled"
@@ -385,6 +383,7 @@ def shard_cases() -> list[tuple[str, str, str]]:
 
 
 @pytest.mark.parametrize("modality, kind, reader", shard_cases())
+@pytest.mark.backend
 def test_raise_on_a_bad_shard_names_it_and_the_reason(tmp_path, modality, kind, reader):
     marker = tmp_path / "unpickled"
     corpus = (build_made if kind == "made" else build_foreign)(tmp_path, modality, marker)
@@ -404,6 +403,7 @@ def test_raise_on_a_bad_shard_names_it_and_the_reason(tmp_path, modality, kind, 
 
 
 @pytest.mark.parametrize("modality", list(LOADERS))
+@pytest.mark.backend
 def test_a_fifo_in_place_of_a_shard_or_index_is_never_opened(tmp_path, modality):
     """Opening a FIFO blocks until a writer comes: a FIFO shard is refused before any read,
     and a FIFO where the .idx belongs sends the shard to the streaming reader."""

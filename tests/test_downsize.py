@@ -16,10 +16,6 @@ from PIL import Image, ImageOps
 
 from shardflow import image_loader
 
-# The no-DALI pass (the Makefile's second) runs these: what they load takes the
-# automatic backend or reader, the portable one where DALI does not import.
-pytestmark = pytest.mark.backend
-
 ORIENTATION = 0x0112
 
 
@@ -59,6 +55,7 @@ def convert(src: Path, out: Path, *flags: object) -> dict[str, dict]:
     return {s["__key__"].split("_", 1)[1]: s for s in read_wds(out)}
 
 
+@pytest.mark.backend
 def test_images_above_max_side_are_resized_upright_and_the_rest_kept(folder, tmp_path):
     src, files = folder
     out = tmp_path / "out"
@@ -134,6 +131,7 @@ def raw_profile_png(img: Image.Image, orientation: int) -> bytes:
     return out.getvalue()
 
 
+@pytest.mark.backend
 def test_an_orientation_the_loaders_do_not_read_turns_nothing_when_resized(tmp_path):
     """Orientations only in XMP or in a PNG's text chunk: the loaders leave such an image as
     stored, and so does --max-side (large images of a dataset are not turned where the small
@@ -197,6 +195,7 @@ def masked_photo(orientation: int) -> tuple[bytes, bytes]:
     return saved(Image.fromarray(arr), "JPEG", orientation), out.getvalue()
 
 
+@pytest.mark.backend
 def test_segmentation_shards_keep_image_and_mask_aligned(tmp_path):
     """make_shards shards --max-side over images with masks: neither is resized or turned
     (a mask must fit its image), both stored as they were, counted kept-for-its-mask; verify

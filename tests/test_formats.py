@@ -23,10 +23,6 @@ from shardflow.errors import DataError
 from shardflow.image.portable import _as_stored
 from shardflow.samples import checks, headers
 
-# The no-DALI pass (the Makefile's second) runs these: what they load takes the
-# automatic backend or reader, the portable one where DALI does not import.
-pytestmark = pytest.mark.backend
-
 # A dependency, but absent where nothing installs (the lent GPU machine's own Python):
 # this file then skips instead of stopping `pytest -m gpu` at collection.
 wds = pytest.importorskip("webdataset")
@@ -173,6 +169,7 @@ def batches_by_key(source: Path, backend: str, train: bool) -> dict[str, torch.T
 
 @pytest.mark.parametrize("backend", [pytest.param("dali", marks=pytest.mark.dali), "portable"])
 @pytest.mark.parametrize("train", [True, False])
+@pytest.mark.backend
 def test_foreign_formats_read_in_full_with_the_pixels_of_their_png_twins(twin_shards, backend,
                                                                          train):
     """Every sample is read (WebP lossy, lossless and with alpha; BMP 24-bit, palette and
@@ -253,6 +250,7 @@ def test_make_shards_keeps_webp_bmp_and_tiff_bytes_and_converts_only_what_loader
 
 @pytest.mark.parametrize("reader, backend", [
     pytest.param("dali", "dali", marks=pytest.mark.dali), ("stream", "portable")])
+@pytest.mark.backend
 def test_converted_formats_load_in_full(converted, reader, backend):
     """The converted shards (indexed: DALI's reader takes the .webp, .bmp and .tiff members
     as it takes .jpg) give every sample, in training and in evaluation."""
@@ -345,6 +343,7 @@ def test_16_bit_grey_tiffs_are_stored_as_16_bit_png_of_the_same_values():
 
 
 @pytest.mark.parametrize("backend", [pytest.param("dali", marks=pytest.mark.dali), "portable"])
+@pytest.mark.backend
 def test_16_bit_grey_tiffs_load_as_their_high_byte(tmp_path, backend):
     """Converted, each loads as the ramp's high byte in every channel (DALI rounds where the
     portable backend truncates: within 1)."""

@@ -27,10 +27,6 @@ from shardflow.builtin import make_image_folder as builtin_images
 from shardflow.errors import DataError
 from shardflow.image.graph import IMAGENET_MEAN, IMAGENET_STD
 
-# The no-DALI pass (the Makefile's second) runs these: what they load takes the
-# automatic backend or reader, the portable one where DALI does not import.
-pytestmark = pytest.mark.backend
-
 OPTS = {"size": 32, "threads": 1, "shuffle_buffer": 16}
 
 
@@ -59,6 +55,7 @@ def http_url(shards: Path):
         yield url
 
 
+@pytest.mark.backend
 def test_batches_hold_decoded_images_labels_and_keys(shards):
     threads = torch.get_num_threads()
     with image_loader(shards, batch_size=16, device="cpu", **OPTS) as loader:
@@ -92,6 +89,7 @@ def test_local_dali_stream_and_http_give_the_same_epoch(shards, http_url):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.backend
 def test_ranks_are_disjoint_cover_and_run_equal_batches(shards, world_size, caplog):
     per_rank = []
     for rank in range(world_size):
@@ -110,12 +108,14 @@ def test_ranks_are_disjoint_cover_and_run_equal_batches(shards, world_size, capl
         assert "left out" in caplog.text
 
 
+@pytest.mark.backend
 def test_more_ranks_than_shards_is_an_error_at_build(shards):
     with pytest.raises(ValueError, match="cannot feed 9 ranks"):
         image_loader(shards, batch_size=4, device="cpu", rank=0, world_size=9, **OPTS)
 
 
 @pytest.mark.parametrize("reader", ["dali", "stream"])
+@pytest.mark.backend
 def test_resume_mid_epoch_gives_exactly_the_rest(shards, reader):
     make = functools.partial(image_loader, shards, batch_size=8, device="cpu", seed=3,
                              reader=reader, **OPTS)
@@ -135,6 +135,7 @@ def test_resume_mid_epoch_gives_exactly_the_rest(shards, reader):
     assert resumed.epoch == full.epoch == 2
 
 
+@pytest.mark.backend
 def test_state_from_another_loader_is_refused(shards):
     state = image_loader(shards, batch_size=8, device="cpu", **OPTS).state_dict()
     other = image_loader(shards, batch_size=8, device="cpu", seed=1, **OPTS)
@@ -150,6 +151,7 @@ def test_state_from_another_loader_is_refused(shards):
         other_rank.load_state_dict(own)
 
 
+@pytest.mark.backend
 def test_shuffling_is_seeded_per_epoch(shards):
     def order(seed, ep):
         loader = image_loader(shards, batch_size=60, device="cpu", seed=seed, **OPTS)
@@ -161,6 +163,7 @@ def test_shuffling_is_seeded_per_epoch(shards):
     assert len(set(order(0, 1))) == 60  # every epoch is the whole dataset, once
 
 
+@pytest.mark.backend
 def test_streaming_shuffle_is_seeded_too(shards):
     def order(seed):
         return epoch(image_loader(shards, batch_size=60, device="cpu", seed=seed,
@@ -169,6 +172,7 @@ def test_streaming_shuffle_is_seeded_too(shards):
     assert order(5) == order(5) != order(6)
 
 
+@pytest.mark.backend
 def test_nhwc_float_normalized_and_eval_center_crop(shards):
     loader = image_loader(shards, batch_size=10, device="cpu", layout="NHWC", normalize=True,
                           train=False, **OPTS)
@@ -211,6 +215,7 @@ def _corrupt_scan(seed: int) -> bytes:
 
 
 @pytest.mark.parametrize("reader", ["dali", "stream"])
+@pytest.mark.backend
 def test_corrupt_jpeg_raises_naming_shard_and_key_or_is_skipped(tmp_path, reader):
     bad = {"class0_img004.jpg": _corrupt_scan(1), "class0_img005.cls": b"7"}
     out = _bad_shards(tmp_path, bad)
@@ -238,6 +243,7 @@ def _png_declaring(width: int, height: int) -> bytes:
 
 
 @pytest.mark.parametrize("policy", ["raise", "skip"])
+@pytest.mark.backend
 def test_missing_label_bad_bytes_and_pixel_bomb_are_caught_before_decode(tmp_path, policy):
     from shardflow.shards.writer import ShardWriter
 
@@ -285,12 +291,14 @@ def test_missing_shards_are_listed_together(shards, tmp_path):
                                            ("on_error", "ignore"), ("crop_scale", (0.5, 0.1)),
                                            ("device", "tpu"), ("reader", "fast"),
                                            ("resize_on", "gpu")])
+@pytest.mark.backend
 def test_invalid_options_name_the_option(shards, option, value):
     kwargs = {"batch_size": 4, option: value}
     with pytest.raises(ValueError, match=option):
         image_loader(shards, **kwargs)
 
 
+@pytest.mark.backend
 def test_unknown_option_is_refused(shards):
     with pytest.raises(TypeError, match="colour"):
         image_loader(shards, batch_size=4, colour=True)
@@ -338,6 +346,7 @@ def test_cuda_batches_decoded_on_the_cpu_are_the_cpu_batches(shards):
 
 
 @pytest.mark.parametrize("extra", [{}, {"normalize": True}], ids=["uint8", "normalized"])
+@pytest.mark.backend
 def test_every_tensor_of_an_image_batch_comes_out_of_the_copier(shards, monkeypatch, extra):
     """The CPU twin of the test above: the image and the labels are what the copier hands
     out, so on a GPU they land there (normalized there when asked)."""
@@ -350,6 +359,7 @@ def test_every_tensor_of_an_image_batch_comes_out_of_the_copier(shards, monkeypa
 
 
 @pytest.mark.parametrize("reader", ["dali", "stream"])
+@pytest.mark.backend
 def test_break_then_continue_is_the_same_as_one_pass(shards, reader):
     """A pass left early (break) must not leave batches in flight for the next pass."""
     make = functools.partial(image_loader, shards, batch_size=8, device="cpu", seed=1,
@@ -365,6 +375,7 @@ def test_break_then_continue_is_the_same_as_one_pass(shards, reader):
         assert torch.equal(a.image, b.image)
 
 
+@pytest.mark.backend
 def test_close_during_iteration_stops_quietly_and_leaves_no_thread(shards, caplog):
     """close() stops and joins the producer threads before it returns (Stage.close: a stop
     event their queue waits poll every 0.1 s; it gives up, with a warning, after 5 s), and
@@ -389,6 +400,7 @@ def test_close_during_iteration_stops_quietly_and_leaves_no_thread(shards, caplo
         iter(loader).__next__()
 
 
+@pytest.mark.backend
 def test_eval_batch_is_the_centre_crop_of_the_image(shards):
     from PIL import Image
 
@@ -423,6 +435,7 @@ def _pil_centre_crop(data: bytes, size: int, fraction: float, shift: int = 0) ->
 
 @pytest.mark.parametrize("resize_on, fraction", [
     ("torch", 0.875), pytest.param("dali", 0.6, marks=pytest.mark.dali)])
+@pytest.mark.backend
 def test_eval_crop_is_the_centre_square_pil_makes(tmp_path, resize_on, fraction):
     """Noise JPEGs of several shapes (landscape, portrait, square, odd sides): every eval
     image against PIL's centre crop of the same bytes. Measured mean |difference| per image
@@ -462,6 +475,7 @@ def _damaged_middle(tmp_path: Path) -> Path:
     return out
 
 
+@pytest.mark.backend
 def test_streaming_ranks_stay_in_step_when_a_shard_breaks(tmp_path):
     out = _damaged_middle(tmp_path)
     counts = []
@@ -472,6 +486,7 @@ def test_streaming_ranks_stay_in_step_when_a_shard_breaks(tmp_path):
     assert counts[0] == counts[1] == (2, 2)  # the same batch count, whatever was lost
 
 
+@pytest.mark.backend
 def test_streaming_resume_counts_each_skip_once(tmp_path):
     out = _damaged_middle(tmp_path)
     make = functools.partial(image_loader, out, batch_size=2, device="cpu", reader="stream",
@@ -490,6 +505,7 @@ def test_streaming_resume_counts_each_skip_once(tmp_path):
     json.dumps(state)  # the state is plain JSON (a checkpoint file can hold it)
 
 
+@pytest.mark.backend
 def test_fetch_failures_never_show_url_secrets(tmp_path, monkeypatch):
     from shardflow.loading import fetch
 
@@ -543,6 +559,7 @@ class _FlakyRangeHandler(QuietHandler):
         self.wfile.write(data[start:end])
 
 
+@pytest.mark.backend
 def test_a_dropped_download_is_resumed_and_nothing_is_lost(shards, monkeypatch):
     from shardflow.loading import fetch
 
@@ -586,6 +603,7 @@ def test_a_hung_reader_is_reported_within_the_timeout(shards, monkeypatch):
 
 
 @pytest.mark.parametrize("reader", ["dali", "stream"])
+@pytest.mark.backend
 def test_a_state_saved_after_the_epochs_last_batch_resumes_with_the_next_epoch(shards, reader):
     make = functools.partial(image_loader, shards, batch_size=8, device="cpu", reader=reader,
                              **OPTS)
@@ -625,6 +643,7 @@ def test_resize_in_the_graph_or_in_torch_gives_the_same_images(shards, train, no
 
 
 @pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.backend
 def test_kept_batches_are_never_overwritten_and_dropped_ones_are_reused(shards, normalize):
     """The decode stage writes batches into reused buffers (loading/hostpool.py): a batch the
     user keeps must stay as it was, and the buffers of dropped ones are written again."""
@@ -641,6 +660,7 @@ def test_kept_batches_are_never_overwritten_and_dropped_ones_are_reused(shards, 
     assert len(sums) == len(held) and all(s != 0 for s in sums)
 
 
+@pytest.mark.backend
 def test_a_torch_dataloader_hands_the_batches_on_as_they_are(shards):
     """Loaders are IterableDatasets: DataLoader(loader, batch_size=None) gives the loader's own
     batches, and refuses worker processes (each would read the whole epoch again)."""
@@ -667,6 +687,7 @@ def test_a_torch_dataloader_hands_the_batches_on_as_they_are(shards):
             workers._shutdown_workers()  # type: ignore[attr-defined]  # its queue's thread too
 
 
+@pytest.mark.backend
 def test_an_evaluation_pass_starts_at_the_beginning_and_a_training_pass_continues(shards):
     """train=False: a pass cut short (a sanity check) does not shorten the next one, except
     right after load_state_dict; train=True: the next pass continues the epoch."""

@@ -30,10 +30,6 @@ from shardflow.shards import daliindex
 from shardflow.shards.indexing import index_shard
 from shardflow.shards.tarread import TarLimits
 
-# The no-DALI pass (the Makefile's second) runs these: what they load takes the
-# automatic backend or reader, the portable one where DALI does not import.
-pytestmark = pytest.mark.backend
-
 # A dependency, but absent where nothing installs (the lent GPU machine's own Python):
 # this file then skips instead of stopping `pytest -m gpu` at collection.
 wds = pytest.importorskip("webdataset")
@@ -57,6 +53,7 @@ def keys_read(folder: Path | str, reader: str, backend: str, **kw: object) -> di
         return {k: int(b.label[i]) for b in loader for i, k in enumerate(b.keys)}
 
 
+@pytest.mark.backend
 def test_index_gives_dali_indexes_and_a_manifest_of_the_files(tmp_path):
     folder = tmp_path / "wds"
     labels = wds_shards(folder)
@@ -114,6 +111,7 @@ def test_a_stopped_index_goes_on_where_it_stopped(tmp_path, out):
     assert not (where / ".shardflow-index.jsonl").exists()
 
 
+@pytest.mark.backend
 def test_a_shard_the_readers_refuse_is_named_and_left_without_an_index(tmp_path):
     folder = tmp_path / "wds"
     labels = wds_shards(folder, shards=1)
@@ -192,6 +190,7 @@ def read_alike(folder: Path, labels: dict[str, int]) -> None:
 @pytest.mark.parametrize("case, maker", [("spaces", write_tar), ("spaces", gnu_tar),
                                          ("twice", write_tar), ("packed", write_tar)],
                          ids=["spaces-tarfile", "spaces-gnu-tar", "twice", "packed"])
+@pytest.mark.backend
 def test_a_shard_an_index_cannot_describe_is_named_not_indexed(tmp_path, case, maker):
     """Indexed, each of these shards gave an index that verify_shards and the loaders reading
     through it refuse (spaces) or read otherwise than the streaming reader (a member twice, a
@@ -242,6 +241,7 @@ def test_format_index_refuses_an_entry_its_lines_cannot_hold(entry):
         daliindex.format_index([[("cls", 0, 1, "k.cls"), entry]])
 
 
+@pytest.mark.backend
 def test_make_shards_shards_rewrites_what_index_refused_as_the_refusals_say(tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -259,6 +259,7 @@ def test_make_shards_shards_rewrites_what_index_refused_as_the_refusals_say(tmp_
                      "z1": 3})  # x1: its first copy
 
 
+@pytest.mark.backend
 def test_index_names_every_file_of_the_folder_it_leaves_out(tmp_path):
     """Gzipped shards (.tar.gz, .tgz), which the loaders read, were left out without a word,
     and the manifest written then hid their samples from the loaders; a .TAR, which no loader
@@ -309,6 +310,7 @@ def in_place_indexes(folder: Path, tmp_path: Path) -> dict[str, str]:
     return {p.name: p.read_text() for p in copy.glob("*.idx")}
 
 
+@pytest.mark.backend
 def test_index_out_leaves_the_folder_as_it_is_and_the_loaders_read_through_it(tmp_path):
     folder = tmp_path / "wds"
     labels = wds_shards(folder, shards=4)  # 2 shards a rank: none left out to even them
@@ -342,6 +344,7 @@ def test_dalis_reader_reads_local_shards_through_an_index_folder(tmp_path):
     assert keys_read(folder, "dali", "dali", index=str(out)) == labels
 
 
+@pytest.mark.backend
 def test_index_out_over_http_gives_the_files_indexes_and_a_resume_by_range(tmp_path):
     folder = tmp_path / "wds"
     labels = wds_shards(folder, shards=4, per_shard=6)
@@ -398,6 +401,7 @@ def _resume_over(base: str, out: Path) -> tuple[int, dict]:
     return fetched, state
 
 
+@pytest.mark.backend
 def test_an_index_folder_must_name_the_shards_it_is_given(tmp_path):
     folder = tmp_path / "wds"
     wds_shards(folder)
@@ -411,6 +415,7 @@ def test_an_index_folder_must_name_the_shards_it_is_given(tmp_path):
         keys_read(folder / "part-*.tar", "stream", "portable", index=str(out))
 
 
+@pytest.mark.backend
 def test_train_py_trains_on_remote_shards_through_an_index_folder(tmp_path):
     """webdataset-written shards over HTTP, no manifest there: the class count comes from the
     index folder's label statistics, and every 10th shard (here the last) is held out."""

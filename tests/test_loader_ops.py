@@ -15,10 +15,6 @@ from test_ops import Invert  # the own op of docs/ops.md
 
 from shardflow import image_loader, ops
 
-# The no-DALI pass (the Makefile's second) runs these: what they load takes the
-# automatic backend or reader, the portable one where DALI does not import.
-pytestmark = pytest.mark.backend
-
 BACKENDS = [pytest.param("dali", "dali", marks=pytest.mark.dali),
             pytest.param("stream", "dali", marks=pytest.mark.dali),
             ("stream", "portable")]
@@ -37,6 +33,7 @@ def _make(op_shards, reader: str, backend: str, threads: int = 1, **options
 
 
 @pytest.mark.parametrize("reader, backend", BACKENDS)
+@pytest.mark.backend
 def test_the_loaders_ops_are_ops_apply_over_its_plain_batches(op_shards, reader, backend):
     mix = ops.Mix(0.8, 1.0, classes=10, label_smoothing=0.1)
     for epoch in (0, 1):
@@ -84,6 +81,7 @@ class _Where(ops.Op):
 
 
 @pytest.mark.parametrize("reader, backend", BACKENDS)
+@pytest.mark.backend
 def test_a_cpu_loaders_ops_run_beside_its_decode_stage_and_stop_with_it(op_shards, reader,
                                                                         backend):
     """The ops of a CPU loader run in the decode stage's helper threads (while its own
@@ -105,6 +103,7 @@ def test_a_cpu_loaders_ops_run_beside_its_decode_stage_and_stop_with_it(op_shard
     assert all(t.startswith("shardflow-image-ops") for t in where.threads)
 
 
+@pytest.mark.backend
 def test_a_cpu_loader_with_ops_prefetches_deeper_unless_told(op_shards):
     """loader.AUGMENT_PREFETCH for a CPU loader with ops and no prefetch given; the default
     without ops, and whatever the user gives."""
@@ -120,6 +119,7 @@ def test_a_cpu_loader_with_ops_prefetches_deeper_unless_told(op_shards):
 
 
 @pytest.mark.parametrize("reader, backend", BACKENDS)
+@pytest.mark.backend
 def test_randaugment_and_mixup_resume_bit_identical(op_shards, reader, backend):
     """State saved after two batches, loaded into a new loader: the same keys, pixels and
     targets as the loader that went on; every sample once in the epoch."""
@@ -134,6 +134,7 @@ def test_randaugment_and_mixup_resume_bit_identical(op_shards, reader, backend):
     assert len({k for b in head + rest for k in b.keys}) == 40
 
 
+@pytest.mark.backend
 def test_normalize_and_nhwc_come_after_the_ops(op_shards):
     recipe = [ops.Solarize(128, p=0.5), Invert(0.5)]
     with _make(op_shards, "stream", "portable", augment=recipe) as loader:
@@ -150,6 +151,7 @@ def test_normalize_and_nhwc_come_after_the_ops(op_shards):
     assert torch.equal(nhwc.image.permute(0, 3, 1, 2), want.image)
 
 
+@pytest.mark.backend
 def test_a_skipped_sample_leaves_the_others_their_own_draws(tmp_path):
     """A corrupt image skipped (its batch one short): every other sample gets the pixels its
     key draws, as if it were augmented alone."""
@@ -179,6 +181,7 @@ def _readme_example() -> str:
 
 
 @pytest.mark.parametrize("reader, backend", BACKENDS)
+@pytest.mark.backend
 def test_the_readmes_own_op_runs_in_the_loader(op_shards, reader, backend, capsys):
     """docs/ops.md's example as written, on our shards (its "shards/train" replaced, and a
     smaller size): its last batch is the plain loader's, augmented by its recipe and mix."""
@@ -201,6 +204,7 @@ def test_the_readmes_own_op_runs_in_the_loader(op_shards, reader, backend, capsy
     assert torch.allclose(last.target.sum(1), torch.ones(40))
 
 
+@pytest.mark.backend
 def test_ops_the_loader_cannot_run_are_refused(op_shards):
     with pytest.raises(ValueError, match="not a shardflow.ops.Op"):
         _make(op_shards, "stream", "portable", augment=[lambda x: x])
@@ -232,6 +236,7 @@ def test_a_gpu_loaders_ops_run_on_the_device_and_match_the_cpu(op_shards):
         assert torch.allclose(a.target.cpu(), b.target)
 
 
+@pytest.mark.backend
 def test_a_gpu_loaders_route_run_on_the_cpu_gives_the_cpu_loaders_batches(op_shards,
                                                                            monkeypatch):
     """The CPU twin of the test above: the route a GPU loader takes (the decode stage hands
@@ -254,6 +259,7 @@ def test_a_gpu_loaders_route_run_on_the_cpu_gives_the_cpu_loaders_batches(op_sha
 
 
 @pytest.mark.parametrize("threads", [1, 6])
+@pytest.mark.backend
 def test_a_cpu_loader_with_ops_reuses_its_batch_buffers(op_shards, threads):
     """The op helpers hold batch buffers too (up to one more than they run at once): the
     pool counts them, so a second pass writes into the first's buffers, at 6 helpers too."""
@@ -354,6 +360,7 @@ def batch_digest(batch) -> list[str]:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("reader, backend", BACKENDS)
+@pytest.mark.backend
 def test_a_loader_killed_mid_epoch_resumes_with_the_same_augmented_batches(
         op_shards, tmp_path, reader, backend):
     """SIGKILL after the second batch (a child process, tests/loader_killed.py); a new

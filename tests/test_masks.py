@@ -19,10 +19,6 @@ from PIL import Image
 from shardflow import image_loader, ops
 from shardflow.errors import DataError
 
-# The no-DALI pass (the Makefile's second) runs these: what they load takes the
-# automatic backend or reader, the portable one where DALI does not import.
-pytestmark = pytest.mark.backend
-
 SIZE = 32
 
 
@@ -180,6 +176,7 @@ def _shard_with(tmp_path: Path, members: dict[str, bytes]) -> Path:
     return out / "hand-000000.tar"
 
 
+@pytest.mark.backend
 def test_verify_and_the_loader_refuse_a_mask_of_another_size_naming_its_key(tmp_path):
     image, mask = _scene(0)
     jpg = io.BytesIO()
@@ -218,6 +215,7 @@ def _agreement(batch) -> float:  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("reader, backend", [
     *BACKENDS, pytest.param("dali", "dali+resize", marks=pytest.mark.dali)])
+@pytest.mark.backend
 def test_crop_and_flip_move_the_mask_with_the_image(masked, reader, backend):
     """dali+resize: the image resized, turned and flipped in the graph (resize_on="dali"),
     its mask by resize.py."""
@@ -256,6 +254,7 @@ def _readable(op: ops.Op, param: object) -> bool:
 
 
 @pytest.mark.parametrize("op", GEOMETRIC, ids=lambda op: type(op).__name__)
+@pytest.mark.backend
 def test_geometric_ops_warp_the_mask_as_the_image(masked, op):
     """In the loader: a mask read back from the augmented image is the loaded (warped) mask,
     up to the edges; the ops move most masks (else the test would say nothing)."""
@@ -307,6 +306,7 @@ def test_policies_warp_masks_with_their_geometric_steps(op):
 GEOMETRIC_STEPS = {"ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate"}
 
 
+@pytest.mark.backend
 def test_colour_ops_and_erasing_leave_the_mask_as_it_is(masked):
     kwargs = {"batch_size": 4, "size": SIZE, "device": "cpu", "threads": 1, "seed": 1,
               "backend": "portable", "use_tuning": False, "targets": {"mask": "seg.png"}}

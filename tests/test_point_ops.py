@@ -16,10 +16,6 @@ from shardflow import ops, pointcloud_loader
 from shardflow.builtin import make_pointcloud_folder
 from shardflow.convert import ConvertConfig, convert
 
-# The no-DALI pass (the Makefile's second) runs these: what they load takes the
-# automatic backend or reader, the portable one where DALI does not import.
-pytestmark = pytest.mark.backend
-
 P = ops.points
 BACKENDS = [pytest.param("dali", "dali", marks=pytest.mark.dali),
             pytest.param("stream", "dali", marks=pytest.mark.dali),

@@ -42,10 +42,6 @@ from shardflow.pointcloud.sample import SampleParams
 from shardflow.samples import headers
 from shardflow.shards.writer import ShardWriter
 
-# The no-DALI pass (the Makefile's second) runs these: what they load takes the
-# automatic backend or reader, the portable one where DALI does not import.
-pytestmark = pytest.mark.backend
-
 OPTS = {"device": "cpu", "threads": 2, "shuffle_buffer": 16, "use_tuning": False}
 # Pixels of a window decoded at 1/2-1/8 scale (PIL's draft) and resized, against the same
 # window decoded whole and resized as DALI's CPU path does: the mean |difference| per image,
@@ -89,6 +85,7 @@ def images_by_key(loader) -> dict[str, torch.Tensor]:
 # -- the contract on its own ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout, normalize", [("NCHW", False), ("NHWC", True)])
+@pytest.mark.backend
 def test_batches_have_the_dali_backends_types_and_layouts(shards, layout, normalize):
     with image_loader(shards, batch_size=8, size=32, backend="portable", layout=layout,
                       normalize=normalize, **OPTS) as loader:
@@ -103,6 +100,7 @@ def test_batches_have_the_dali_backends_types_and_layouts(shards, layout, normal
     assert [int(k[:2]) for k in keys] == torch.cat([b.label for b in batches]).tolist()
 
 
+@pytest.mark.backend
 def test_resume_mid_epoch_gives_exactly_the_rest(shards):
     make = functools.partial(image_loader, shards, batch_size=4, size=32, seed=3,
                              backend="portable", **OPTS)
@@ -120,6 +118,7 @@ def test_resume_mid_epoch_gives_exactly_the_rest(shards):
     assert all(torch.equal(a.image, b.image) for a, b in zip(again, rest, strict=True))
 
 
+@pytest.mark.backend
 def test_a_state_is_tied_to_its_backend(shards):
     with image_loader(shards, batch_size=4, size=32, backend="portable", **OPTS) as loader:
         state = loader.state_dict()
@@ -130,6 +129,7 @@ def test_a_state_is_tied_to_its_backend(shards):
                 loader.load_state_dict(other)
 
 
+@pytest.mark.backend
 def test_ranks_read_disjoint_shards_and_equal_batches(shards):
     keys = []
     for rank in range(2):
@@ -153,6 +153,7 @@ def _bad_image_shard(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("backend", ["portable", "dali"])
+@pytest.mark.backend
 def test_a_bad_image_is_raised_naming_shard_and_key_or_skipped(tmp_path, backend):
     make = functools.partial(image_loader, [str(_bad_image_shard(tmp_path))], batch_size=4,
                              size=32, backend=backend, reader="stream", **OPTS)
@@ -165,6 +166,7 @@ def test_a_bad_image_is_raised_naming_shard_and_key_or_skipped(tmp_path, backend
 
 
 @pytest.mark.parametrize("backend", ["portable", "dali"])
+@pytest.mark.backend
 def test_a_jpeg_cut_below_its_window_is_refused_every_time(tmp_path, backend):
     """A photo missing its last rows, whose windows end above them: DALI's window decode
     never reached the missing rows, so it was delivered when alone in its batch and refused
@@ -190,6 +192,7 @@ def test_a_jpeg_cut_below_its_window_is_refused_every_time(tmp_path, backend):
 
 
 @pytest.mark.parametrize("backend", ["portable", "dali"])
+@pytest.mark.backend
 def test_max_pixels_above_pils_own_limit_is_the_callers(tmp_path, monkeypatch, backend):
     """Image.open refuses an image over twice Image.MAX_IMAGE_PIXELS (179M pixels) whatever
     max_pixels said: the portable backend skipped such photos as too-many-pixels (and its
@@ -250,6 +253,7 @@ def _upright_reference(data: bytes, key: str, size: int, seed: int, turn: bool =
 
 
 @pytest.mark.parametrize("side, tolerance", [((60, 44), 1.0), ((400, 280), DRAFT_TOLERANCE)])
+@pytest.mark.backend
 def test_exif_orientation_agrees_with_pil_exif_transpose(tmp_path, side, tolerance):
     """Small images (no draft): equal to PIL's upright reference up to a rounding step;
     large ones (drafted) within the draft tolerance, and far from the image not turned."""
@@ -380,6 +384,7 @@ def test_bad_clouds_are_skipped_with_the_dali_backends_reasons(tmp_path):
     ({"backend": "portable", "reader": "dali"}, "reader='dali' needs DALI.*backend='portable'"),
     ({"backend": "portable", "resize_on": "dali"}, "resize_on='dali'.*portable backend"),
     ({"backend": "fast"}, "backend='fast': choose one of auto, dali, portable")])
+@pytest.mark.backend
 def test_options_the_portable_backend_cannot_honour_are_refused(shards, options, match):
     with pytest.raises(ValueError, match=match):
         image_loader(shards, batch_size=4, **{**OPTS, **options})
@@ -436,6 +441,7 @@ def test_text_streams_its_shards_on_the_portable_backend(tmp_path):
     assert batch.input_ids.shape == (4, 32) and batch.input_ids.dtype == torch.int64
 
 
+@pytest.mark.backend
 def test_train_tool_takes_the_backend_and_records_it(shards, tmp_path):
     run_tool("train", "--task", "image", "--data", shards, "--out", tmp_path / "run",
              "--steps", 2, "--batch-size", 8, "--size", 32, "--device", "cpu",
@@ -456,6 +462,7 @@ def test_nothing_needs_dali_at_import():
     assert tool.returncode == 0 and "--backend" in tool.stdout
 
 
+@pytest.mark.backend
 def test_the_no_dali_run_is_what_it_says():
     """In the Makefile's second run nvidia.dali must not import (else that run checks
     nothing); in the first it must wherever it is installed (else the DALI tests would all

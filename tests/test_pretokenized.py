@@ -26,10 +26,6 @@ from shardflow.shards.verify import verify
 from shardflow.text import pretokenized
 from shardflow.text.tokenizer import load_tokenizer, train_bpe
 
-# The no-DALI pass (the Makefile's second) runs these: what they load takes the
-# automatic backend or reader, the portable one where DALI does not import.
-pytestmark = pytest.mark.backend
-
 OPTS = {"device": "cpu", "shuffle_buffer": 8, "prefetch": 2, "seq_len": 48}
 
 

@@ -27,10 +27,6 @@ from shardflow.loading.readplan import plan_epoch
 from shardflow.loading.shardlist import resolve_source
 from shardflow.shards.daliindex import parse_index
 
-# The no-DALI pass (the Makefile's second) runs these: what they load takes the
-# automatic backend or reader, the portable one where DALI does not import.
-pytestmark = pytest.mark.backend
-
 DALI = pytest.mark.skipif(not dali_available(), reason="DALI is not installed")
 
 
@@ -164,6 +160,7 @@ def test_the_same_samples_as_dalis_reader_on_the_image_loader(labelled):
 
 @pytest.mark.parametrize("backend", [
     pytest.param("dali", marks=DALI), "portable"])
+@pytest.mark.backend
 def test_image_loader_resumes_exactly_on_either_backend(labelled, backend):
     def make():
         return image_loader(labelled, batch_size=6, size=20, device="cpu", reader="index",
@@ -182,6 +179,7 @@ def _ids(tmp_path: Path, docs: int = 60) -> Path:
     return out
 
 
+@pytest.mark.backend
 def test_auto_picks_it_for_stored_ids_only(tmp_path, caplog):
     ids = _ids(tmp_path)
     with caplog.at_level(logging.INFO, logger="shardflow.loading.readers"):
@@ -248,6 +246,7 @@ def test_a_shard_rewritten_in_place_is_read_afresh(tmp_path):
     assert not torch.equal(torch.cat([b.flatten() for b in before]), after)
 
 
+@pytest.mark.backend
 def test_a_sample_without_its_member_reads_empty_and_the_loader_counts_it(tmp_path):
     from conftest import run_tool
 

@@ -22,10 +22,6 @@ from shardflow.pointcloud.loader import pointcloud_loader
 from shardflow.pointcloud.sample import scene_params
 from shardflow.samples.scans import ScanOptions
 
-# The no-DALI pass (the Makefile's second) runs these: what they load takes the
-# automatic backend or reader, the portable one where DALI does not import.
-pytestmark = pytest.mark.backend
-
 GROUND, OBJECT, IGNORE = 1, 2, 0
 BACKENDS = ["portable", "dali"]
 

@@ -26,10 +26,6 @@ from shardflow.shards.writer import ShardWriter
 from shardflow.text import masking
 from shardflow.text.tokenizer import ByteTokenizer, byte_unigram_entropy
 
-# The no-DALI pass (the Makefile's second) runs these: what they load takes the
-# automatic backend or reader, the portable one where DALI does not import.
-pytestmark = pytest.mark.backend
-
 SEP, PAD, MASK = ByteTokenizer.sep_id, ByteTokenizer.pad_id, ByteTokenizer.mask_id
 OPTS = {"device": "cpu", "shuffle_buffer": 16, "prefetch": 2}
 
@@ -60,6 +56,7 @@ def documents(batches: list) -> list[str]:
 # -- packing ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("reader", ["dali", "stream"])
+@pytest.mark.backend
 def test_packing_keeps_every_token_exactly_once_in_full_rows(corpus, reader):
     shards, texts = corpus
     with text_loader(shards, batch_size=4, seq_len=48, reader=reader, **OPTS) as loader:
@@ -274,6 +271,7 @@ def test_two_ranks_read_disjoint_documents_that_cover_the_corpus(corpus):
     assert set(seen[0]) | set(seen[1]) <= set(texts.values())
 
 
+@pytest.mark.backend
 def test_torchrun_ranks_with_unequal_token_counts_stop_together(tmp_path):
     docs = tmp_path / "docs"
     docs.mkdir()

@@ -18,10 +18,6 @@ from shardflow.builtin import make_photo_corpus
 from shardflow.image import augment
 from shardflow.ops.crop import CenterCrop, RandomResizedCrop
 
-# The no-DALI pass (the Makefile's second) runs these: what they load takes the
-# automatic backend or reader, the portable one where DALI does not import.
-pytestmark = pytest.mark.backend
-
 BACKENDS = [pytest.param("dali", "dali", marks=pytest.mark.dali),
             pytest.param("stream", "dali", marks=pytest.mark.dali),
             ("stream", "portable")]
@@ -42,6 +38,7 @@ def _dino() -> list[list[ops.Op]]:
 
 
 @pytest.mark.parametrize("reader, backend", BACKENDS)
+@pytest.mark.backend
 def test_two_views_differ_and_the_first_is_the_loaders_own_image(op_shards, reader, backend):
     with _make(op_shards, reader, backend) as plain:
         want = list(plain)
@@ -56,6 +53,7 @@ def test_two_views_differ_and_the_first_is_the_loaders_own_image(op_shards, read
         assert (a.views[0] != a.views[1]).flatten(1).any(1).float().mean() >= 0.75
 
 
+@pytest.mark.backend
 def test_each_view_follows_its_own_op_list(op_shards):
     """An op added to one view changes that view alone, exactly as the op does; window ops
     give each view its size."""
@@ -97,6 +95,7 @@ def test_views_are_the_same_on_both_backends(op_shards):
 
 
 @pytest.mark.parametrize("reader, backend", BACKENDS)
+@pytest.mark.backend
 def test_views_with_ops_resume_bit_identical(op_shards, reader, backend):
     views = [[RandomResizedCrop(32), ops.RandAugment(2, 9)],
              [RandomResizedCrop(16, scale=(0.05, 0.4)), ops.ColorJitter(0.4, 0.4, 0.4, 0.1)]]
@@ -111,6 +110,7 @@ def test_views_with_ops_resume_bit_identical(op_shards, reader, backend):
     assert len({k for b in head + rest for k in b.keys}) == 40
 
 
+@pytest.mark.backend
 def test_views_are_normalized_and_laid_out_after_their_ops(op_shards):
     views = [[RandomResizedCrop(32), Invert(0.5)], [CenterCrop(16)]]
     with _make(op_shards, views=views) as loader:
@@ -123,6 +123,7 @@ def test_views_are_normalized_and_laid_out_after_their_ops(op_shards):
         assert torch.allclose(a, (b.permute(0, 2, 3, 1).float() - mean) / std)
 
 
+@pytest.mark.backend
 def test_a_skipped_sample_leaves_every_view_aligned(tmp_path):
     from test_image_loader import _bad_shards, _corrupt_scan
 
@@ -216,6 +217,7 @@ def test_random_resized_crop_windows_follow_torchvisions_distribution():
     assert big.window(rng, 100, 1000) == (0, (1000 - 133) // 2, 100, 133)
 
 
+@pytest.mark.backend
 def test_what_cannot_be_views_is_refused(op_shards):
     with pytest.raises(ValueError, match="batch_augment"):
         _make(op_shards, views=2, batch_augment=[ops.MixUp(classes=10)])
@@ -245,6 +247,7 @@ def test_views_on_a_gpu_are_the_cpu_views(op_shards):
                    for x, y in zip(a.views, b.views, strict=True))
 
 
+@pytest.mark.backend
 def test_views_made_after_delivery_on_the_cpu_are_the_cpu_views(op_shards, monkeypatch):
     """The CPU twin of the test above: views resized in the decode stage and their ops run
     once the batch is delivered (a GPU loader's route, taken on the CPU) are the views of
