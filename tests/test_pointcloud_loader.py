@@ -25,10 +25,6 @@ from shardflow.pointcloud.voxelize import voxelize
 from shardflow.shards.writer import ShardWriter
 from shardflow.tools.bench.pointcloud import augment_numpy
 
-# The no-DALI pass (the Makefile's second) runs these: what they load takes the
-# automatic backend or reader, the portable one where DALI does not import.
-pytestmark = pytest.mark.backend
-
 OPTS = {"device": "cpu", "threads": 1, "shuffle_buffer": 16}
 POINTS = 96  # per stored cloud
 
@@ -447,6 +443,7 @@ def train(data: Path, out: Path, *args: object) -> dict:
 
 
 @pytest.mark.parametrize("model", ["pointnet", "voxnet"])
+@pytest.mark.backend
 def test_train_tool_runs_both_models_under_bf16(train_shards, tmp_path, model, one_thread):
     # Measured here over seeds 0-2: accuracy 0.54-0.66, eval loss 1.08-1.23, last logged
     # loss 0.54-0.76 of the first (2 cores, native bf16; most of the time is start-up).
@@ -461,12 +458,11 @@ def test_train_tool_runs_both_models_under_bf16(train_shards, tmp_path, model, o
     assert len(losses) == 8 and losses[-1] < 0.85 * losses[0], losses
 
 
+# Measured on this data: 0.68-0.82 over seeds 0-2. PointNet learning (0.72-0.82 here) is the
+# demo's to show: tests/test_demo.py.
 @pytest.mark.accuracy
-@pytest.mark.parametrize("model", ["pointnet", "voxnet"])
-def test_both_models_learn_the_primitives_far_above_chance(train_shards, tmp_path, model,
-                                                          one_thread):
-    # Measured on this data: 0.72-0.82 (pointnet) and 0.68-0.82 (voxnet) over seeds 0-2.
-    summary = train(train_shards, tmp_path / "run", "--model", model, "--steps", 300,
+def test_voxnet_learns_the_primitives_far_above_chance(train_shards, tmp_path, one_thread):
+    summary = train(train_shards, tmp_path / "run", "--model", "voxnet", "--steps", 300,
                     "--batch-size", 32, "--grid", 16)
     assert summary["accuracy"] > 0.6, summary  # chance is 1/6
 
