@@ -12,6 +12,8 @@ import subprocess
 import pytest
 from conftest import load_manifest, run_tool
 
+from shardflow.tools.demo import DATASETS
+
 
 @pytest.fixture(scope="module")
 def demo():
@@ -34,34 +36,29 @@ def test_it_refuses_a_folder_it_did_not_make_and_replaces_its_own(demo, tmp_path
     assert [p.name for p in ours.iterdir()] == [demo.MARKER]
 
 
-def test_each_dataset_line_is_what_was_written_and_verified(demo, tmp_path):
-    """run_one for every built-in dataset: its line's samples, classes, shards and MB are
-    the manifest's, and verify_shards found no problem."""
-    for name in demo.DATASETS:
-        line = demo.run_one(name, tmp_path, workers=1).split()
-        manifest = load_manifest(tmp_path / "shards" / name)
-        assert line[0] == name and line[1] == manifest["modality"], line
-        assert int(line[2]) == manifest["total_samples"] > 0
-        assert line[3] == (str(len(manifest["classes"])) if manifest.get("classes") else "-")
-        assert int(line[4]) == len(manifest["shards"]) >= 4  # one is held out for evaluation
-        assert float(line[5]) == pytest.approx(
-            sum(s["bytes"] for s in manifest["shards"]) / 1e6, abs=0.051)
-        assert int(line[6]) == len(manifest["skipped"]) == 0 and line[7] == "ok"
-
-
 @pytest.mark.slow
 def test_the_whole_demo_trains_every_modality_past_what_chance_allows(tmp_path, wheel_site):
     """The whole job (about 100 s here), as `shardflow demo` from the wheel installed alone
     and run outside the checkout (conftest.wheel_site): exit 0 (every dataset verified, the
-    CTR run within 0.03 of the planted achievable AUC), and each run's held-out figure, read
-    from its line."""
+    CTR run within 0.03 of the planted achievable AUC), each dataset's line the manifest it
+    wrote (samples, classes, shards, MB; verify found no problem), and each run's held-out
+    figure, read from its line."""
     env = {**os.environ, "PYTHONPATH": str(wheel_site)}
     proc = subprocess.run([str(wheel_site / "bin" / "shardflow"), "demo", "--out",
                            str(tmp_path / "demo")], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=900, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     out = proc.stdout
-    assert len(re.findall(r"^\w+ +\w+ +\d+ .* ok +[\d.]+s$", out, re.M)) == 6, out
+    lines = re.findall(r"^\w+ +\w+ +\d+ .* ok +[\d.]+s$", out, re.M)
+    assert [line.split()[0] for line in lines] == list(DATASETS), out
+    for line in map(str.split, lines):
+        manifest = load_manifest(tmp_path / "demo" / "shards" / line[0])
+        assert line[1] == manifest["modality"] and int(line[2]) == manifest["total_samples"] > 0
+        assert line[3] == (str(len(manifest["classes"])) if manifest.get("classes") else "-")
+        assert int(line[4]) == len(manifest["shards"]) >= 4  # one is held out for evaluation
+        assert float(line[5]) == pytest.approx(
+            sum(s["bytes"] for s in manifest["shards"]) / 1e6, abs=0.051)
+        assert int(line[6]) == len(manifest["skipped"]) == 0
     assert re.search(r"image loader \(cpu, .*: batches of \(25, 3, 224, 224\) torch.uint8; "
                      r".*over an epoch of 100$", out, re.M), out
     images = float(re.search(r"^eval accuracy ([\d.]+)% on held-out shards \(chance: 10%\)",
@@ -71,7 +68,8 @@ def test_the_whole_demo_trains_every_modality_past_what_chance_allows(tmp_path, 
     clouds = float(re.search(r"point clouds \(pointnet\): eval accuracy ([\d.]+)%", out)[1])
     auc, achievable = map(float, re.search(r"held-out AUC ([\d.]+) against the planted "
                                            r"achievable ([\d.]+), within", out).groups())
-    assert images > 30 and clouds > 34, (images, clouds)  # 3x and 2x chance
+    # 3x chance each (measured: 87% and 72%); PointNet learning is asserted here alone
+    assert images > 30 and clouds > 50, (images, clouds)
     # clm learned more than byte frequencies (measured 0.4 of the entropy; test_text_loader
     # leaves this claim, once its own 150-step run, to the demo)
     assert loss < 0.75 * entropy, (loss, entropy)
