@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, jpeg_bytes, make_image_folder
+from conftest import ROOT, make_image_folder
 
 import shardflow as shardflow_package
 from shardflow.tools.main import COMMANDS
@@ -41,13 +41,6 @@ def test_the_command_is_installed_names_its_version_and_every_subcommand():
     assert same.returncode == 0 and same.stdout == top.stdout
 
 
-@pytest.mark.parametrize("name", sorted(COMMANDS))
-def test_every_subcommand_has_its_own_help(name):
-    proc = shardflow(name, "--help")
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith(f"usage: shardflow {name} ")
-
-
 def test_an_unknown_subcommand_or_none_is_a_usage_error_naming_the_choices():
     for args in (["bogus"], []):
         proc = shardflow(*args)
@@ -70,8 +63,11 @@ def test_errors_keep_their_exit_codes_through_the_command(tmp_path):
 # -- the wheel on its own ---------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_the_wheel_alone_converts_verifies_trains_and_benchmarks(wheel_site, tmp_path):
-    """`shardflow demo` from the wheel: tests/test_demo.py's whole run."""
+def test_the_wheel_alone_installs_one_package_whose_every_command_runs(wheel_site, tmp_path):
+    """The installed wheel, outside the checkout: one top-level package, every subcommand's
+    help (a module left out of the wheel fails here), its package data, the GPU check and
+    the benchmark. Converting, verifying and training from the wheel are tests/test_demo.py's
+    whole run of `shardflow demo`."""
     env = {**os.environ, "PYTHONPATH": str(wheel_site)}
     exe = wheel_site / "bin" / "shardflow"
     away = tmp_path / "elsewhere"  # not the checkout: nothing may come from it
@@ -102,19 +98,9 @@ def test_the_wheel_alone_converts_verifies_trains_and_benchmarks(wheel_site, tmp
     assert run("--version").stdout.strip() == f"shardflow {VERSION}"
     for name in COMMANDS:
         assert run(name, "--help").stdout.startswith(f"usage: shardflow {name} ")
-    src = make_image_folder(away / "photos", classes=2, per_class=12)
-    (src / "class1" / "upper.JPG").write_bytes(jpeg_bytes(99))
-    run("convert", "imagefolder", src, away / "shards", "--max-count", 10, "--quiet")
-    manifest = json.loads((away / "shards" / "manifest.json").read_text())
-    assert manifest["total_samples"] == 25 and len(manifest["shards"]) == 3
-    run("verify", away / "shards")
     run("recipes", away / "cluster")  # package data: in the wheel
     assert (away / "cluster" / "slurm_train.sbatch").read_bytes() == \
         (ROOT / "tools" / "cluster" / "slurm_train.sbatch").read_bytes()
-    run("train", "--task", "image", "--data", away / "shards", "--out", away / "run",
-        "--steps", 5, "--batch-size", 8, "--size", 32, "--device", "cpu", "--quiet")
-    summary = json.loads((away / "run" / "summary.json").read_text())
-    assert summary["steps"] == 5
     run("gpu-check", "--dry-run", "--only", "delivery", "--json", away / "gpu.json")
     report = json.loads((away / "gpu.json").read_text())  # its part ran as a subprocess
     assert report["finished"] is True and report["parts"]["delivery"]["status"] == "ok"
