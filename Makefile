@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 
 # The suite in three pytest-xdist workers on our two cores (a third fills the gaps where a
 # test waits on a process or a server), the long tests handed out first (conftest.py); the
-# docs' pages stay in one worker (they share the shards converting.md makes).
+# docs' pages, the Ray and the S3 tests each stay in one worker (they share a server or shards).
 XDIST := -n 3 --dist loadgroup
 
 # Then the tests marked `backend` again with nvidia.dali unimportable (an import hook:

@@ -380,10 +380,11 @@ def op_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "out"
 
 
-# Commands run in a child of tests/toolserver.py, a process that imported them once: the
-# training command's imports (torch, DALI, matplotlib) are seconds of every run, and the suite
-# starts it dozens of times. The others start as a new Python, as a user starts them.
-FORKED = {"train"}
+# Commands run in a child of tests/toolserver.py, a process that imported them once: a new
+# Python spends about a second on make_shards' imports and five on train's (torch, DALI,
+# matplotlib), and the suite runs them hundreds of times. The others (the benchmarks, the GPU
+# check, the tokenizer trainer, the demo) start as a new Python, as a user starts them.
+FORKED = {"train", "make_shards", "verify_shards", "plot_run", "show_shards"}
 
 
 def run_tool(name: str, *args: object, check: bool = False) -> subprocess.CompletedProcess[str]:

@@ -28,7 +28,9 @@ from shardflow.convert.parquet import ParquetOptions
 from shardflow.errors import DataError
 from shardflow.executor import WorkerError
 
-pytestmark = pytest.mark.slow  # Ray starts in seconds, two command-line runs connect to it
+# Ray starts in seconds, two command-line runs connect to it; one worker runs the module,
+# so that one Ray serves every test (pytest-xdist's loadgroup)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,10 @@ KEY = "AKIAFAKEKEYFORTESTS1"
 SECRET = "fake-S3CRET-never-shown-0451"
 REGION = "us-east-1"
 
+# One worker runs the module (pytest-xdist's loadgroup): one moto server and its shards serve
+# every test.
+pytestmark = pytest.mark.xdist_group("s3")
+
 
 @dataclass(frozen=True)
 class S3:

@@ -19,10 +19,12 @@ import signal
 import sys
 import traceback
 
-# What `shardflow train` imports on its way (a module that does not import here, such as
+# What the forked commands import on their way (a module that does not import here, such as
 # nvidia.dali in the no-DALI pass, is left to the child, which then fails as a process would).
 PRELOAD = ("torch", "torch._dynamo", "nvidia.dali", "matplotlib.figure",
            "matplotlib.backends.backend_agg", "shardflow.tools.train",
+           "shardflow.tools.make_shards", "shardflow.tools.verify_shards",
+           "shardflow.tools.plot_run", "shardflow.tools.show_shards",
            "shardflow.image.loader", "shardflow.text.loader", "shardflow.pointcloud.loader",
            "shardflow.tabular.loader", "shardflow.trainers.run")
 
