@@ -60,11 +60,19 @@ def test_dry_run_records_every_part_and_the_header(tmp_path: Path) -> None:
     made = subprocess.run([sys.executable, str(ROOT / "tools" / "checkout.py"), str(tree)],
                           capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stderr
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # Every subpackage from the tree: here an editable install would fill in one it lacks,
+    # which the GPU machine does not have.
+    where = subprocess.run([sys.executable, "-c", "import shardflow.loading.loader as a, "
+                            "shardflow.trainers.loop as b, shardflow.tools.gpu_check as c; "
+                            "print(a.__file__, b.__file__, c.__file__)"],
+                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert where.returncode == 0, where.stderr
+    assert all(Path(p).is_relative_to(tree) for p in where.stdout.split()), where.stdout
     out = tmp_path / "gc.json"
     proc = subprocess.run([sys.executable, "-m", "shardflow", "gpu-check", "--dry-run",
                            "--timeout-scale", "2", "--budget", "720", "--json", str(out)],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=900,
-                          env={**os.environ, "PYTHONPATH": str(tree)})
+                          capture_output=True, text=True, cwd=tmp_path, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = load(out)
     assert report["finished"] and report["dry_run"]
