@@ -95,7 +95,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def longest_first(item: pytest.Item) -> int:
     """The order tests are handed to xdist's workers in: the long ones (`slow`, `accuracy`,
-    the docs' pages, which run one after another in one worker) first, so that no worker is
+    and the groups one worker runs in turn: docs, Ray, S3) first, so that no worker is
     left with a long test while the others wait at the end. A stable sort: the rest keeps
     pytest's order."""
     long = ("slow", "accuracy", "xdist_group")
