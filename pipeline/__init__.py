@@ -27,6 +27,15 @@ def __getattr__(name: str) -> object:
         from shardflow.access import dataset
 
         return getattr(dataset, name)
+    if name == "Pipeline":
+        from shardflow.compose.pipeline import Pipeline
+
+        return Pipeline
+    if name in ("fields", "ops"):  # sf.fields.Image(...), sf.ops.RandAugment()
+        import importlib
+
+        return importlib.import_module(f"shardflow.{'compose.' if name == 'fields' else ''}"
+                                       f"{name}")
     if name == "merge_states":
         from shardflow.loading.mix import merge_states
 

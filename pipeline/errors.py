@@ -78,12 +78,30 @@ def check_on_error(value: str) -> OnError:
     return value  # type: ignore[return-value]
 
 
+class Filtered(Exception):  # noqa: N818 - a signal, not an error
+    """A pipeline's `filter` (or a `map` returning None) left this sample out: not bad data,
+    counted apart from skips (SkipLog.filtered) by the stage that did it."""
+
+    def __init__(self, stage: str) -> None:
+        super().__init__(stage)
+        self.stage = stage
+
+    def entry(self, source: str, key: str) -> dict[str, Any]:
+        """The marker that travels with its batch to the skip log (committed when the batch is
+        handed out, as skips are); counted there, not kept."""
+        return {"filtered": self.stage, "source": source, "key": key, "reason": "filtered",
+                "detail": f"left out by {self.stage}", "samples": 0}
+
+
 @dataclass
 class SkipLog:
-    """Every skipped input, by reason. Kept whole: a run must be able to name all it dropped."""
+    """Every skipped input, by reason. Kept whole: a run must be able to name all it dropped.
+    Samples a pipeline's filter left out are counted by stage (`filtered`), not kept: they
+    are no loss, and a filter may leave out most of a dataset."""
 
     entries: list[dict[str, Any]] = field(default_factory=list)
     announce: bool = True  # log each entry as it comes (off where the caller prints a report)
+    filtered: Counter[str] = field(default_factory=Counter)
 
     def add(self, err: DataError) -> None:
         self.entries.append({"source": err.source, "key": err.key, "reason": err.reason,
@@ -92,7 +110,11 @@ class SkipLog:
             log.warning("skipped %s", err)
 
     def extend(self, entries: list[dict[str, Any]]) -> None:
-        self.entries.extend(entries)
+        for entry in entries:
+            if "filtered" in entry:
+                self.filtered[entry["filtered"]] += 1
+            else:
+                self.entries.append(entry)
 
     def counts(self) -> dict[str, int]:
         return dict(sorted(Counter(e["reason"] for e in self.entries).items()))

@@ -74,15 +74,28 @@ class BatchOps:
 
         assert batch.targets is not None
         images = self._nchw(batch.image)
-        maps = [batch.targets[name] for name in self.targets]
-        if len(images) and self.ops:  # the masks as channels of one (N, K, H, W) tensor
-            common = torch.int32 if any(m.dtype != torch.uint8 for m in maps) else torch.uint8
-            stacked = torch.stack([m.to(common) for m in maps], dim=1)
-            images, stacked = ops.apply(self.ops, images,
+        maps = {name: batch.targets[name] for name in self.targets}
+        if not len(images) or not self.ops:
+            return self._finished(images), maps
+        # Labels and continuous values (float: bilinear) each as channels of one (N, K, H, W)
+        # tensor, through the same draws (each apply draws afresh from the same keys).
+        labels = [n for n, m in maps.items() if not m.is_floating_point()]
+        values = [n for n, m in maps.items() if m.is_floating_point()]
+        warped = images
+        for names in (labels, values):
+            if not names:
+                continue
+            common = torch.float32 if names is values else torch.int32 if any(
+                maps[n].dtype != torch.uint8 for n in names) else torch.uint8
+            stacked = torch.stack([maps[n].to(common) for n in names], dim=1)
+            # an op may work in place: the first of two applies gets a copy of the images
+            first = names is labels and bool(values)
+            warped, stacked = ops.apply(self.ops, images.clone() if first else images,
                                         ops.sample_rngs(self.seed, epoch, batch.keys),
                                         masks=stacked)
-            maps = [m.to(old.dtype) for m, old in zip(stacked.unbind(1), maps, strict=True)]
-        return self._finished(images), dict(zip(self.targets, maps, strict=True))
+            maps.update({n: m.to(maps[n].dtype)
+                         for n, m in zip(names, stacked.unbind(1), strict=True)})
+        return self._finished(warped), maps
 
     def _one(self, image: Any, ops_: Sequence[Any], epoch: int, keys: list[str],
              done: int = 0) -> Any:

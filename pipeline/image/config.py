@@ -52,6 +52,12 @@ class ImageConfig(GraphOptions):
     # Spatial targets read beside the image, by name: {"mask": "seg.png"} gives
     # batch.targets["mask"], (N, size, size), warped as the image is (samples/masks.py).
     targets: Any = None
+    # A pipeline's fields and per-sample Python (compose/samples.SampleStage), set by
+    # shardflow.Pipeline: its members are among `extras`, decoded by it instead.
+    fields: Any = None
+    # Targets that hold continuous values (depth, normals), not labels: read as float32
+    # (samples/masks.read_values), resized and warped bilinearly; by name.
+    value_targets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -69,6 +75,11 @@ class ImageConfig(GraphOptions):
         check_extras(self.extras)
         object.__setattr__(self, "extras", tuple(self.extras))  # a list is taken too
         object.__setattr__(self, "targets", check_targets(self.targets, self.extras))
+        object.__setattr__(self, "value_targets", tuple(self.value_targets))
+        unknown = set(self.value_targets) - {name for name, _ in self.targets}
+        if unknown:
+            raise ValueError(f"value_targets={self.value_targets!r}: {sorted(unknown)} not among "
+                             "the targets' names")
         for name in ("augment", "batch_augment"):
             value = getattr(self, name)
             if not isinstance(value, (tuple, list)):  # one op alone is taken too

@@ -154,7 +154,9 @@ class ImageStage(BackendStage):
         """Each target's masks for the batch (N, size, size), from the cuts the reader stage
         made (augment.MaskedCrop), resized and turned as the images are."""
         turns = [(w.transpose, w.vflip, w.flip) for w in windows]
-        return {name: resize.mask_batch([w.masks[j] for w in windows], turns, self.cfg.size)
+        return {name: (resize.values_batch if name in self.cfg.value_targets
+                       else resize.mask_batch)([w.masks[j] for w in windows], turns,
+                                               self.cfg.size)
                 for j, (name, _) in enumerate(self.cfg.targets)}
 
     def _empty(self) -> Any:

@@ -17,7 +17,6 @@ key) when training, the centre crop when evaluating, so memory is bounded by the
 from __future__ import annotations
 
 import copy
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,6 +42,8 @@ from shardflow.samples.checks import (
     CheckLimits,
     check_image,
     check_label,
+    json_of,
+    utf8_of,
 )
 from shardflow.shards.daliindex import parse_index
 
@@ -118,6 +119,8 @@ class ImageLoader(GraphLoader):
         self.cfg = cfg
         # the readers carry the targets' members too (checked and cut in _check_one)
         self.extras = cfg.extras + tuple(ext for _, ext in cfg.targets)
+        self.fields = cfg.fields
+        self._own = set(cfg.fields.members) if cfg.fields is not None else set()
         super().__init__(source, cfg, rank, world_size)
         if cfg.labels and self.reader == "dali":  # indexed shards say up front what they hold
             _refuse_unlabelled(self.source)
@@ -178,7 +181,9 @@ class ImageLoader(GraphLoader):
         label = check_label(enc.labels[i] or b"", self.num_classes) if self.cfg.labels \
             else None
         for ext in self.cfg.extras:  # parsed here, so a bad one is raised or skipped by key
-            enc.extras[ext][i] = parse_extra(ext, enc.extras[ext][i], self.cfg.max_extra_bytes)
+            if ext not in self._own:  # a pipeline's fields decode their own members
+                enc.extras[ext][i] = parse_extra(ext, enc.extras[ext][i],
+                                                 self.cfg.max_extra_bytes)
         data = enc.data[i].tobytes()
         if data[:2] == b"\xff\xd8" and not headers.whole_jpeg(data):
             # Cut short: a window decode that ends above the missing rows would not notice
@@ -187,6 +192,8 @@ class ImageLoader(GraphLoader):
             # refuses it here, every time, with its reason (it refuses a file that lacks
             # only the marker too, as make_shards and verify_shards do).
             check_image(data, CheckLimits(max_pixels=self.cfg.max_pixels))
+        if self.fields is not None:  # after the image's checks: a bad image is a skip
+            self.fields.check(enc, i, epoch, _upright(data, self.cfg))
         window = self._window(data, enc.keys[i], epoch)
         if not self.cfg.targets:
             return label, window
@@ -197,13 +204,14 @@ class ImageLoader(GraphLoader):
         """The window with each target's mask decoded, checked (a PNG label map of the
         image's stored size: samples/masks.py) and cut to it; DataError names the member."""
         cuts = []
-        for _, ext in self.cfg.targets:
+        for name, ext in self.cfg.targets:
             data = enc.extras[ext][i]
             if data is None:
                 raise DataError("missing-field", f"no .{ext} member (asked for by targets)")
             enc.extras[ext][i] = None  # the cut is kept; the bytes are not carried on
+            read = masks.read_values if name in self.cfg.value_targets else masks.read_mask
             try:
-                label_map = masks.read_mask(bytes(data), size)
+                label_map = read(bytes(data), size)
             except DataError as err:
                 raise DataError(err.reason, f".{ext}: {err.detail}") from None
             w = window
@@ -241,6 +249,13 @@ class ImageLoader(GraphLoader):
         return augment.CropParams(x, y, w, h, False)
 
 
+def _upright(data: bytes, cfg: ImageConfig) -> tuple[int, int]:
+    """The image's upright (width, height), as a pipeline's map and filter see it."""
+    header = headers.check_header(data, cfg.max_pixels)
+    orientation = header.orientation if cfg.exif_orientation else 1
+    return headers.ImageHeader(header.width, header.height, orientation).upright_size()
+
+
 def _refuse_unlabelled(source: Source) -> None:
     """ValueError when no sample of any shard has a `.cls` member, from the .idx files: the
     loader was asked for labels the shards do not hold. Stops at the first labelled shard."""
@@ -273,18 +288,6 @@ def parse_extra(ext: str, data: bytes | None, max_bytes: int) -> Any:
     if last not in _TEXT_EXTS + _JSON_EXTS:
         return bytes(data)
     try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise DataError("bad-utf8", f".{ext} member is not valid UTF-8 at byte {exc.start}"
-                        ) from None
-    if last in _TEXT_EXTS:
-        if "\x00" in text:
-            raise DataError("nul-byte", f".{ext} member holds a NUL byte at character "
-                            f"{text.index(chr(0))}")
-        return text
-    try:
-        return json.loads(text)
-    except RecursionError:  # "[[[[..." deeper than Python's stack
-        raise DataError("bad-json", f".{ext} member nests too deeply to parse") from None
-    except ValueError as exc:  # JSONDecodeError, and integers of more than 4300 digits
-        raise DataError("bad-json", f".{ext} member is not JSON: {exc}") from None
+        return utf8_of(data) if last in _TEXT_EXTS else json_of(data)
+    except DataError as err:
+        raise DataError(err.reason, f".{ext} member: {err.detail}") from None

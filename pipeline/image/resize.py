@@ -96,6 +96,19 @@ def mask_batch(crops: Sequence[np.ndarray], turns: Sequence[tuple[bool, bool, bo
     return out
 
 
+def values_batch(crops: Sequence[np.ndarray], turns: Sequence[tuple[bool, bool, bool]],
+                 size: int) -> torch.Tensor:
+    """`mask_batch` for maps of continuous values (depth): bilinear (antialiased where it
+    shrinks, as the images are), float32 (N, size, size)."""
+    out = torch.empty((len(crops), size, size), dtype=torch.float32)
+    for i, (crop, (transpose, vflip, hflip)) in enumerate(zip(crops, turns, strict=True)):
+        one = torch.from_numpy(crop)[None, None]
+        one = F.interpolate(one, size=(size, size), mode="bilinear", align_corners=False,
+                            antialias=True)
+        out[i] = _orient(one[0], transpose, vflip, hflip)[0]
+    return out
+
+
 def views(tensor_list: Any) -> list[np.ndarray]:
     """Per-sample numpy views of a CPU DALI TensorList (valid until its pipeline runs again)."""
     return [np.asarray(tensor_list[i]) for i in range(len(tensor_list))]

@@ -23,7 +23,7 @@ from typing import Any
 
 from shardflow.loading import consumed
 
-RANK_FIELDS = ("epoch", "batches", "reader_state", "skipped", "rest")
+RANK_FIELDS = ("epoch", "batches", "reader_state", "skipped", "rest", "filtered")
 
 
 def gather(local: dict[str, Any], world_size: int) -> list[dict[str, Any]] | None:

@@ -190,6 +190,9 @@ class GraphLoader(Loader):
 
     members: tuple[str, ...] = ()
     extras: tuple[str, ...] = ()
+    # A pipeline's sample stage (compose/samples.py): its batch step (encode) runs here, on
+    # what the checks left of each batch.
+    fields: Any = None
 
     def __init__(self, source: Source, cfg: GraphOptions, rank: int, world_size: int) -> None:
         # The portable backend decodes on the CPU only (decode="gpu" is refused there).
@@ -217,6 +220,8 @@ class GraphLoader(Loader):
             if stop.is_set():
                 return
             checked = self._check_each(enc, lambda e, i: self._check_one(e, i, plan.epoch))
+            if self.fields is not None:
+                self.fields.encode(enc)
             yield enc, [label for label, _ in checked], [param for _, param in checked]
 
     def _produce(self, plan: EpochPlan, reader_state: dict[str, Any] | None,

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from shardflow.errors import DataError, OnError, SkipLog, handle
+from shardflow.errors import DataError, Filtered, OnError, SkipLog, handle
 from shardflow.loading import consumed, elastic, reader_dali
 from shardflow.loading.batch import EncodedBatch
 from shardflow.loading.deferred import resolved
@@ -265,8 +265,9 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
     def _check_each(self, enc: EncodedBatch, check: Callable[[EncodedBatch, int], T]
                     ) -> list[T]:
         """`check(enc, i)` for every sample of `enc`: those it refuses with a DataError are raised
-        or dropped from `enc` (the skips recorded with it); the results of the rest, aligned
-        with what is left in `enc`."""
+        or dropped from `enc` (the skips recorded with it), those a pipeline's filter leaves
+        out are dropped (counted with it); the results of the rest, aligned with what is
+        left in `enc`."""
         self._leave_out(enc)
         results: list[T] = []
         skips = SkipLog()
@@ -275,6 +276,9 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
                 results.append(check(enc, i))
             except DataError as err:
                 handle(err.located(source=enc.urls[i], key=enc.keys[i]), self.on_error, skips)
+                enc.drop(i)
+            except Filtered as left_out:
+                enc.skips.append(left_out.entry(enc.urls[i], enc.keys[i]))
                 enc.drop(i)
         enc.skips.extend(reversed(skips.entries))
         return results[::-1]
@@ -340,6 +344,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
                 "shuffle_buffer": self.shuffle_buffer, "epoch": self.epoch,
                 "batches": self._batches_done, "reader_state": resolved(self._reader_state),
                 "skipped": list(self.skips.entries), "rest": self._rest,
+                "filtered": dict(self.skips.filtered),
                 "subset": self.subset.describe() if self.subset is not None else None,
                 "holdout": None if self.holdout is None else
                 {"side": self.holdout.side, "percent": self.holdout.percent}}
@@ -390,6 +395,7 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         self.epoch, self._batches_done = int(entry["epoch"]), int(entry["batches"])
         self._reader_state, self._rest = entry["reader_state"], entry.get("rest")
         self.skips.entries = skipped
+        self.skips.filtered = Counter(entry.get("filtered") or {})
 
     def _load_elsewhere(self, state: dict[str, Any]) -> None:
         """A whole state saved at another world size: continue with the rest of its epoch
@@ -405,6 +411,10 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         self.epoch, self._batches_done, self._reader_state = epoch, before, None
         self._rest = rest
         self.skips.entries = elastic.skips_for(self.rank, state["ranks"])
+        self.skips.filtered = Counter()
+        if self.rank == 0:  # as the skips: rank 0 carries on the count of every saved rank
+            for entry in state["ranks"]:
+                self.skips.filtered.update(entry.get("filtered") or {})
         plan = self.plan()  # fails here, not mid-run, when the rest cannot be split
         log.info("loader state saved on %d ranks resumed on %d: epoch %d continues with %s "
                  "samples on this rank", old, self.world_size, epoch,
@@ -456,6 +466,11 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
 
     def skip_counts(self) -> dict[str, int]:
         return self.skips.counts()
+
+    def filtered_counts(self) -> dict[str, int]:
+        """Samples a pipeline's filter (or a map returning None) left out so far, by stage;
+        not skips: `read + skipped_samples() + filtered == total`."""
+        return dict(sorted(self.skips.filtered.items()))
 
     def close(self) -> None:
         if self._stage is not None:

@@ -64,8 +64,10 @@ def warp(images: torch.Tensor, matrices: Sequence[Sequence[float]]) -> torch.Ten
     return _grid_warp(images, matrices)
 
 
-def _grid_warp(images: torch.Tensor, matrices: Sequence[Sequence[float]]) -> torch.Tensor:
-    """`warp` as torchvision's tensor affine runs it: grid_sample over a float copy."""
+def _grid_warp(images: torch.Tensor, matrices: Sequence[Sequence[float]],
+               mode: str = "nearest") -> torch.Tensor:
+    """`warp` as torchvision's tensor affine runs it: grid_sample over a float copy (`mode`
+    "bilinear" for maps of continuous values)."""
     n, _, h, w = images.shape
     theta = on_device(matrices, images.device, torch.float32).view(n, 2, 3)
     xs = torch.arange(w, dtype=torch.float32, device=images.device) + 0.5 - w / 2
@@ -74,7 +76,7 @@ def _grid_warp(images: torch.Tensor, matrices: Sequence[Sequence[float]]) -> tor
                         device=images.device)], dim=-1).view(1, h * w, 3)
     scale = on_device([0.5 * w, 0.5 * h], images.device, torch.float32)
     grid = base.expand(n, -1, -1).bmm(theta.transpose(1, 2)) / scale
-    out = F.grid_sample(images.float(), grid.view(n, h, w, 2), mode="nearest",
+    out = F.grid_sample(images.float(), grid.view(n, h, w, 2), mode=mode,
                         padding_mode="zeros", align_corners=False)
     # nearest: the values are the input's, exactly (float32 holds a 16-bit mask's too)
     return out.to(images.dtype)
@@ -139,15 +141,18 @@ def shift(images: torch.Tensor, moves: Sequence[tuple[int, int]]) -> torch.Tenso
     return out
 
 
-def _warp_chosen(images: Tensor, params: Sequence[Any], matrix: Any) -> Tensor:
+def _warp_chosen(images: Tensor, params: Sequence[Any], matrix: Any,
+                 mode: str = "nearest") -> Tensor:
     idx = chosen(params)
     if not idx:
         return images
     h, w = images.shape[-2:]
     matrices = [matrix(params[i], h, w) for i in idx]
+    moved = (lambda x: warp(x, matrices)) if mode == "nearest" else \
+        (lambda x: _grid_warp(x, matrices, mode))
     if len(idx) == len(images):
-        return warp(images, matrices)
-    return put_rows(images.clone(), idx, warp(rows(images, idx), matrices))
+        return moved(images)
+    return put_rows(images.clone(), idx, moved(rows(images, idx)))
 
 
 def dali_matrices(params: Sequence[Any], height: int, width: int, matrix: Any
@@ -223,6 +228,8 @@ class _Warp(Op):
         return self.mask(images, params)
 
     def mask(self, masks: Tensor, params: Sequence[Any]) -> Tensor:
+        if masks.is_floating_point():  # continuous values (depth): bilinear, 0 outside
+            return _warp_chosen(masks, params, self.matrix, mode="bilinear")
         return _warp_chosen(masks, params, self.matrix)
 
     def dali_values(self, params: Sequence[Any], height: int, width: int

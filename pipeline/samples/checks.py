@@ -8,10 +8,12 @@ executed: pickle members are refused by name and `.npy` is loaded with allow_pic
 from __future__ import annotations
 
 import io
+import json
 import logging
 import re
 import warnings
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -343,15 +345,32 @@ def check_text(data: bytes, limits: CheckLimits) -> str:
 def text_of(data: bytes) -> str:
     """The document in `data`: strict UTF-8, no NUL byte, not empty or only whitespace
     (`check_text` without the size limit, for a loader that has cut the document already)."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise DataError("bad-utf8", f"not valid UTF-8 at byte {exc.start}") from None
-    if "\x00" in text:
-        raise DataError("nul-byte", f"text holds a NUL byte at character {text.index(chr(0))}")
+    text = utf8_of(data)
     if not text or text.isspace():  # what `not text.strip()` says, without a copy
         raise DataError("empty-text", "document is empty or only whitespace")
     return text
+
+
+def utf8_of(data: bytes, nul_ok: bool = False) -> str:
+    """Text in `data`: strict UTF-8 and (unless `nul_ok`) no NUL byte; empty is text too. The
+    one rule for documents, captions and every text member."""
+    try:
+        text = bytes(data).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError("bad-utf8", f"not valid UTF-8 at byte {exc.start}") from None
+    if not nul_ok and "\x00" in text:
+        raise DataError("nul-byte", f"text holds a NUL byte at character {text.index(chr(0))}")
+    return text
+
+
+def json_of(data: bytes) -> Any:
+    """A JSON member parsed by json.loads alone (nothing in it is evaluated)."""
+    try:
+        return json.loads(utf8_of(data, nul_ok=True))
+    except RecursionError:  # "[[[[..." deeper than Python's stack
+        raise DataError("bad-json", "JSON nests too deeply to parse") from None
+    except ValueError as exc:  # JSONDecodeError, and integers of more than 4300 digits
+        raise DataError("bad-json", f"not JSON: {exc}") from None
 
 
 def check_points(data: bytes, ext: str, limits: CheckLimits) -> bytes:

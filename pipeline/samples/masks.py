@@ -60,6 +60,30 @@ def prepare_mask(data: bytes, size: tuple[int, int]) -> bytes:
         return out.getvalue()
 
 
+def read_values(data: bytes, size: tuple[int, int]) -> np.ndarray:
+    """A map of continuous values (depth, a height field) of the image's stored `size`
+    (width, height), as float32 (H, W): a 2-D numeric `.npy` (never unpickled) or a grey PNG
+    (8 or 16 bit: its values as they are). DataError naming what is wrong."""
+    if bytes(data[:6]) == b"\x93NUMPY":
+        try:
+            values = np.load(io.BytesIO(bytes(data)), allow_pickle=False)
+        except (ValueError, OSError, EOFError) as exc:
+            raise DataError("bad-values", f"not a numpy array: {exc}") from None
+        if values.ndim != 2 or values.dtype.kind not in "iuf":
+            raise DataError("bad-values", f"array is {values.dtype} {values.shape}, not a "
+                            "2-D numeric map")
+        if values.shape != (size[1], size[0]):
+            raise DataError("mask-size", f"map is {values.shape[1]}x{values.shape[0]}, its "
+                            f"image {size[0]}x{size[1]}")
+        return values.astype(np.float32)
+    with _open(data) as img:
+        if img.format != "PNG":
+            raise DataError("bad-values", f"map is {img.format}: a value map is .npy or a grey "
+                            "PNG")
+        _check_opened(img, size)
+        return np.asarray(img, dtype=np.float32)
+
+
 def _open(data: bytes) -> Image.Image:
     try:
         return Image.open(io.BytesIO(data))
