@@ -298,6 +298,18 @@ class MixedLoader:
                 total[reason] = total.get(reason, 0) + n
         return total
 
+    def filtered_counts(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for loader in self.loaders:
+            for stage, n in loader.filtered_counts().items():
+                total[stage] = total.get(stage, 0) + n
+        return total
+
+    def describe(self) -> dict[str, Any]:
+        """The first source's loader's stages (every source's is built alike) and the
+        sources by name."""
+        return {**self.loaders[0].describe(), "sources": list(self.names)}
+
     def close(self) -> None:
         for source in self._sources:
             source.close()  # ends the source's pass: its stages stop
