@@ -2,7 +2,14 @@
 
 The training side is `shardflow.trainers`, the commands and benchmarks `shardflow.tools`."""
 
+from typing import TYPE_CHECKING
+
 __version__ = "0.2.0"
+
+if TYPE_CHECKING:  # what __getattr__ gives, for the type checker
+    from shardflow import ops as ops
+    from shardflow.compose import fields as fields
+    from shardflow.compose.pipeline import Pipeline as Pipeline
 
 
 def __getattr__(name: str) -> object:

@@ -536,3 +536,21 @@ def test_bench_loader_lidar_frame_figures(tmp_path, monkeypatch, capsys):
     assert r["voxelize"]["points"] > 2 * 50_000  # real-size frames
     assert out.with_suffix(".md").read_text().strip() in capsys.readouterr().out
     assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.backend
+def test_bench_loader_captions_pipeline_beside_webdataset_map(tmp_path):
+    """The image + caption benchmark: a Pipeline and webdataset's .decode().map() with
+    DataLoader workers over the same img2dataset-layout shards, each reading every photo."""
+    out = tmp_path / "captions.json"
+    proc = run_tool("bench_loader", "--modality", "captions", "--images", 16, "--repeats", 1,
+                    "--batch-size", 8, "--work", tmp_path / "work", "--json", out, "--plot",
+                    tmp_path / "captions.png", check=True)
+    result = json.loads(out.read_text())
+    assert set(result["images_per_s"]) == {"shardflow pipeline", "shardflow pipeline portable",
+                                           "webdataset .decode().map()"}
+    assert all(v > 0 for v in result["images_per_s"].values())
+    assert result["vs_webdataset"]["webdataset .decode().map()"] == 1.0
+    assert out.with_suffix(".md").read_text().strip() in proc.stdout
+    assert (tmp_path / "captions.png").stat().st_size > 1000
+    assert not (tmp_path / "work").exists(), "the benchmark's work folder was left behind"

@@ -23,7 +23,7 @@ from conftest import ROOT, gpu_available, run_tool
 
 TOOL = ROOT / "tools" / "gpu_check.py"
 PARTS = ["delivery", "amp_step", "copies", "offload", "ddp", "checkpointing",
-         "text_pointcloud", "dali", "sync_debug", "compile", "ranks", "ops"]
+         "text_pointcloud", "dali", "sync_debug", "compile", "ranks", "ops", "pipeline"]
 NO_CUDA = ("torch here is a CPU-only build", "torch is a CUDA build but no GPU is visible")
 
 
@@ -54,7 +54,7 @@ def test_dry_run_records_every_part_and_the_header(tmp_path: Path) -> None:
     """Every part's CPU equivalent, through the same code, run as on the lent GPU machine,
     which installs nothing: tools/checkout.py lays the package out as links into this
     checkout, and the check and each part's subprocess import shardflow there. The timeouts
-    and the budget are the GPU machine's (6 minutes in all); a dry run on 2 shared cores came
+    and the budget are the GPU machine's (6.25 minutes in all); a dry run on 2 shared cores came
     within 1.5x of some parts' (amp_step, compile, ranks), so it gets twice as long here."""
     tree = tmp_path / "checkout"
     made = subprocess.run([sys.executable, str(ROOT / "tools" / "checkout.py"), str(tree)],
@@ -104,6 +104,9 @@ def test_dry_run_records_every_part_and_the_header(tmp_path: Path) -> None:
     ddp = parts["ddp"]["runs"]  # every mode's hook on every step; int8 a quarter of fp32
     assert ddp["int8"]["hook_steps"] == ddp["powersgd:1"]["hook_steps"] == ddp["fp16"][
         "hook_steps"] == 3 and ddp["int8"]["ratio_to_fp32"] < 0.26
+    pipeline = parts["pipeline"]  # the same pipeline twice on the CPU: equal batches
+    assert pipeline["keys_match"] and pipeline["tokens_equal"] and pipeline["json_equal"]
+    assert pipeline["images_apart_share"] == 0 and pipeline["depth_max_diff"] == 0
     # the new parts ran their CPU equivalents through the same code: two gloo ranks, a
     # compiled DDP model, Trainer steps (host syncs are counted by CUDA only)
     assert parts["ranks"]["key"] == {**parts["ranks"]["key"], "ranks_agree": True,
@@ -170,18 +173,18 @@ def test_any_failed_part_makes_the_exit_status_non_zero(tmp_path: Path) -> None:
 
 
 def test_the_default_timeouts_fit_the_budget_most_valuable_first() -> None:
-    """The header's and the parts' default timeouts add up to at most the default budget (6
+    """The header's and the parts' default timeouts add up to at most the default budget (6.25
     minutes of one command on a lent GPU machine), and --list says so."""
     from shardflow.tools.bench.gpu import BUDGET_S, HEADER_TIMEOUT_S
     from shardflow.tools.bench.gpu import PARTS as SPECS
 
-    assert list(SPECS) == PARTS and BUDGET_S == 360
+    assert list(SPECS) == PARTS and BUDGET_S == 375
     total = HEADER_TIMEOUT_S + sum(spec.timeout_s for spec in SPECS.values())
     assert total <= BUDGET_S, total
     listed = dict(line.split("\t") for line in run_tool("gpu_check", "--list",
                                                          check=True).stdout.splitlines())
     assert list(listed) == ["header", *PARTS, "total", "budget"]
-    assert listed["total"] == f"{total:g} s" and listed["budget"] == "360 s"
+    assert listed["total"] == f"{total:g} s" and listed["budget"] == "375 s"
 
 
 def test_the_budget_cuts_a_part_to_what_is_left_and_skips_those_that_cannot_start(

@@ -6,6 +6,7 @@
     python tools/bench_loader.py --modality pointcloud [--clouds 600] # points/s, voxelization
     python tools/bench_loader.py --modality lidar [--frames 24]  # per frame: overlap, voxels
     python tools/bench_loader.py --modality tabular [--rows 100000]   # rows/s, hashing/core
+    python tools/bench_loader.py --modality captions  # a Pipeline: image + caption tokens + json
     python tools/bench_loader.py --source my_images/                  # your data, not ours
 
 Images:
@@ -297,6 +298,10 @@ def other_modality(args: argparse.Namespace) -> int:
                                   workers=args.threads))
         result, table = bench_text.run(shards, args.work, args.batch_size, args.repeats,
                                        threads=args.threads)
+    elif args.modality == "captions":
+        from shardflow.tools.bench import captions as bench_captions
+
+        result, table = bench_captions.run(args)
     elif args.modality == "tabular":
         from shardflow.tools.bench import tabular as bench_tabular
 
@@ -386,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", choices=("auto", "dali", "portable"), default="auto",
                    help="shardflow's backend (and --tune's); 'shardflow portable' always runs "
                    "beside it; auto: DALI where it imports")
-    p.add_argument("--modality", choices=("image", "text", "pointcloud", "lidar", "tabular"),
+    p.add_argument("--modality", choices=("image", "captions", "text", "pointcloud", "lidar",
+                                          "tabular"),
                    default="image")
     p.add_argument("--source", type=Path, default=None,
                    help="benchmark this data instead of the built-in corpus: an image folder "

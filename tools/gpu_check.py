@@ -16,7 +16,7 @@ On a machine without CUDA, the same orchestration at tiny sizes on the CPU (what
 
 Each part runs in its own subprocess (`--part NAME --json-part FILE`) under its own timeout
 (`--timeout-scale F` scales them all, `--timeout NAME=S` sets one), and the whole run under a
-budget (`--budget S`, default 360 s, the header and every part's start-up included): a part
+budget (`--budget S`, default 375 s, the header and every part's start-up included): a part
 never gets more than what is left, and one that cannot start in what is left (10 s times
 --timeout-scale, or its own timeout if smaller) is recorded as skipped for the budget. The
 report is rewritten atomically (temp file, fsync, os.replace) after the header and after every
@@ -26,8 +26,8 @@ starts from a fresh report and work folder (in the temp dir, wiped at the start 
 and a part's process ends itself when the orchestrating one is killed. Report: {"header":
 {...}, "parts": {name: {"status": ok|failed|error|timeout|skipped|pending, "seconds",
 "timeout_s", "key": {key figures}, ...}}, "budget_s", "elapsed_s", "finished": bool}. The
-parts, most valuable first, and their default timeouts (335 s in all, plus 20 s for the header:
-355 s, within the budget) are tools/bench/gpu's PARTS: described at the end of --help, listed
+parts, most valuable first, and their default timeouts (350 s in all, plus 20 s for the header:
+370 s, within the budget) are tools/bench/gpu's PARTS: described at the end of --help, listed
 by --list.
 
 Without CUDA (and without --dry-run) it says whether torch is a CPU-only build or a CUDA build
