@@ -335,3 +335,50 @@ def test_depth_is_warped_with_its_image(depth_shards, backend):
         assert inside.float().mean() > 0.3
         assert error.max() < 3.5 and error.median() < 1.0, (error.max(), error.median())
         assert (depth[~inside.bool()] >= 0).all()
+
+
+def test_one_cutter_for_packing_and_row_windows_every_item_once_across_a_restart():
+    """loading/cutting.Cutter (under text packing and tabular windows): reads of uneven
+    lengths cut into batches of 5; after any batch, re-reading from its position and dropping
+    its offset gives exactly the items not yet handed out."""
+    from dataclasses import dataclass, field
+
+    from shardflow.loading.cutting import Cutter
+
+    @dataclass
+    class Items:
+        before: dict | None
+        items: list[int]
+        skips: list[dict] = field(default_factory=list)
+        offset: int = 0
+        reported: bool = False
+
+        @property
+        def left(self) -> int:
+            return len(self.items) - self.offset
+
+    lengths = [3, 0, 7, 1, 12, 4]
+    reads = [list(range(sum(lengths[:i]), sum(lengths[:i + 1]))) for i in range(len(lengths))]
+
+    def run(start: int, drop: int):  # type: ignore[no-untyped-def]
+        cutter: Cutter[Items] = Cutter(5)
+        out, positions = [], []
+        for i in range(start, len(reads)):
+            read = Items({"read": i}, reads[i], skips=[{"read": i}] if i == 4 else [])
+            if i == start and drop:
+                read.offset, read.reported = drop, True
+            cutter.add(read, {"read": i + 1})
+            while cutter.ready() or (i == len(reads) - 1 and cutter.available):
+                spans, skips = cutter.take()
+                out.append([x for r, lo, hi in spans for x in r.items[lo:hi]])
+                positions.append(cutter.position())
+        return out, positions
+
+    whole, positions = run(0, 0)
+    assert [x for batch in whole for x in batch] == list(range(sum(lengths)))
+    assert all(len(b) == 5 for b in whole[:-1])
+    for k in range(1, len(whole)):
+        before, offset = positions[k - 1]
+        rest, _ = run(before["read"], offset)
+        assert [x for b in whole[:k] for x in b] + [x for b in rest for x in b] == \
+            list(range(sum(lengths))), k

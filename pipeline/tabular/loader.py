@@ -26,6 +26,7 @@ its rows.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Generator, Iterator, Sequence
@@ -48,7 +49,7 @@ from shardflow.tabular import dense as dense_features
 from shardflow.tabular import hashing
 from shardflow.tabular.config import FeatureSchema, TabularConfig
 from shardflow.tabular.schema import SourceInfo, source_info
-from shardflow.tabular.window import Cut, Window, Windows
+from shardflow.tabular.window import Cut, Window, Windows, rows_of
 
 log = logging.getLogger(__name__)
 
@@ -241,17 +242,19 @@ class TabularLoader(Loader):
         reads: Stage[tuple[Window, dict[str, Any]]] = Stage(
             lambda reader_stop: self._reads(plan, before, reader_stop), depth=self.prefetch,
             name="shardflow-tabular-reader", parent_stop=stop)
-        windows = Windows(self.batch_size, len(self.schema.dense), len(self.schema.categorical))
+        windows: Windows[Window] = Windows(self.batch_size)
+        cut = functools.partial(rows_of, dense=len(self.schema.dense),
+                                fields=len(self.schema.categorical))
         try:
             for n, (window, after) in enumerate(reads):
                 if n == 0 and drop:  # resuming inside this read: its first rows went out
                     window.offset, window.reported = drop, True
                 windows.add(window, after)
                 while windows.ready() and not stop.is_set():
-                    yield self._batch(windows.take(), windows.position(), index)
+                    yield self._batch(cut(*windows.take()), windows.position(), index)
                     index += 1
             while windows.available or windows.pending_skips():  # the epoch's last batch
-                item = self._batch(windows.take(), windows.position(), index)
+                item = self._batch(cut(*windows.take()), windows.position(), index)
                 index += item[0] is not None
                 yield item
         finally:

@@ -1,26 +1,24 @@
 """Rows of blocks into batches of `batch_size` rows, every row exactly once, shuffled within
-windows, with a position that survives a restart (the idea of pipeline/text/packing.py).
+windows, with a position that survives a restart (loading/cutting.py's Cutter, the algorithm
+text packing shares).
 
 Each read of the reader (a few whole blocks, about `shuffle_buffer` rows when training)
 becomes a `Window`: its blocks' rows decoded, hashed and transformed, then permuted by a
 generator drawn from (seed, epoch, the key of the window's first block), so the same read
 always gives the same order. Batches are cut off the front of the windows, a batch spanning
-two windows where one runs out.
-
-The position after a batch is (the reader's state before the first window not used up, rows
-of that window already handed out): a new reader started from that state re-reads that
-window, permutes it the same way, drops that many rows and continues exactly where the batch
-left off. A few numbers, however many rows the windows hold.
+two windows where one runs out. A resume re-reads the window its position names, permutes it
+the same way and drops the rows already handed out.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from shardflow.loading.cutting import Cutter
 
 
 @dataclass
@@ -70,66 +68,21 @@ class Cut:
     skips: list[dict[str, Any]]
 
 
-class Windows:
-    """Windows in, batches of `size` rows out; `position()` after each batch."""
+# The tabular loader's cutter: Windows in, batches of `size` rows out (loading/cutting.py).
+Windows = Cutter
 
-    def __init__(self, size: int, dense: int, fields: int) -> None:
-        self.size, self.dense, self.fields = size, dense, fields
-        self.windows: deque[Window] = deque()
-        self.available = 0
-        self.after: dict[str, Any] | None = None  # the reader's state after the last window
 
-    def add(self, window: Window, after: dict[str, Any]) -> None:
-        self.windows.append(window)
-        self.available += window.left
-        self.after = after
-
-    def ready(self) -> bool:
-        return self.available >= self.size
-
-    def take(self) -> Cut:
-        """The next batch (fewer rows when fewer are left), with the skips of every window
-        reached so far."""
-        want = min(self.size, self.available)
-        parts: list[tuple[Window, int, int]] = []
-        skips: list[dict[str, Any]] = []
-        while self.windows and (want > 0 or not self.windows[0].left):
-            w = self.windows[0]
-            if not w.reported:
-                skips.extend(w.skips)
-                w.reported = True
-            got = min(want, w.left)
-            if got:
-                parts.append((w, w.offset, w.offset + got))
-                w.offset += got
-                want -= got
-                self.available -= got
-            if not w.left:
-                self.windows.popleft()
-        return self._cut(parts, skips)
-
-    def _cut(self, parts: list[tuple[Window, int, int]], skips: list[dict[str, Any]]) -> Cut:
-        if not parts:
-            return Cut(np.zeros((0, self.dense), np.float32),
-                       np.zeros((0, self.fields), np.int64), np.zeros(0, np.float32), [],
-                       skips)
-        keys = []
-        for w, lo, hi in parts:
-            names = w.blocks
-            keys += [f"{names[b]}:{r}" for b, r in zip(w.block_of[lo:hi].tolist(),
-                                                        w.row_of[lo:hi].tolist(), strict=True)]
-        if len(parts) == 1:
-            w, lo, hi = parts[0]
-            return Cut(w.dense[lo:hi], w.sparse[lo:hi], w.label[lo:hi], keys, skips)
-        return Cut(np.concatenate([w.dense[lo:hi] for w, lo, hi in parts]),
-                   np.concatenate([w.sparse[lo:hi] for w, lo, hi in parts]),
-                   np.concatenate([w.label[lo:hi] for w, lo, hi in parts]), keys, skips)
-
-    def pending_skips(self) -> bool:
-        return any(not w.reported and w.skips for w in self.windows)
-
-    def position(self) -> tuple[dict[str, Any] | None, int]:
-        """(reader state to restart from, rows of its first read to drop)."""
-        if self.windows:
-            return self.windows[0].before, self.windows[0].offset
-        return self.after, 0
+def rows_of(spans: list[tuple[Window, int, int]], skips: list[dict[str, Any]], dense: int,
+            fields: int) -> Cut:
+    """One batch's rows, from a Windows cutter's spans, with their keys (block:row)."""
+    if not spans:
+        return Cut(np.zeros((0, dense), np.float32), np.zeros((0, fields), np.int64),
+                   np.zeros(0, np.float32), [], skips)
+    keys = [f"{w.blocks[b]}:{r}" for w, lo, hi in spans
+            for b, r in zip(w.block_of[lo:hi].tolist(), w.row_of[lo:hi].tolist(), strict=True)]
+    if len(spans) == 1:
+        w, lo, hi = spans[0]
+        return Cut(w.dense[lo:hi], w.sparse[lo:hi], w.label[lo:hi], keys, skips)
+    return Cut(np.concatenate([w.dense[lo:hi] for w, lo, hi in spans]),
+               np.concatenate([w.sparse[lo:hi] for w, lo, hi in spans]),
+               np.concatenate([w.label[lo:hi] for w, lo, hi in spans]), keys, skips)

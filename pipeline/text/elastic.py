@@ -20,17 +20,17 @@ from typing import Any
 import numpy as np
 
 from shardflow.loading.deferred import Deferred
-from shardflow.text.packing import Packer
+from shardflow.text.packing import Packer, Piece
 
 
-def in_progress(packer: Packer, ids: dict[str, int]) -> Deferred | None:
+def in_progress(packer: Packer[Piece], ids: dict[str, int]) -> Deferred | None:
     """What the packer's first read has used up (the module docstring's form), written out
     when the state is used (loading/deferred.py): a piece changes only its offset. What the
     Deferred keeps is the read's layout, not the piece: its tokens (a read's worth) would stay
     alive with every state that holds it."""
-    if not packer.pieces or not ids:
+    if not packer.reads or not ids:
         return None
-    p = packer.pieces[0]
+    p = packer.reads[0]
     return Deferred(functools.partial(_used_up, p.starts, len(p.tokens), p.urls, p.keys, p.read,
                                       p.offset, ids))
 

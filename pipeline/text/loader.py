@@ -292,7 +292,8 @@ class TextLoader(Loader):
 
     def _packed(self, plan: EpochPlan, reads: Iterator[Any], drop: int, index: int,
                 stop: threading.Event) -> Iterator[Produced | Burst]:
-        packer = packing.Packer(self.cfg.batch_size * self.cfg.seq_len)
+        packer: packing.Packer[packing.Piece] = packing.Packer(
+            self.cfg.batch_size * self.cfg.seq_len)
         shards = consumed.shard_index(plan)
         for n, ((before, tokens, starts, keys, skips, urls, read), after) in enumerate(reads):
             piece = packing.Piece(before, tokens, starts, keys, skips, urls=urls, read=read)
@@ -301,7 +302,8 @@ class TextLoader(Loader):
             packer.add(piece, after)
             burst = Burst()  # the batches of this read, handed over together (prefetch.py)
             while packer.ready() and not stop.is_set():
-                item = self._emit(packer.take(), packer.position(), plan.epoch, index)
+                item = self._emit(packing.tokens_of(*packer.take()), packer.position(),
+                                  plan.epoch, index)
                 item[1]["elastic"] = text_elastic.in_progress(packer, shards)
                 burst.append(item)
                 index += 1
@@ -311,7 +313,7 @@ class TextLoader(Loader):
             if burst:
                 yield burst
         while packer.available or packer.pending_skips():  # the epoch's last, short batch
-            cut = packer.take()
+            cut = packing.tokens_of(*packer.take())
             ids, attention = packing.rows(cut.tokens, self.cfg.seq_len, self.tokenizer.pad_id)
             item = self._batch_or_skips(ids, attention, cut.keys, cut.skips, packer.position(),
                                         plan.epoch, index)

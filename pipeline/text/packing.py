@@ -3,23 +3,21 @@ that survives a restart.
 
 The reader hands over documents a read at a time; each read becomes a `Piece`: its documents'
 tokens back to back, each document followed by the separator (`join`, or a tokenizer's own
-`encode_packed`). The packer cuts batches of
-`rows x seq_len` tokens off the front of the pieces, so a document may continue from one row
-(or batch) into the next and no row is padded, except in the epoch's last batch.
-
-The position after a batch is (the reader's state before the first piece not yet used up,
-tokens of that piece already emitted): a new reader started from that state re-reads that
-piece, drops that many tokens, and continues exactly where the batch left off. It is a few
-numbers, whatever the length of the documents.
+`encode_packed`). The packer (loading/cutting.py's Cutter, the algorithm tabular row windows
+share) cuts batches of `rows x seq_len` tokens off the front of the pieces, so a document may
+continue from one row (or batch) into the next and no row is padded, except in the epoch's
+last batch. Its position after a batch is a few numbers, whatever the length of the
+documents.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from shardflow.loading.cutting import Cutter
 
 
 @dataclass
@@ -59,53 +57,16 @@ class Cut:
     skips: list[dict[str, str]]
 
 
-class Packer:
-    """Pieces in, batches of `size` tokens out; `position()` after each batch."""
+# The text loader's cutter: Pieces in, batches of `size` tokens out (loading/cutting.py).
+Packer = Cutter
 
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.pieces: deque[Piece] = deque()
-        self.available = 0
-        self.after: dict[str, Any] | None = None  # the reader's state after the last piece
 
-    def add(self, piece: Piece, after: dict[str, Any]) -> None:
-        self.pieces.append(piece)
-        self.available += piece.left
-        self.after = after
-
-    def ready(self) -> bool:
-        return self.available >= self.size
-
-    def take(self, n: int | None = None) -> Cut:
-        """The next `n` tokens (default: a whole batch; fewer when fewer are left), with the
-        keys they came from and the skips of every piece reached so far."""
-        want = min(self.size if n is None else n, self.available)
-        parts, keys, skips = [], [], []
-        while self.pieces and (want > 0 or not self.pieces[0].left):
-            piece = self.pieces[0]
-            if not piece.reported:
-                skips.extend(piece.skips)
-                piece.reported = True
-            got = min(want, piece.left)
-            if got:
-                parts.append(piece.tokens[piece.offset: piece.offset + got])
-                keys.extend(piece.keys_between(piece.offset, piece.offset + got))
-                piece.offset += got
-                want -= got
-                self.available -= got
-            if not piece.left:
-                self.pieces.popleft()
-        tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-        return Cut(tokens, _unique(keys), skips)
-
-    def pending_skips(self) -> bool:
-        return any(not p.reported and p.skips for p in self.pieces)
-
-    def position(self) -> tuple[dict[str, Any] | None, int]:
-        """(reader state to restart from, tokens of its first read to drop)."""
-        if self.pieces:
-            return self.pieces[0].before, self.pieces[0].offset
-        return self.after, 0
+def tokens_of(spans: list[tuple[Piece, int, int]], skips: list[dict[str, str]]) -> Cut:
+    """One batch's tokens, from a Packer's spans, with the keys they came from."""
+    parts = [piece.tokens[lo:hi] for piece, lo, hi in spans]
+    keys = [key for piece, lo, hi in spans for key in piece.keys_between(lo, hi)]
+    tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    return Cut(tokens, _unique(keys), skips)
 
 
 def _unique(keys: list[str]) -> list[str]:
