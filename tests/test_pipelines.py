@@ -278,11 +278,18 @@ def test_map_draws_from_seed_epoch_key(laion):
     assert all(other[k] != one[k] for k in one)
 
 
+@pytest.mark.backend
 def test_describe_names_each_stage_and_where_it_runs(laion):
-    pipe = captions(laion, backend="portable").filter(lambda s, rng: True)
+    """The automatic backend: DALI's graph where it imports, the portable threads elsewhere
+    (the no-DALI pass of make test runs this too)."""
+    from shardflow.loading.readers import dali_importable
+
+    pipe = captions(laion).filter(lambda s, rng: True)
     with pipe.loader() as loader:
         stages = {s["stage"]: s["runs"] for s in loader.describe()}
-    assert stages["field jpg"] == "the portable backend's threads"
+        assert len([k for b in loader for k in b.keys]) == len(good_keys())
+    assert stages["field jpg"] == ("the DALI graph (cpu)" if dali_importable()
+                                   else "the portable backend's threads")
     assert stages["field txt"] == stages["filter <lambda>"] == "the reader stage's thread"
     assert stages["batch 8"] == "delivery to cpu"
 

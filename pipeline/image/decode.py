@@ -5,7 +5,8 @@ and normalizes with torch (resize.py), or, with resize_on="dali", the graph does
 CPU threads; on a GPU the graph resizes and flips and the batch is copied from DALI's buffer
 straight into a CUDA tensor on the copier's side stream, normalized there. A batch that fails
 to decode is traced to its samples (loading/graphstage.py), PIL being this modality's check.
-`ImageStage` is what this stage shares with the portable backend's (portable.py).
+`ImageStage` is what this stage shares with the portable backend's (portable.py); each holds
+its backend (graphstage.GraphBackend, portablestage.ThreadBackend), none derives from one.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from shardflow.image.batchops import BatchOps
 from shardflow.image.config import ImageConfig
 from shardflow.loading.batch import EncodedBatch, ImageBatch
 from shardflow.loading.delivery import DeviceCopier
-from shardflow.loading.graphstage import BackendStage, GraphStage
+from shardflow.loading.graphstage import DecodeCore, GraphBackend
 from shardflow.loading.hostpool import HostPool
 from shardflow.loading.loader import Produced
 from shardflow.loading.prefetch import ahead, one_core_in_this_thread
@@ -39,15 +40,16 @@ Item = tuple[EncodedBatch, list[int | None], list[Any]]
 OPS_WORKERS = 2
 
 
-class ImageStage(BackendStage):
+class ImageStage(DecodeCore):
     """What the image decode stages share on either backend (the DALI graph's below, the
     portable one in portable.py): PIL as the check, the windows resized on the CPU by
     resize.py, the batch with its labels and extras, the copier to the device."""
 
     what = "bad-image"
 
-    def _setup(self, cfg: ImageConfig, placement: Placement, batch_ops: BatchOps | None
-               ) -> None:
+    def __init__(self, cfg: ImageConfig, placement: Placement, batch_ops: BatchOps | None
+                 ) -> None:
+        super().__init__(placement, cfg.on_error, cfg.prefetch)
         self.cfg = cfg
         # The user's ops (batchops.py): run here for a CPU loader, on the batches of the
         # epoch the loader set before the pass; a GPU loader runs them after delivery.
@@ -131,7 +133,7 @@ class ImageStage(BackendStage):
         them in helper threads (OPS_WORKERS or more), while this thread resizes the next: in this
         thread, after the resize, the two ran one after the other, and with DALI's threads
         waiting on them the loader used 1.4 of 2 cores (RandAugment + mixup)."""
-        produced = super().run(prepared, stop)  # type: ignore[safe-super]
+        produced = super().run(prepared, stop)
         if self.batch_ops is None:
             return produced
         return self._augmented(produced, self.batch_ops, self.epoch)
@@ -181,13 +183,13 @@ def in_graph(ops_: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(lead)
 
 
-class DecodeStage(ImageStage, GraphStage):
+class DecodeStage(ImageStage):
     """The DALI backend's image stage: the graph decodes each window (and, on a GPU or with
     resize_on="dali", resizes and flips it)."""
 
     def __init__(self, cfg: ImageConfig, placement: Placement, batch_ops: BatchOps | None
                  ) -> None:
-        self._setup(cfg, placement, batch_ops)
+        super().__init__(cfg, placement, batch_ops)
         # "auto" reaching here (no tuning file said otherwise) is torch: measured faster on
         # the CPU (resize.py); a GPU graph always resizes. Views are resized by resize.py,
         # each to its size (a GPU loader with views decodes on the CPU: loader.py).
@@ -195,7 +197,7 @@ class DecodeStage(ImageStage, GraphStage):
             self.views is None
         if self.graph_resizes and batch_ops is not None and not cfg.targets:
             self.graph_ops = in_graph(batch_ops.ops)
-        super().__init__(placement, cfg.on_error, cfg.prefetch)
+        self.graph = self.backend = GraphBackend(self, placement, cfg.prefetch)
 
     # -- the graph -------------------------------------------------------------------------
 
@@ -210,7 +212,8 @@ class DecodeStage(ImageStage, GraphStage):
     def _build(self, depth: int, batch_size: int | None = None) -> Any:
         samples = (batch_size or self.cfg.batch_size) * self.per_sample  # a window each
         return image_graph.build(self._spec(), batch_size=samples,
-                                 num_threads=self.cfg.threads, device_id=self.graph_device,
+                                 num_threads=self.cfg.threads,
+                                 device_id=self.graph.graph_device,
                                  seed=self.cfg.seed, prefetch_depth=depth)
 
     def _feed(self, graph: Any, item: Item) -> None:
@@ -248,7 +251,7 @@ class DecodeStage(ImageStage, GraphStage):
             import torch
 
             return dali.to_cuda(out, torch.uint8, self.cuda_index, self.copier.stream,
-                                self.runner.fence)
+                                self.graph.runner.fence)
         if self.graph_resizes:  # already the batch: copy it out of DALI's reused buffer
             import torch
 

@@ -36,7 +36,7 @@ from shardflow.image.augment import CropParams
 from shardflow.image.batchops import BatchOps
 from shardflow.image.config import ImageConfig
 from shardflow.image.decode import ImageStage, Item
-from shardflow.loading.portablestage import PortableStage
+from shardflow.loading.portablestage import ThreadBackend
 from shardflow.loading.readers import Placement
 from shardflow.samples import headers
 from shardflow.samples.headers import ORIENTATIONS
@@ -47,16 +47,17 @@ FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "TIFF")
 SCALES = (8, 4, 2)  # the scales libjpeg decodes at in the DCT domain, largest first
 
 
-class PortableImageStage(ImageStage, PortableStage):
-    """Decodes with PIL in `threads` threads (PIL releases the GIL while it decodes); the
-    batch is built as the DALI stage builds it after a CPU decode (ImageStage)."""
+class PortableImageStage(ImageStage):
+    """Decodes with PIL in `threads` threads (PIL releases the GIL while it decodes: a
+    ThreadBackend); the batch is built as the DALI stage builds it after a CPU decode
+    (ImageStage)."""
 
     cut = True  # JPEGs decoded down to the window's last row (rows.py); False: every row
 
     def __init__(self, cfg: ImageConfig, placement: Placement, batch_ops: BatchOps | None
                  ) -> None:
-        self._setup(cfg, placement, batch_ops)
-        super().__init__(placement, cfg.on_error, cfg.prefetch, cfg.threads)
+        super().__init__(cfg, placement, batch_ops)
+        self.backend = ThreadBackend(self, cfg.threads)
 
     def _decode_one(self, data: np.ndarray, window: Any) -> Any:
         """The window's pixels; with views, each view's window (a tuple), at its size."""

@@ -1,17 +1,20 @@
 """The decode stage of the loaders that decode in a DALI graph (images, point clouds): what
-they share, written once. A modality subclasses `GraphStage` and supplies the graph
-(`_build`, `_feed`, `_fetch`), its own full check of one sample (`_check`), and the last step
-to a batch (`_finish`); its loader subclasses `GraphLoader` (the reader stage's checks).
-`BackendStage` is what this stage shares with the portable backend's (portablestage.py).
+they share, written once. A modality's stage derives from `DecodeCore` (placement, per-thread
+settings, the device copier, a bad sample raised or recorded with its batch) and holds its
+backend: a `GraphBackend` here (the DALI graph) or portablestage.py's `ThreadBackend` (a pool
+of PIL or numpy decodes). The modality supplies its own full check of one sample (`_check`),
+the last step to a batch (`_finish`) and what its backend asks for: the graph's `_build`,
+`_feed` and `_fetch`, or the threads' `_decode_one` and `_assemble`. Its loader subclasses
+`GraphLoader` (the reader stage's checks).
 
     reader stage items (EncodedBatch, per-sample columns)
-      -> GraphRunner: graph up to prefetch + 1 batches ahead, outputs copied out before
+      -> GraphBackend: graph up to prefetch + 1 batches ahead, outputs copied out before
          the next run
       -> a failed batch is traced to its samples: the modality's own check of each (PIL,
          numpy), then each alone through a one-sample graph (one, reused until a sample
          fails in it); bad samples are raised or skipped (recorded with the batch) and the
          rest runs again
-      -> _finish(item, output) -> (batch, reader state, ready event, skips)
+      -> the stage's _finish(item, output) -> (batch, reader state, ready event, skips)
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from shardflow import dali
 from shardflow.errors import DataError, OnError, SkipLog, handle
@@ -37,14 +40,25 @@ from shardflow.loading.shardlist import Source
 Item = tuple[Any, ...]
 
 
-class BackendStage(ABC):
-    """What a decode stage shares on either backend (this module's DALI graph, or
-    portablestage.py's thread pool): placement, per-thread settings, the device copier, a bad
-    sample raised or recorded with its batch. `run` turns the reader stage's items into
-    (batch, reader state, ready event, skips); `close` releases what it holds."""
+class Backend(Protocol):
+    """What a stage's backend does: the stage's items in, (item, decoded output or None when
+    every sample was dropped) out, in order; `close` releases what it holds."""
+
+    def run(self, prepared: Iterable[Item], stop: threading.Event
+            ) -> Iterator[tuple[Item, Any]]: ...
+
+    def close(self) -> None: ...
+
+
+class DecodeCore(ABC):
+    """What a modality's decode stage shares on either backend: placement, per-thread
+    settings, the device copier, a bad sample raised or recorded with its batch. `run` turns
+    the reader stage's items into (batch, reader state, ready event, skips) through
+    `self.backend`, which the modality's stage sets."""
 
     what = "sample"  # as a decoder's refusal names it: "bad-image", "bad-cloud"
     epoch = 0  # the pass being decoded, set by the loader: the user's ops draw from it
+    backend: Backend
 
     def __init__(self, placement: Placement, on_error: OnError, prefetch: int) -> None:
         self.placement, self.on_error, self.prefetch = placement, on_error, prefetch
@@ -62,11 +76,14 @@ class BackendStage(ABC):
         if self.decode == "cpu":
             one_core_in_this_thread()
 
-    @abstractmethod
-    def run(self, prepared: Iterable[Item], stop: threading.Event) -> Iterator[Produced]: ...
+    def run(self, prepared: Iterable[Item], stop: threading.Event) -> Iterator[Produced]:
+        for item, decoded in self.backend.run(prepared, stop):
+            if stop.is_set():
+                return
+            yield self._finish(item, decoded)
 
-    @abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        self.backend.close()
 
     @property
     def copier(self) -> DeviceCopier:
@@ -90,11 +107,30 @@ class BackendStage(ABC):
         enc.skips.extend(skips.entries)
 
 
-class GraphStage(BackendStage):
-    """Owns one loader's DALI graph (through a GraphRunner) and its device copier."""
+class GraphStage(Protocol):
+    """What a GraphBackend asks of its stage: the graph, fed and read, and the checks."""
 
-    def __init__(self, placement: Placement, on_error: OnError, prefetch: int) -> None:
-        super().__init__(placement, on_error, prefetch)
+    what: str
+
+    def _build(self, depth: int, batch_size: int | None = None) -> Any:
+        """A built graph running `depth` batches ahead (batch_size: the loader's if None)."""
+
+    def _feed(self, graph: Any, item: Item) -> None: ...
+
+    def _fetch(self, out: Any, item: Item) -> Any:
+        """The graph's output copied out of DALI's buffers, before the graph runs again."""
+
+    def _check(self, data: bytes) -> None: ...
+
+    def _handle(self, err: DataError, enc: EncodedBatch, i: int) -> None: ...
+
+
+class GraphBackend:
+    """One stage's DALI graph (through a GraphRunner), and the tracing of a failed batch to
+    its samples."""
+
+    def __init__(self, stage: GraphStage, placement: Placement, prefetch: int) -> None:
+        self.stage = stage
         # On the CPU the graph runs `prefetch` batches ahead of the one this thread is
         # finishing (resizing it, ~20 ms a batch), so that DALI's threads always have one
         # queued: at 2 in all they sat idle behind the resize (measured on 2 cores, images:
@@ -105,7 +141,7 @@ class GraphStage(BackendStage):
         # when its batches go to CUDA (the copier moves them), so that DALI opens no CUDA
         # context of its own and holds no device memory for a graph that never uses it.
         self.graph_device = placement.cuda_index if placement.decode == "gpu" else None
-        self.runner = dali.GraphRunner(self._build, self._feed, self._fetch,
+        self.runner = dali.GraphRunner(stage._build, stage._feed, stage._fetch,
                                        lambda item: not len(item[0]), depth=depth)
         # The one-sample graph that traces a failed batch to its samples, kept between
         # samples and batches: on the GPU each build initialises nvJPEG (and allocates), so a
@@ -113,28 +149,16 @@ class GraphStage(BackendStage):
         # after a sample failed in it (DALI may leave a failed graph unusable).
         self._probe: Any = None
 
-    def run(self, prepared: Iterable[Item], stop: threading.Event) -> Iterator[Produced]:
+    def run(self, prepared: Iterable[Item], stop: threading.Event
+            ) -> Iterator[tuple[Item, Any]]:
         for item, fetched in self.runner.run(iter(prepared), self._on_failure):
             if stop.is_set():
                 return
-            yield self._finish(item, fetched)
+            yield item, fetched
 
     def close(self) -> None:
         self.runner.close()
         self._probe = None
-
-    # -- what a modality supplies ------------------------------------------------------------
-
-    @abstractmethod
-    def _build(self, depth: int, batch_size: int | None = None) -> Any:
-        """A built graph running `depth` batches ahead (batch_size: the loader's if None)."""
-
-    @abstractmethod
-    def _feed(self, graph: Any, item: Item) -> None: ...
-
-    @abstractmethod
-    def _fetch(self, out: Any, item: Item) -> Any:
-        """The graph's output copied out of DALI's buffers, before the graph runs again."""
 
     # -- failures --------------------------------------------------------------------------
 
@@ -153,10 +177,10 @@ class GraphStage(BackendStage):
         bad = []
         for i in range(len(enc)):
             try:
-                self._check(enc.data[i].tobytes())
+                self.stage._check(enc.data[i].tobytes())
             except DataError as err:
                 bad.append(i)
-                self._handle(err, enc, i)
+                self.stage._handle(err, enc, i)
         return bad
 
     def _rejected_by_dali(self, item: Item) -> list[int]:
@@ -167,26 +191,26 @@ class GraphStage(BackendStage):
             one = (EncodedBatch([enc.keys[i]], [enc.urls[i]], [enc.data[i]], [enc.labels[i]]),
                    *([column[i]] for column in item[1:]))
             if self._probe is None:
-                self._probe = self._build(1, batch_size=1)
+                self._probe = self.stage._build(1, batch_size=1)
             try:
-                self._feed(self._probe, one)
+                self.stage._feed(self._probe, one)
                 self._probe.schedule_run()
                 self._probe.outputs()
             except RuntimeError as exc:
                 self._probe = None
                 bad.append(i)
-                self._handle(DataError(self.what, f"DALI cannot decode it: "
-                                       f"{dali.reason(exc)}"), enc, i)
+                self.stage._handle(DataError(self.stage.what, f"DALI cannot decode it: "
+                                             f"{dali.reason(exc)}"), enc, i)
         return bad
 
 
 class GraphLoader(Loader):
     """A loader whose samples go through a reader stage (checks, per-sample parameters) and a
-    GraphStage (or, on the portable backend, a PortableStage): the shape of the image and
-    point-cloud loaders. A subclass sets `members` (the extensions it reads) and supplies
-    `_check_one` (a sample's label and parameters, or a DataError) and `_decode_stage` (for
-    `self.backend`). `extras`: further members the readers carry along (EncodedBatch.extras),
-    for `_check_one` to check and parse."""
+    decode stage (a DecodeCore holding a GraphBackend, or on the portable backend a
+    ThreadBackend): the shape of the image and point-cloud loaders. A subclass sets `members`
+    (the extensions it reads) and supplies `_check_one` (a sample's label and parameters, or
+    a DataError) and `_decode_stage` (for `self.backend`). `extras`: further members the
+    readers carry along (EncodedBatch.extras), for `_check_one` to check and parse."""
 
     members: tuple[str, ...] = ()
     extras: tuple[str, ...] = ()
@@ -207,7 +231,7 @@ class GraphLoader(Loader):
         self._decoder = self._decode_stage()
 
     @abstractmethod
-    def _decode_stage(self) -> BackendStage: ...
+    def _decode_stage(self) -> DecodeCore: ...
 
     @abstractmethod
     def _check_one(self, enc: EncodedBatch, i: int, epoch: int) -> tuple[int | None, Any]:

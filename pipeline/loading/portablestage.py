@@ -1,44 +1,55 @@
-"""The decode stage of the portable backend (no DALI): what the image and point-cloud stages
-share, written once. A modality subclasses `PortableStage` and supplies the decode of one
-sample (`_decode_one`, run in a thread pool), the batch from the decoded samples
-(`_assemble`), its check (`_check`: the reason a refused sample is given) and `_finish`.
+"""The portable backend (no DALI): each sample decoded in a thread pool, batches ahead. A
+modality's decode stage (graphstage.DecodeCore) holds a `ThreadBackend` and supplies the
+decode of one sample (`_decode_one`, run in the pool) and the batch from the decoded samples
+(`_assemble`), as the image and point-cloud stages do.
 
     reader stage items (EncodedBatch, per-sample columns)
       -> each sample's `_decode_one(bytes, parameters)` in a pool of `threads` threads, the
          next batches submitted before this one is assembled (PIL and numpy release the GIL
          while they decode, so the pool runs on every core)
       -> a sample whose decode raised a DataError is raised or skipped (recorded with the
-         batch), as the DALI stage does with the samples its graph refuses
-      -> _assemble(item, decoded) in this thread -> _finish(item, output)
+         batch), as the DALI backend does with the samples its graph refuses
+      -> _assemble(item, decoded) in this thread -> (item, output) to the stage's _finish
 """
 
 from __future__ import annotations
 
 import threading
-from abc import abstractmethod
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
-from shardflow.errors import DataError, OnError
-from shardflow.loading.graphstage import BackendStage, Item
-from shardflow.loading.loader import Produced
-from shardflow.loading.readers import Placement
+from shardflow.errors import DataError
+from shardflow.loading.batch import EncodedBatch
+from shardflow.loading.graphstage import Item
 
 AHEAD = 2  # batches submitted to the pool beyond the one being assembled (as GraphRunner)
 
 
-class PortableStage(BackendStage):
+class ThreadStage(Protocol):
+    """What a ThreadBackend asks of its stage."""
+
+    def _decode_one(self, data: Any, params: Any) -> Any:
+        """One sample decoded (in a pool thread) from its bytes (uint8 numpy) and the
+        parameters the reader stage drew for it; DataError when it cannot be."""
+
+    def _assemble(self, item: Item, decoded: list[Any]) -> Any:
+        """The batch output the stage's `_finish` takes (as the DALI backend's `_fetch` gives
+        it) from the decoded samples of `item`, aligned with what is left of it."""
+
+    def _handle(self, err: DataError, enc: EncodedBatch, i: int) -> None: ...
+
+
+class ThreadBackend:
     """Runs one pass's decodes in a thread pool of its own: no thread outlives the pass (an
     epoch, or what a break or close() left of it), so a loader never closed leaks none."""
 
-    def __init__(self, placement: Placement, on_error: OnError, prefetch: int,
-                 threads: int) -> None:
-        super().__init__(placement, on_error, prefetch)
-        self.threads = threads
+    def __init__(self, stage: ThreadStage, threads: int) -> None:
+        self.stage, self.threads = stage, threads
 
-    def run(self, prepared: Iterable[Item], stop: threading.Event) -> Iterator[Produced]:
+    def run(self, prepared: Iterable[Item], stop: threading.Event
+            ) -> Iterator[tuple[Item, Any]]:
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shardflow-decode")
         pending: deque[tuple[Item, list[Future[Any]]]] = deque()
         try:
@@ -59,32 +70,21 @@ class PortableStage(BackendStage):
 
     def _submit(self, pool: ThreadPoolExecutor, item: Item) -> list[Future[Any]]:
         enc, _labels, params = item[0], item[1], item[2]
-        return [pool.submit(self._decode_one, enc.data[i], params[i]) for i in range(len(enc))]
+        return [pool.submit(self.stage._decode_one, enc.data[i], params[i])
+                for i in range(len(enc))]
 
-    def _complete(self, item: Item, futures: list[Future[Any]]) -> Produced:
-        """The batch of `item` once its samples are decoded; those refused are raised or
-        dropped from `item` (every column), in order, as the DALI stage drops them."""
+    def _complete(self, item: Item, futures: list[Future[Any]]) -> tuple[Item, Any]:
+        """`item` and its batch output once its samples are decoded; those refused are raised
+        or dropped from `item` (every column), in order, as the DALI backend drops them."""
         enc, decoded, bad = item[0], [], []
         for i, future in enumerate(futures):
             try:
                 decoded.append(future.result())
             except DataError as err:
                 bad.append(i)
-                self._handle(err, enc, i)  # raises under on_error="raise"
+                self.stage._handle(err, enc, i)  # raises under on_error="raise"
         for i in reversed(bad):
             enc.drop(i)
             for column in item[1:]:
                 del column[i]
-        return self._finish(item, self._assemble(item, decoded) if decoded else None)
-
-    # -- what a modality supplies ------------------------------------------------------------
-
-    @abstractmethod
-    def _decode_one(self, data: Any, params: Any) -> Any:
-        """One sample decoded (in a pool thread) from its bytes (uint8 numpy) and the
-        parameters the reader stage drew for it; DataError when it cannot be."""
-
-    @abstractmethod
-    def _assemble(self, item: Item, decoded: list[Any]) -> Any:
-        """The batch output `_finish` takes (as the DALI stage's `_fetch` gives it) from the
-        decoded samples of `item`, aligned with what is left of it."""
+        return item, self.stage._assemble(item, decoded) if decoded else None

@@ -9,7 +9,8 @@ Voxels are computed here, in the loader's decode thread, so they overlap the con
 
 A batch that fails in the graph is traced to its samples (loading/graphstage.py), numpy
 (samples/pointcloud_io.py) being this modality's check. `CloudStage` is what this stage
-shares with the portable backend's (portable.py).
+shares with the portable backend's (portable.py); each holds its backend, none derives from
+one.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from shardflow import dali
 from shardflow.errors import DataError
 from shardflow.loading.batch import EncodedBatch, PointBatch
 from shardflow.loading.delivery import DeviceCopier
-from shardflow.loading.graphstage import BackendStage, GraphStage
+from shardflow.loading.graphstage import DecodeCore, GraphBackend
 from shardflow.loading.loader import Produced
 from shardflow.loading.readers import Placement
 from shardflow.pointcloud import graph as pointcloud_graph
@@ -38,7 +39,7 @@ Item = tuple[EncodedBatch, list[int], list[SampleParams]]  # (batch, labels, par
 SAFE_SIDES = (1e-15, 1e18)
 
 
-class CloudStage(BackendStage):
+class CloudStage(DecodeCore):
     """What the point-cloud decode stages share on either backend (the DALI graph's below, the
     portable one in portable.py): numpy as the check, and from (points, finiteness sums, box
     extents) the value checks, voxels, offsets and the batch on the device.
@@ -51,8 +52,11 @@ class CloudStage(BackendStage):
     """
 
     what = "bad-cloud"
-    cfg: PointCloudConfig
     ignore_label = NO_IGNORE  # a scene loader's (set by the loader)
+
+    def __init__(self, cfg: PointCloudConfig, placement: Placement) -> None:
+        super().__init__(placement, cfg.on_error, cfg.prefetch)
+        self.cfg = cfg
 
     def _check(self, data: bytes) -> None:
         try:
@@ -150,23 +154,24 @@ class CloudStage(BackendStage):
         return voxelize.voxelize(points, c.voxels, grid=c.grid, extent=c.extent)
 
 
-class DecodeStage(CloudStage, GraphStage):
+class DecodeStage(CloudStage):
     """The DALI backend's point-cloud stage: the graph decodes, normalizes, samples and
     augments (graph.py)."""
 
     def __init__(self, cfg: PointCloudConfig, placement: Placement) -> None:
-        self.cfg = cfg
+        super().__init__(cfg, placement)
         spec = cfg.augment_spec()
         self.spec = pointcloud_graph.GraphSpec(
             placement.decode, bool(cfg.normalize), cfg.train and spec.jitter > 0,
             shift=cfg.train and spec.translate > 0, ragged=cfg.per_point_labels)
-        super().__init__(placement, cfg.on_error, cfg.prefetch)
+        self.graph = self.backend = GraphBackend(self, placement, cfg.prefetch)
 
     # -- the graph -------------------------------------------------------------------------
 
     def _build(self, depth: int, batch_size: int | None = None) -> pointcloud_graph.Outputs:
         graph = pointcloud_graph.build(self.spec, batch_size=batch_size or self.cfg.batch_size,
-                                       num_threads=self.cfg.threads, device_id=self.graph_device,
+                                       num_threads=self.cfg.threads,
+                                       device_id=self.graph.graph_device,
                                        seed=self.cfg.seed, prefetch_depth=depth)
         return pointcloud_graph.Outputs(graph)
 
@@ -189,7 +194,7 @@ class DecodeStage(CloudStage, GraphStage):
         points, finite, extent = out
         if self.decode == "gpu":
             tensor = dali.to_cuda(points, torch.float32, self.cuda_index,
-                                  self.copier.stream, self.runner.fence)
+                                  self.copier.stream, self.graph.runner.fence)
         else:
             tensor = torch.from_numpy(np.array(points.as_tensor()))
         if self.spec.ragged:  # each scene cut back to its own rows (views of the copy)

@@ -22,7 +22,7 @@ import numpy as np
 
 from shardflow.errors import DataError
 from shardflow.loading.graphstage import Item
-from shardflow.loading.portablestage import PortableStage
+from shardflow.loading.portablestage import ThreadBackend
 from shardflow.loading.readers import Placement
 from shardflow.pointcloud.config import PointCloudConfig
 from shardflow.pointcloud.decode import CloudStage
@@ -32,13 +32,13 @@ from shardflow.pointcloud.sample import SampleParams, npy_header
 Decoded = tuple[np.ndarray, np.float32, np.ndarray]
 
 
-class PortableCloudStage(CloudStage, PortableStage):
+class PortableCloudStage(CloudStage):
     """Decodes and augments with numpy in `threads` threads; the batch, its value checks and
     voxels are the DALI stage's (CloudStage)."""
 
     def __init__(self, cfg: PointCloudConfig, placement: Placement) -> None:
-        self.cfg = cfg
-        super().__init__(placement, cfg.on_error, cfg.prefetch, cfg.threads)
+        super().__init__(cfg, placement)
+        self.backend = ThreadBackend(self, cfg.threads)
 
     def _decode_one(self, data: np.ndarray, params: SampleParams) -> Decoded:
         try:
