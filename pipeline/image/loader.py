@@ -16,7 +16,6 @@ key) when training, the centre crop when evaluating, so memory is bounded by the
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -113,9 +112,6 @@ class ImageLoader(GraphLoader):
 
     def __init__(self, source: Source, cfg: ImageConfig, rank: int, world_size: int
                  ) -> None:
-        if readers.dali_importable() and choose.prefers_portable(source, cfg.size, cfg):
-            cfg = copy.copy(cfg)  # the same validated options, but the backend: choose.py
-            object.__setattr__(cfg, "backend", "portable")
         self.cfg = cfg
         # the readers carry the targets' members too (checked and cut in _check_one)
         self.extras = cfg.extras + tuple(ext for _, ext in cfg.targets)

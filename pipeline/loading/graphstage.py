@@ -26,7 +26,6 @@ from typing import Any, Protocol
 
 from shardflow import dali
 from shardflow.errors import DataError, OnError, SkipLog, handle
-from shardflow.loading import readers
 from shardflow.loading.batch import EncodedBatch
 from shardflow.loading.delivery import DeviceCopier
 from shardflow.loading.loader import Loader, Produced
@@ -219,13 +218,8 @@ class GraphLoader(Loader):
     fields: Any = None
 
     def __init__(self, source: Source, cfg: GraphOptions, rank: int, world_size: int) -> None:
-        # The portable backend decodes on the CPU only (decode="gpu" is refused there).
-        portable = readers.resolve_backend(cfg.backend, self.kind, cfg.decode) == "portable"
-        self.placement = readers.resolve_placement(cfg.device, cfg.decode, self.kind,
-                                                   gpu_decode=not portable)
-        self.device, self.decode = self.placement.device, self.placement.decode
-        self.cuda_index = self.placement.cuda_index
-        self._init_from_config(source, cfg, rank, world_size)
+        # DALI's graph can decode on a GPU; the portable backend on the CPU only (resolve.py).
+        self._init_from_config(source, cfg, rank, world_size, gpu_decode=True)
         classes = self.source.classes
         self.num_classes = cfg.num_classes or (len(classes) if classes else None)
         self._decoder = self._decode_stage()

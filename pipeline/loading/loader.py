@@ -91,24 +91,22 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         plan_epoch(**self._plan_args(0))  # fail at build time, not mid-run, on a bad split
 
     def _init_from_config(self, source: Source, cfg: LoaderOptions, rank: int,
-                          world_size: int) -> None:
-        """The construction every modality shares, from its options: pick the reader, and for
-        DALI's check the local shards first (a dropped shard changes the plan)."""
-        from shardflow.loading import readers
+                          world_size: int, gpu_decode: bool = False) -> None:
+        """The construction every modality shares, from its options: the backend, placement
+        and reader decided once (resolve.py), then the epochs' plan and position."""
+        from shardflow.loading.resolve import resolve
 
-        _check_modality(source, self.kind)
-        backend = readers.resolve_backend(cfg.backend, self.kind, cfg.decode)
-        reader = readers.pick_reader(source, cfg.reader, self.kind, backend)
-        early = SkipLog()
-        if reader in ("dali", "index"):
-            source = readers.check_local_shards(source, cfg.on_error, early)
-        Loader.__init__(self, source, batch_size=cfg.batch_size, seed=cfg.seed, rank=rank,
-                        world_size=world_size, shuffle=cfg.train,
+        decided = resolve(self.kind, source, cfg, gpu_decode)
+        self.placement = decided.placement
+        self.device, self.decode = decided.placement.device, decided.placement.decode
+        self.cuda_index = decided.placement.cuda_index
+        Loader.__init__(self, decided.source, batch_size=cfg.batch_size, seed=cfg.seed,
+                        rank=rank, world_size=world_size, shuffle=cfg.train,
                         shuffle_buffer=cfg.shuffle_buffer, on_error=cfg.on_error,
-                        prefetch=cfg.prefetch, reader=reader, timeout_s=cfg.timeout_s,
-                        backend=backend)
+                        prefetch=cfg.prefetch, reader=decided.reader, timeout_s=cfg.timeout_s,
+                        backend=decided.backend)
         if rank == 0:  # a shard dropped before the rank split is counted once, by rank 0
-            self.skips.extend(early.entries)
+            self.skips.extend(decided.dropped)
         self.subset = subset_of(cfg.seed, cfg.subsample, cfg.keys, cfg.exclude, cfg.select)
         self.holdout = cfg.holdout
         cache = ShardCache(cfg.cache_dir, cfg.cache_limit) if cfg.cache_dir else None
@@ -501,18 +499,6 @@ def _other_backend(saved: str, here: str) -> str:
             "each other, and read with different readers), so resuming on the other would not "
             f"continue exactly. Build the loader with backend={saved!r}"
             + (" (install nvidia-dali-cuda120 where it is missing)" if saved == "dali" else ""))
-
-
-_LOADER_OF = {"image": "image_loader", "text": "text_loader", "pointcloud": "pointcloud_loader",
-              "tabular": "tabular_loader"}
-
-
-def _check_modality(source: Source, kind: str) -> None:
-    """Shards of another modality are refused at build: read, every sample would fail alone
-    as a missing member, which does not say that the loader is the wrong one."""
-    if source.modality in _LOADER_OF and kind in _LOADER_OF and source.modality != kind:
-        raise ValueError(f"these shards hold {source.modality} (manifest.json's modality), not "
-                         f"{kind}: read them with {_LOADER_OF[source.modality]}")
 
 
 def _wait(ready: Any, batch: Any) -> None:

@@ -93,10 +93,7 @@ class TabularLoader(Loader):
         # Blocks per read: a window of about shuffle_buffer rows (training), else a batch.
         rows = cfg.shuffle_buffer if cfg.train and cfg.shuffle_buffer else cfg.batch_size
         self.read_blocks = max(1, round(rows / info.rows_per_block))
-        self.placement = readers.resolve_placement(cfg.device, cfg.decode, self.kind,
-                                                   gpu_decode=False)
-        self.device, self.decode = self.placement.device, self.placement.decode
-        self._init_from_config(source, cfg, rank, world_size)
+        self._init_from_config(source, cfg, rank, world_size)  # rows prepared on the CPU
         self._in_rows(self.skips.entries)  # shards dropped before the epoch was planned
         if self.subset is not None:  # a sample here is a block of rows, not a keyed record
             raise ValueError("subsample, keys, exclude and select take samples by key; the "

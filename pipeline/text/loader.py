@@ -99,10 +99,6 @@ class TextLoader(Loader):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.read_docs = cfg.read_size()
         # Tokenizing, packing and masking run on the CPU; batches land on `device`.
-        self.placement = readers.resolve_placement(cfg.device, cfg.decode, self.kind,
-                                                   gpu_decode=False)
-        self.device, self.decode = self.placement.device, self.placement.decode
-        self.cuda_index = self.placement.cuda_index
         self._init_from_config(source, cfg, rank, world_size)
         # Shards of token ids (make_shards text --tokenizer) are read as ids, without running
         # the tokenizer, which must be the one that made them (text/pretokenized.py).
