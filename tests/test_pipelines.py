@@ -263,8 +263,8 @@ def test_guarantees_refused_at_build_and_states_of_other_shapes(laion):
     rekey = captions(laion, backend="portable").map(lambda s, rng: {**s, "__key__": "x"})
     with rekey.loader() as loader, pytest.raises(ValueError, match="changed __key__"):
         next(iter(loader))
-    with pytest.raises(ValueError, match="exactly one sf.fields.Image"):
-        sf.Pipeline(laion).fields(txt=sf.fields.Text())
+    with pytest.raises(ValueError, match="one sf.fields.Image field at most"):
+        sf.Pipeline(laion).fields(a=sf.fields.Image(), b=sf.fields.Image())
     with image_loader(laion, batch_size=8, labels=False, size=24, device="cpu",
                       on_error="skip", backend="portable", **OPTS) as plain:
         saved = plain.state_dict()
@@ -407,3 +407,34 @@ def test_one_cutter_for_packing_and_row_windows_every_item_once_across_a_restart
         rest, _ = run(before["read"], offset)
         assert [x for b in whole[:k] for x in b] + [x for b in rest for x in b] == \
             list(range(sum(lengths))), k
+
+
+def test_a_pipeline_without_an_image_resumes_and_splits_over_ranks(laion):
+    """Captions and JSON alone (fieldloader.py): the image is not read, so only the bad
+    caption and the bad JSON are skips; a state saved mid-epoch on 2 ranks, through JSON,
+    continues on 1 with every other sample exactly once, tokens as the captions' bytes."""
+    pipe = (sf.Pipeline(laion, seed=2, on_error="skip", **OPTS)
+            .fields(txt=sf.fields.Tokens("bytes", length=40), json=sf.fields.Json())
+            .batch(4).to("cpu"))
+    loaders = [pipe.loader(rank=r, world_size=2) for r in range(2)]
+    seen: list[str] = []
+    iters = [iter(loader) for loader in loaders]
+    for it in iters:
+        seen += next(it).keys
+    state = {**loaders[0].state_dict(gather=False),
+             "loader": merge_states([lo.inner.state_dict(gather=False) for lo in loaders])}
+    for lo in loaders:
+        lo.close()
+    with pipe.loader() as one:
+        one.load_state_dict(json.loads(json.dumps(state)))
+        rest = list(one)
+        assert one.skip_counts() == {"bad-json": 1, "bad-utf8": 1}
+    seen += [k for b in rest for k in b.keys]
+    assert sorted(seen) == sorted(f"{n:09d}" for n in range(SAMPLES) if n not in (5, 17))
+    for batch in rest:
+        assert set(batch.fields) == {"txt", "json"}
+        for key, row in zip(batch.keys, batch["txt"].tolist(), strict=True):
+            text = caption(int(key)).encode()
+            assert row == list(text[:40]) + [256] * (40 - len(text))
+    with pytest.raises(ValueError, match="warp with an image"):
+        sf.Pipeline(laion).fields(depth=sf.fields.Depth(), txt=sf.fields.Text())

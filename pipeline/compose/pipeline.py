@@ -24,7 +24,9 @@ The stages, in the order a sample meets them:
     delivery     prefetch queues, the pinned copy, the device; `collate` stacks the fields
 
 Its loader keeps every guarantee of the image loader it is built on: exact resume, elastic
-resume on another number of ranks, named and counted skips, mixtures, subsets, holdout.
+resume on another number of ranks, named and counted skips, mixtures, subsets, holdout. A
+pipeline without an image field runs on fieldloader.FieldLoader, with the same guarantees
+(mixtures aside).
 """
 
 from __future__ import annotations
@@ -69,13 +71,19 @@ class Pipeline:
     # -- stages ----------------------------------------------------------------------------
 
     def fields(self, **fields: Image | Mask | Depth | Field) -> Pipeline:
-        """The sample's fields by name: exactly one `Image`; `Mask`s and `Depth`s warped
-        with it; any other `Field` (Tokens, Json, Text, Int, Array, Bytes, Decoder)."""
+        """The sample's fields by name: at most one `Image`; `Mask`s and `Depth`s warped
+        with it; any other `Field` (Tokens, Json, Text, Int, Array, Bytes, Decoder). Without
+        an image, the first field's member is the one every sample must have."""
         images = [name for name, f in fields.items() if isinstance(f, Image)]
-        if len(images) != 1:
-            raise ValueError(f"fields({', '.join(fields)}): a pipeline has exactly one "
-                             f"sf.fields.Image field (found {len(images)}); text alone is "
-                             "text_loader's")
+        if len(images) > 1:
+            raise ValueError(f"fields({', '.join(fields)}): one sf.fields.Image field at most "
+                             f"(found {len(images)}: {', '.join(images)})")
+        spatial = [name for name, f in fields.items() if isinstance(f, (Mask, Depth))]
+        if spatial and not images:
+            raise ValueError(f"fields({', '.join(fields)}): {', '.join(spatial)} warp with an "
+                             "image; add an sf.fields.Image field")
+        if not fields:
+            raise ValueError("fields(): name at least one field")
         for name, f in fields.items():
             if not isinstance(f, (Image, Mask, Depth, Field)):
                 raise TypeError(f"fields({name}={f!r}): an sf.fields decoder, or "
@@ -115,6 +123,9 @@ class Pipeline:
         if self.batch_size is None:
             raise ValueError("a pipeline without a batch size: call .batch(n) before .loader()")
         stage, image_name, label, masks = self._stages()
+        if not image_name:
+            return PipelineLoader(self, self._field_loader(stage, rank, world_size), stage,
+                                  "", None, [])
         image = dict(self.named)[image_name]
         extras = stage.members
         inner = image_loader(
@@ -126,6 +137,26 @@ class Pipeline:
             **({"num_classes": label[1].num_classes} if label and label[1].num_classes
                else {}))
         return PipelineLoader(self, inner, stage, image_name, label, masks)
+
+    def _field_loader(self, stage: SampleStage, rank: int | None, world_size: int | None
+                      ) -> Any:
+        """The loader of a pipeline without an image (fieldloader.py)."""
+        from shardflow.compose.fieldloader import FieldLoader
+        from shardflow.loading import mix, readers, tuning
+        from shardflow.loading.options import LoaderOptions
+
+        if mix.is_mixture(self.source):
+            raise ValueError("a mixture of sources needs an sf.fields.Image field in this "
+                             "version; read each source with its own pipeline")
+        options = {"seed": self.seed, "on_error": self.on_error, "device": self.device,
+                   **self.options}
+        source, options = tuning.source_and_options("samples", self.source, options, None,
+                                                    False)
+        assert self.batch_size is not None  # loader() checked
+        cfg = LoaderOptions(batch_size=self.batch_size, **options)
+        rank, world_size = readers.distributed(rank, world_size)
+        first = stage.members[0]
+        return FieldLoader(source, cfg, stage, first, rank, world_size)
 
     def signature(self) -> dict[str, Any]:
         """What a saved state must match: the fields and steps, by name and kind."""
@@ -191,17 +222,24 @@ class PipelineLoader(IterableDataset):  # type: ignore[type-arg]
             yield self._batch(batch)
 
     def _batch(self, batch: Any) -> SampleBatch:
+        import torch
+
+        if not self.image:  # fieldloader.FieldsBatch: the fields alone
+            return self._fields(batch, {}, torch.device(self.inner.device), None, None)
         fields = {self.image: batch.image}
         if self.label is not None:
             fields[self.label[0]] = batch.label
         for name, _ in self.masks:
             fields[name] = batch.targets[name]
-        device = batch.image.device
+        return self._fields(batch, fields, batch.image.device, batch.target, batch.views)
+
+    def _fields(self, batch: Any, fields: dict[str, Any], device: Any, target: Any,
+                views: Any) -> SampleBatch:
+        """The batch's decoded fields collated and on `device`, beside `fields`."""
         for name, value in self.stage.collate(batch.extras).items():
             fields[name] = value.to(device, non_blocking=True) \
                 if hasattr(value, "to") and device.type != "cpu" else value
-        return SampleBatch(fields, batch.keys, self.stage.lengths(batch.extras),
-                           batch.target, batch.views)
+        return SampleBatch(fields, batch.keys, self.stage.lengths(batch.extras), target, views)
 
     def __len__(self) -> int:
         return len(self.inner)

@@ -66,13 +66,15 @@ class SampleStage:
     def members(self) -> tuple[str, ...]:
         return tuple(member for member, _ in self.fields.values())
 
-    def check(self, enc: EncodedBatch, i: int, epoch: int, size: tuple[int, int]) -> None:
-        """Decode sample i's fields and run the steps over it (the image as its upright
-        `size`), in place in `enc.extras`; DataError for a bad member or a step that refused
-        it, Filtered when left out."""
+    def check(self, enc: EncodedBatch, i: int, epoch: int, size: tuple[int, int] | None
+              ) -> None:
+        """Decode sample i's fields and run the steps over it (the image, if the pipeline has
+        one, as its upright `size`), in place in `enc.extras`; DataError for a bad member or
+        a step that refused it, Filtered when left out."""
         key = enc.keys[i]
-        sample: dict[str, Any] = {"__key__": key, "__url__": enc.urls[i],
-                                  self.image: ImageSize(*size)}
+        sample: dict[str, Any] = {"__key__": key, "__url__": enc.urls[i]}
+        if self.image and size is not None:
+            sample[self.image] = ImageSize(*size)
         for name, (member, field) in self.fields.items():
             sample[name] = _decoded(field, member, enc.extras[member][i])
         for index, step in enumerate(self.steps):
@@ -126,7 +128,7 @@ class SampleStage:
             raise ValueError(f"{step.label} changed __key__ ({before['__key__']!r} -> "
                              f"{out.get('__key__')!r}): the exact and elastic resumes find "
                              "samples by key; keep it")
-        if out.get(self.image) is not before[self.image]:
+        if self.image and out.get(self.image) is not before[self.image]:
             raise ValueError(f"{step.label} replaced {self.image!r}: the image is decoded "
                              "after the per-sample stages; change it with the Image field's "
                              "augment ops")
