@@ -136,20 +136,24 @@ def test_killed_mid_epoch_resumes_bit_identical(laion, backend, tmp_path):
     assert skips == {"bad-image": 1, "bad-json": 1, "bad-utf8": 1}  # each counted once
 
 
-def test_two_ranks_resumed_on_one_read_each_sample_once(laion):
-    pipe = captions(laion, backend="portable").filter(lambda s, rng: int(s["__key__"]) % 4)
+def two_ranks_one_batch_each(pipe):  # type: ignore[no-untyped-def]
+    """Ranks 0 and 1 of 2 in this process take a batch each: (their keys, the whole state
+    through JSON, what their filters left out)."""
     loaders = [pipe.loader(rank=r, world_size=2) for r in range(2)]
-    seen: list[str] = []
-    iters = [iter(loader) for loader in loaders]
-    for it in iters:
-        seen += next(it).keys
+    seen = [k for loader in loaders for k in next(iter(loader)).keys]
     state = {**loaders[0].state_dict(gather=False),
              "loader": merge_states([lo.inner.state_dict(gather=False) for lo in loaders])}
-    before = sum(lo.filtered_counts().get("filter <lambda>", 0) for lo in loaders)
+    filtered = sum(sum(lo.filtered_counts().values()) for lo in loaders)
     for lo in loaders:
         lo.close()
+    return seen, json.loads(json.dumps(state)), filtered
+
+
+def test_two_ranks_resumed_on_one_read_each_sample_once(laion):
+    pipe = captions(laion, backend="portable").filter(lambda s, rng: int(s["__key__"]) % 4)
+    seen, state, before = two_ranks_one_batch_each(pipe)
     with pipe.loader(rank=0, world_size=1) as one:
-        one.load_state_dict(json.loads(json.dumps(state)))
+        one.load_state_dict(state)
         seen += [k for b in one for k in b.keys]
         filtered = one.filtered_counts()
     want = {k for k in good_keys() if int(k) % 4}
@@ -416,17 +420,9 @@ def test_a_pipeline_without_an_image_resumes_and_splits_over_ranks(laion):
     pipe = (sf.Pipeline(laion, seed=2, on_error="skip", **OPTS)
             .fields(txt=sf.fields.Tokens("bytes", length=40), json=sf.fields.Json())
             .batch(4).to("cpu"))
-    loaders = [pipe.loader(rank=r, world_size=2) for r in range(2)]
-    seen: list[str] = []
-    iters = [iter(loader) for loader in loaders]
-    for it in iters:
-        seen += next(it).keys
-    state = {**loaders[0].state_dict(gather=False),
-             "loader": merge_states([lo.inner.state_dict(gather=False) for lo in loaders])}
-    for lo in loaders:
-        lo.close()
+    seen, state, _ = two_ranks_one_batch_each(pipe)
     with pipe.loader() as one:
-        one.load_state_dict(json.loads(json.dumps(state)))
+        one.load_state_dict(state)
         rest = list(one)
         assert one.skip_counts() == {"bad-json": 1, "bad-utf8": 1}
     seen += [k for b in rest for k in b.keys]
