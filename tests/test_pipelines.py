@@ -141,8 +141,7 @@ def two_ranks_one_batch_each(pipe):  # type: ignore[no-untyped-def]
     through JSON, what their filters left out)."""
     loaders = [pipe.loader(rank=r, world_size=2) for r in range(2)]
     seen = [k for loader in loaders for k in next(iter(loader)).keys]
-    state = {**loaders[0].state_dict(gather=False),
-             "loader": merge_states([lo.inner.state_dict(gather=False) for lo in loaders])}
+    state = merge_states([lo.state_dict(gather=False) for lo in loaders])  # pipeline states
     filtered = sum(sum(lo.filtered_counts().values()) for lo in loaders)
     for lo in loaders:
         lo.close()
@@ -434,3 +433,41 @@ def test_a_pipeline_without_an_image_resumes_and_splits_over_ranks(laion):
             assert row == list(text[:40]) + [256] * (40 - len(text))
     with pytest.raises(ValueError, match="warp with an image"):
         sf.Pipeline(laion).fields(depth=sf.fields.Depth(), txt=sf.fields.Text())
+
+
+def test_labels_partials_emptied_epochs_and_shared_members(radar_shards, laion,
+                                                            depth_shards):
+    """The label column beside an image is in every sample a step sees (and a map may not
+    change it); without an image `cls` is a decoded field; a partial's stage name is the
+    same in every process; an epoch a filter empties is no error; a member read twice is
+    refused."""
+    import functools
+
+    def keep(sample, rng, label):  # type: ignore[no-untyped-def]
+        return sample["cls"] == label
+
+    pipe = (sf.Pipeline(radar_shards, on_error="skip", backend="portable", **OPTS)
+            .fields(png=sf.fields.Image(size=16), rdr=sf.fields.Decoder(radar),
+                    cls=sf.fields.Int(num_classes=3))
+            .filter(functools.partial(keep, label=1)).batch(4).to("cpu"))
+    with pipe.loader() as loader:
+        labels = [int(v) for b in loader for v in b["cls"]]
+        assert loader.filtered_counts() == {"filter partial(keep)": 8}  # 11 good: 1, 7, 10 kept
+    assert labels == [1, 1, 1]
+    with (sf.Pipeline(radar_shards, on_error="skip", **OPTS)
+          .fields(cls=sf.fields.Int(), rdr=sf.fields.Decoder(radar)).batch(6)
+          .to("cpu")).loader() as alone:
+        rows = {k: int(c) for b in alone for k, c in zip(b.keys, b["cls"], strict=True)}
+    assert rows == {f"s{n:02d}": n % 3 for n in range(12) if n != 4}
+    nothing = captions(laion, backend="portable").filter(lambda s, rng: False)
+    with nothing.loader() as loader, pytest.raises(DataError, match=(
+            r"skipped: 1 bad-image, 1 bad-json, 1 bad-utf8 \(and 33 left out by filters\)")):
+        list(loader)  # the bad ones are all that is left: that is still named
+    nothing = (sf.Pipeline(depth_shards, backend="portable", **OPTS)
+               .fields(png=sf.fields.Image(size=8)).filter(lambda s, rng: False).batch(4))
+    with nothing.loader() as loader:  # no bad sample: an epoch the filter empties is no error
+        assert sum(len(b) for b in loader) == 0
+        assert loader.filtered_counts() == {"filter <lambda>": 16}
+    with pytest.raises(ValueError, match="fields txt and caption both read .txt"):
+        (sf.Pipeline(laion).fields(txt=sf.fields.Tokens(), caption=sf.fields.Text(member="txt"))
+         .batch(2).loader())

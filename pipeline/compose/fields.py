@@ -20,6 +20,7 @@ window, DALI or PIL, the ops), and a mask goes through every geometric op of its
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -181,7 +182,7 @@ class Tokens(Field):
     length: int = 77
     member: str | None = None
     max_bytes: int = MAX_MEMBER_BYTES
-    _loaded: list[Any] = field(default_factory=list, repr=False, compare=False)
+    _loaded: list[Any] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.length, int) or self.length < 1:
@@ -243,14 +244,14 @@ class Decoder(Field):
         except PROGRAMMING_ERRORS:
             raise
         except Exception as exc:  # noqa: BLE001 - the user's decoder refused the bytes
-            raise DataError("bad-member", f"{_name(self.fn)} raised {type(exc).__name__}: "
+            raise DataError("bad-member", f"{name_of(self.fn)} raised {type(exc).__name__}: "
                             f"{exc}") from None
 
     def collate(self, values: list[Any]) -> Any:
         return self.collate_fn(values) if self.collate_fn is not None else stacked(values)
 
     def describe(self) -> dict[str, Any]:
-        return {"field": "Decoder", "fn": _name(self.fn)}
+        return {"field": "Decoder", "fn": name_of(self.fn)}
 
 
 def stacked(values: Sequence[Any]) -> Any:
@@ -267,5 +268,9 @@ def stacked(values: Sequence[Any]) -> Any:
     return torch.from_numpy(np.stack(arrays))
 
 
-def _name(fn: Any) -> str:
-    return getattr(fn, "__name__", None) or repr(fn)
+def name_of(fn: Any) -> str:
+    """A function's name as stage labels and saved states carry it: the same in every process
+    (never a repr with an address): `trim`, `partial(trim)`, or a callable object's class."""
+    if isinstance(fn, functools.partial):
+        return f"partial({name_of(fn.func)})"
+    return getattr(fn, "__name__", None) or type(fn).__name__

@@ -170,17 +170,26 @@ class Pipeline:
         image_name, label = "", None
         decoded: dict[str, tuple[str, Field]] = {}
         masks: list[tuple[str, str]] = []
+        has_image = any(isinstance(f, Image) for _, f in self.named)
+        members: dict[str, str] = {}
         for name, f in self.named:
             member = getattr(f, "member", None) or name
+            if not isinstance(f, Image):
+                if member in members:
+                    raise ValueError(f"fields {members[member]} and {name} both read .{member}: "
+                                     "one field a member")
+                members[member] = name
             if isinstance(f, Image):
                 image_name = name
             elif isinstance(f, (Mask, Depth)):
                 masks.append((name, member))
-            elif isinstance(f, Int) and member == "cls":
-                label = (name, f)  # the readers' own label column
+            elif isinstance(f, Int) and member == "cls" and has_image:
+                label = (name, f)  # the image loader's own label column
             else:
                 decoded[name] = (member, f)
-        return SampleStage(decoded, self.steps, image_name, self.seed), image_name, label, masks
+        stage = SampleStage(decoded, self.steps, image_name, self.seed,
+                            label=label[0] if label else "")
+        return stage, image_name, label, masks
 
     def _with(self, **changes: Any) -> Pipeline:
         new = copy.copy(self)  # not dataclasses.replace: __init__ takes the user's arguments
@@ -236,10 +245,13 @@ class PipelineLoader(IterableDataset):  # type: ignore[type-arg]
     def _fields(self, batch: Any, fields: dict[str, Any], device: Any, target: Any,
                 views: Any) -> SampleBatch:
         """The batch's decoded fields collated and on `device`, beside `fields`."""
-        for name, value in self.stage.collate(batch.extras).items():
-            fields[name] = value.to(device, non_blocking=True) \
+        def moved(value: Any) -> Any:
+            return value.to(device, non_blocking=True) \
                 if hasattr(value, "to") and device.type != "cpu" else value
-        return SampleBatch(fields, batch.keys, self.stage.lengths(batch.extras), target, views)
+
+        fields.update({name: moved(v) for name, v in self.stage.collate(batch.extras).items()})
+        lengths = {name: moved(v) for name, v in self.stage.lengths(batch.extras).items()}
+        return SampleBatch(fields, batch.keys, lengths, target, views)
 
     def __len__(self) -> int:
         return len(self.inner)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
-from shardflow.compose.fields import PROGRAMMING_ERRORS, Field
+from shardflow.compose.fields import PROGRAMMING_ERRORS, Field, name_of
 from shardflow.errors import DataError, Filtered
 from shardflow.loading.batch import EncodedBatch
 
@@ -51,7 +51,7 @@ class Step:
 
     @property
     def label(self) -> str:
-        return f"{self.kind} {getattr(self.fn, '__name__', None) or repr(self.fn)}"
+        return f"{self.kind} {name_of(self.fn)}"
 
 
 class SampleStage:
@@ -59,22 +59,28 @@ class SampleStage:
     loader's reader stage to each sample, then to each batch (`encode`)."""
 
     def __init__(self, fields: dict[str, tuple[str, Field]], steps: tuple[Step, ...],
-                 image: str, seed: int) -> None:
+                 image: str, seed: int, label: str = "") -> None:
         self.fields, self.steps, self.image, self.seed = fields, steps, image, seed
+        # The image loader's own label column (an Int field on .cls beside an image): shown
+        # to the steps, kept as the loader checked it.
+        self.label = label
 
     @property
     def members(self) -> tuple[str, ...]:
         return tuple(member for member, _ in self.fields.values())
 
-    def check(self, enc: EncodedBatch, i: int, epoch: int, size: tuple[int, int] | None
-              ) -> None:
+    def check(self, enc: EncodedBatch, i: int, epoch: int, size: tuple[int, int] | None,
+              label: int | None = None) -> None:
         """Decode sample i's fields and run the steps over it (the image, if the pipeline has
-        one, as its upright `size`), in place in `enc.extras`; DataError for a bad member or
-        a step that refused it, Filtered when left out."""
+        one, as its upright `size`; the loader's `label` if it reads one), in place in
+        `enc.extras`; DataError for a bad member or a step that refused it, Filtered when
+        left out."""
         key = enc.keys[i]
         sample: dict[str, Any] = {"__key__": key, "__url__": enc.urls[i]}
         if self.image and size is not None:
             sample[self.image] = ImageSize(*size)
+        if self.label:
+            sample[self.label] = label
         for name, (member, field) in self.fields.items():
             sample[name] = _decoded(field, member, enc.extras[member][i])
         for index, step in enumerate(self.steps):
@@ -132,6 +138,9 @@ class SampleStage:
             raise ValueError(f"{step.label} replaced {self.image!r}: the image is decoded "
                              "after the per-sample stages; change it with the Image field's "
                              "augment ops")
+        if self.label and out.get(self.label) != before[self.label]:
+            raise ValueError(f"{step.label} changed {self.label!r}: the label is the loader's "
+                             "own column, read as the shards hold it")
         added = set(out) - set(before)
         if added:
             raise ValueError(f"{step.label} added {sorted(added)}: declare each with "

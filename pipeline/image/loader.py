@@ -189,7 +189,7 @@ class ImageLoader(GraphLoader):
             # only the marker too, as make_shards and verify_shards do).
             check_image(data, CheckLimits(max_pixels=self.cfg.max_pixels))
         if self.fields is not None:  # after the image's checks: a bad image is a skip
-            self.fields.check(enc, i, epoch, _upright(data, self.cfg))
+            self.fields.check(enc, i, epoch, _upright(data, self.cfg), label)
         window = self._window(data, enc.keys[i], epoch)
         if not self.cfg.targets:
             return label, window

@@ -523,13 +523,15 @@ def _wait(ready: Any, batch: Any) -> None:
 def _not_all_skipped(produced: Iterator[Produced | Burst], epoch: str
                      ) -> Iterator[Produced | Burst]:
     """`produced`, then a DataError if not one sample came through and some were skipped: an
-    epoch of empty batches would pass for a finished one (a run "trains" on nothing)."""
-    read, skipped = 0, list[dict[str, str]]()
+    epoch of empty batches would pass for a finished one (a run "trains" on nothing). A
+    pipeline's filter leaving out a whole epoch is its choice, not a loss: no error alone."""
+    read, skipped, filtered = 0, list[dict[str, str]](), 0
     try:
         for item in produced:
             for batch, _state, _ready, skips in item if isinstance(item, Burst) else [item]:
                 read += len(batch) if batch is not None else 0
-                skipped += skips
+                skipped += [s for s in skips if "filtered" not in s]
+                filtered += sum("filtered" in s for s in skips)
             yield item
     finally:  # closed early (a break, close()): the stages below stop now, not when collected
         getattr(produced, "close", lambda: None)()
@@ -538,5 +540,6 @@ def _not_all_skipped(produced: Iterator[Produced | Burst], epoch: str
                            sorted(Counter(e["reason"] for e in skipped).items()))
         first = skipped[0]
         where = first["source"] + (f" key {first['key']!r}" if first["key"] else "")
-        raise DataError("all-skipped", f"every sample of {epoch} was skipped: {counts}; the "
-                        f"first, {where}: {first['detail']}", samples=0)
+        also = f" (and {filtered} left out by filters)" if filtered else ""
+        raise DataError("all-skipped", f"every sample of {epoch} was skipped: {counts}{also}; "
+                        f"the first, {where}: {first['detail']}", samples=0)

@@ -327,6 +327,11 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     """One whole state from every rank's own (`state_dict(gather=False)`, in any order), of
     a mixture or a loader (elastic.merge_states): what `state_dict()` gathers under
     torch.distributed. This is `shardflow.merge_states`."""
+    if states and states[0].get("kind") == "pipeline":  # compose/pipeline.py: its loader's
+        if any(s.get("pipeline") != states[0]["pipeline"] for s in states):
+            raise ValueError("merge_states: the ranks' pipelines differ in their fields or "
+                             "steps")
+        return {**states[0], "loader": merge_states([s["loader"] for s in states])}
     if not states or states[0].get("kind") != MixedLoader.kind or "ranks" in states[0]:
         return elastic.merge_states(states)
     world = int(states[0]["world_size"])

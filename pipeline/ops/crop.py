@@ -44,8 +44,11 @@ class WindowOp(Op):
 
     def mask(self, masks: Tensor, params: Sequence[Any]) -> Tensor:
         """The same windows, resized by nearest neighbour (the pixel centres the image's
-        resize maps)."""
-        out = [F.interpolate(crop.float(), size=(self.size, self.size), mode="nearest-exact")
+        resize maps); a float map (depth) bilinearly, as the images."""
+        size = (self.size, self.size)
+        out = [F.interpolate(crop, size=size, mode="bilinear", antialias=True,
+                             align_corners=False) if masks.is_floating_point() else
+               F.interpolate(crop.float(), size=size, mode="nearest-exact")
                for crop in self._crops(masks, params)]
         return torch.cat(out).to(masks.dtype)
 
