@@ -188,12 +188,15 @@ class ImageLoader(GraphLoader):
             # refuses it here, every time, with its reason (it refuses a file that lacks
             # only the marker too, as make_shards and verify_shards do).
             check_image(data, CheckLimits(max_pixels=self.cfg.max_pixels))
+        header = headers.check_header(data, self.cfg.max_pixels)  # read once a sample
+        orientation = header.orientation if self.cfg.exif_orientation else 1
+        upright = headers.ImageHeader(header.width, header.height, orientation).upright_size()
         if self.fields is not None:  # after the image's checks: a bad image is a skip
-            self.fields.check(enc, i, epoch, _upright(data, self.cfg), label)
-        window = self._window(data, enc.keys[i], epoch)
+            self.fields.check(enc, i, epoch, upright, label)
+        window = self._window(header, orientation, upright, enc.keys[i], epoch)
         if not self.cfg.targets:
             return label, window
-        return label, self._with_masks(window, enc, i, headers.header_size(data))
+        return label, self._with_masks(window, enc, i, (header.width, header.height))
 
     def _with_masks(self, window: augment.CropParams, enc: EncodedBatch, i: int,
                     size: tuple[int, int]) -> augment.MaskedCrop:
@@ -214,14 +217,12 @@ class ImageLoader(GraphLoader):
             cuts.append(np.ascontiguousarray(label_map[w.y:w.y + w.height, w.x:w.x + w.width]))
         return augment.MaskedCrop(**vars(window), masks=tuple(cuts))
 
-    def _window(self, data: bytes, key: str, epoch: int) -> Any:
-        """The sample's crop, drawn in the upright frame (the EXIF orientation applied unless
-        exif_orientation=False), as the stored-frame window to decode and its turns; with
-        views, a tuple of one per view (image/views.py)."""
-        header = headers.check_header(data, self.cfg.max_pixels)
-        orientation = header.orientation if self.cfg.exif_orientation else 1
-        width, height = headers.ImageHeader(header.width, header.height,
-                                            orientation).upright_size()
+    def _window(self, header: headers.ImageHeader, orientation: int,
+                upright: tuple[int, int], key: str, epoch: int) -> Any:
+        """The sample's crop, drawn in the upright frame (`upright`: the size with the EXIF
+        `orientation` applied, 1 with exif_orientation=False), as the stored-frame window to
+        decode and its turns; with views, a tuple of one per view (image/views.py)."""
+        width, height = upright
         if self.views is None:
             window = self._crop(key, epoch, width, height)
             return augment.to_stored(window, orientation, header.width, header.height)
@@ -243,13 +244,6 @@ class ImageLoader(GraphLoader):
             return self._crop(key, epoch, width, height)
         x, y, w, h = view.crop.window(sample_rng(self.seed, epoch, key), width, height)
         return augment.CropParams(x, y, w, h, False)
-
-
-def _upright(data: bytes, cfg: ImageConfig) -> tuple[int, int]:
-    """The image's upright (width, height), as a pipeline's map and filter see it."""
-    header = headers.check_header(data, cfg.max_pixels)
-    orientation = header.orientation if cfg.exif_orientation else 1
-    return headers.ImageHeader(header.width, header.height, orientation).upright_size()
 
 
 def _refuse_unlabelled(source: Source) -> None:
