@@ -78,9 +78,12 @@ class Depth:
         return {"field": "Depth"}
 
 
+@dataclass(frozen=True, kw_only=True)
 class Field:
     """A non-image field: `decode` one member's bytes, `encode` a batch, `collate` at delivery.
-    Subclasses override what they need; the defaults pass values through."""
+    Subclasses override what they need; the defaults pass values through. Every field takes
+    `member=` (the member it reads, if not its name) and `max_bytes=` (larger is a bad
+    sample), by keyword."""
 
     member: str | None = None
     max_bytes: int = MAX_MEMBER_BYTES
@@ -102,9 +105,6 @@ class Field:
 class Bytes(Field):
     """The member's bytes as they are."""
 
-    member: str | None = None
-    max_bytes: int = MAX_MEMBER_BYTES
-
     def decode(self, data: bytes) -> bytes:
         return bytes(data)
 
@@ -112,9 +112,6 @@ class Bytes(Field):
 @dataclass(frozen=True)
 class Text(Field):
     """UTF-8 text (strict: invalid bytes or a NUL are a bad sample) -> str."""
-
-    member: str | None = None
-    max_bytes: int = MAX_MEMBER_BYTES
 
     def decode(self, data: bytes) -> str:
         return utf8_of(data)
@@ -124,9 +121,6 @@ class Text(Field):
 class Json(Field):
     """JSON -> the parsed object, by json.loads only: nothing in the data is evaluated."""
 
-    member: str | None = None
-    max_bytes: int = MAX_MEMBER_BYTES
-
     def decode(self, data: bytes) -> Any:
         return json_of(data)
 
@@ -135,9 +129,8 @@ class Json(Field):
 class Int(Field):
     """An ASCII decimal integer (a `.cls` label) -> int64 (N,), within [0, num_classes)."""
 
-    member: str | None = None
     num_classes: int | None = None
-    max_bytes: int = 64
+    max_bytes: int = field(default=64, kw_only=True)
 
     def decode(self, data: bytes) -> int:
         return check_label(bytes(data), self.num_classes)
@@ -152,9 +145,6 @@ class Int(Field):
 class Array(Field):
     """`.npy` -> numpy array, `.npz` -> {name: array}; never unpickled (allow_pickle=False).
     Arrays of one shape and dtype stack into a tensor (N, ...); others stay a list."""
-
-    member: str | None = None
-    max_bytes: int = MAX_MEMBER_BYTES
 
     def decode(self, data: bytes) -> Any:
         try:
@@ -180,8 +170,6 @@ class Tokens(Field):
 
     tokenizer: Any = "bytes"
     length: int = 77
-    member: str | None = None
-    max_bytes: int = MAX_MEMBER_BYTES
     _loaded: list[Any] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -230,9 +218,7 @@ class Decoder(Field):
     `collate(values)`: how a batch of values is handed over (default: stacked when they stack)."""
 
     fn: Callable[[bytes], Any] = bytes
-    member: str | None = None
     collate_fn: Callable[[list[Any]], Any] | None = None
-    max_bytes: int = MAX_MEMBER_BYTES
 
     def __post_init__(self) -> None:
         if not callable(self.fn):

@@ -44,7 +44,8 @@ import bisect
 import logging
 import math
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import accumulate
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -292,18 +293,10 @@ class MixedLoader:
         return [entry for loader in self.loaders for entry in loader.skipped]
 
     def skip_counts(self) -> dict[str, int]:
-        total: dict[str, int] = {}
-        for loader in self.loaders:
-            for reason, n in loader.skip_counts().items():
-                total[reason] = total.get(reason, 0) + n
-        return total
+        return _summed(loader.skip_counts() for loader in self.loaders)
 
     def filtered_counts(self) -> dict[str, int]:
-        total: dict[str, int] = {}
-        for loader in self.loaders:
-            for stage, n in loader.filtered_counts().items():
-                total[stage] = total.get(stage, 0) + n
-        return total
+        return _summed(loader.filtered_counts() for loader in self.loaders)
 
     def describe(self) -> dict[str, Any]:
         """The first source's loader's stages (every source's is built alike) and the
@@ -350,6 +343,14 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 _RANK_FIELDS = ("rank", "sources", "counts")
+
+
+def _summed(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    """The sources' counts (by skip reason, or by filter) added up."""
+    total: Counter[str] = Counter()
+    for one in counts:
+        total.update(one)
+    return dict(total)
 
 
 def _upgrade(state: dict[str, Any]) -> dict[str, Any]:
