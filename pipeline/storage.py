@@ -17,20 +17,135 @@ run of the same job deletes (`names(".*.tmp")`).
 Storage options (endpoint, credentials, profile, anonymous access) are fsspec's keyword
 arguments for the store's file system. They are held here and handed to fsspec only: never
 part of a repr, a message or anything written.
+
+How long a server may keep us waiting is decided here too, once for every opener:
+`with_timeouts(options, url)` adds a connect and a read timeout to the options of http(s)://
+and s3:// URLs, and `timed(what, url, options)` turns a timeout met inside into a
+StorageTimeout that names the URL, what was being done and the time waited.
 """
 
 from __future__ import annotations
 
 import contextlib
 import tempfile
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from shardflow.atomic import write_atomic
 from shardflow.urls import is_remote, redact, scrub
 
 StorageOptions = Mapping[str, Any]  # fsspec's keyword arguments, e.g. {"anon": True}
+
+# How long a server may keep us waiting: to connect, then without a byte mid-answer. A TCP
+# and TLS handshake takes milliseconds; 10 s still covers three lost SYNs (resent after 1, 3
+# and 7 s). An object store's first byte comes within a second or two, throttled or not;
+# 30 s is ten times that, and a stall mid-epoch, tried RETRIES + 1 times, still fails well
+# inside the loaders' 600 s without a batch (timeout_s), naming the URL. No total limit: a
+# large shard on a slow link may take minutes, and is fine as long as bytes keep coming.
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 30.0
+_KINDS = {"http": "http", "https": "http", "s3": "s3", "s3a": "s3"}  # whose timeouts we set
+
+
+class StorageTimeout(TimeoutError):
+    """A server that did not connect or answer in time; the message names the URL (redacted),
+    what was being done and the time waited. A TimeoutError, so an OSError: the tools exit 3."""
+
+
+def with_timeouts(options: StorageOptions | None, *urls: str, seconds: float | None = None
+                  ) -> dict[str, Any]:
+    """fsspec's `options` for `urls` with our connect and read timeouts, where the user set
+    none: aiohttp's for http(s)://, botocore's for s3:// (other schemes, or URLs of both
+    kinds, which no one set of options serves, are left as they are). `seconds`: the read
+    timeout (None: READ_TIMEOUT_S); connecting gets CONNECT_TIMEOUT_S of it at most."""
+    read = READ_TIMEOUT_S if seconds is None else seconds
+    connect = min(CONNECT_TIMEOUT_S, read)
+    out = dict(options or {})
+    kinds = {_KINDS.get(urlsplit(u).scheme, "other") for u in urls if is_remote(u)}
+    if kinds == {"http"} and "timeout" not in (out.get("client_kwargs") or {}):
+        import aiohttp
+
+        # sock_read: the longest silence while an answer (its headers too) is awaited
+        timeout = aiohttp.ClientTimeout(sock_connect=connect, sock_read=read)
+        out["client_kwargs"] = {**(out.get("client_kwargs") or {}), "timeout": timeout}
+    elif kinds == {"s3"}:
+        out["config_kwargs"] = {"connect_timeout": connect, "read_timeout": read,
+                                **(out.get("config_kwargs") or {})}
+    return out
+
+
+def timeouts(options: StorageOptions | None) -> tuple[float | None, float | None]:
+    """The connect and read timeouts `options` hold (ours or the user's); None: not known."""
+    options = options or {}
+    given = options.get("timeout") or (options.get("client_kwargs") or {}).get("timeout")
+    if given is not None:  # aiohttp's, per request or per session
+        return getattr(given, "sock_connect", None), getattr(given, "sock_read", None)
+    config = options.get("config_kwargs") or {}
+    return config.get("connect_timeout"), config.get("read_timeout")
+
+
+def causes(exc: BaseException) -> list[BaseException]:
+    """`exc` and the errors it was raised from (fsspec wraps a server's in its own); not
+    past a `raise ... from None`, which says the error before is not its cause."""
+    errors = [exc]
+    while len(errors) < 8:
+        last = errors[-1]
+        before = last.__cause__ or (None if last.__suppress_context__ else last.__context__)
+        if before is None:
+            return errors
+        errors.append(before)
+    return errors
+
+
+def _is_timeout(err: BaseException) -> bool:
+    # asyncio's, aiohttp's and fsspec's are TimeoutErrors; botocore's and urllib3's are not
+    return isinstance(err, TimeoutError) or "Timeout" in type(err).__name__
+
+
+def timed_out(exc: BaseException) -> bool:
+    """Whether `exc`, or an error it was raised from, is a timeout (fsspec's HTTP info
+    raises FileNotFoundError for one: it is no answer that the file is missing)."""
+    return any(_is_timeout(err) for err in causes(exc))
+
+
+@contextlib.contextmanager
+def timed(what: str, url: str, options: StorageOptions | None) -> Iterator[None]:
+    """A timeout met inside raised again as StorageTimeout: `what` was being done ("reading
+    shard"), to `url`, and how long it waited; other errors pass as they are (a DataError or
+    a hung worker too: only the file system's OSErrors are its answers)."""
+    start = time.monotonic()
+    try:
+        yield
+    except StorageTimeout:
+        raise
+    except Exception as exc:
+        if not isinstance(exc, OSError) or not timed_out(exc):
+            raise
+        raise StorageTimeout(_said(what, url, options, exc, time.monotonic() - start)) from exc
+
+
+def _said(what: str, url: str, options: StorageOptions | None, exc: BaseException,
+          waited: float) -> str:
+    connect, read = timeouts(options)
+    kinds = {_kind(err) for err in causes(exc) if _is_timeout(err)}
+    if "connect" in kinds and connect is not None:
+        how = f"no connection within {connect:g} s (the connect timeout)"
+    elif "read" in kinds and read is not None:
+        how = f"the server sent nothing for {read:g} s (the read timeout)"
+    else:
+        how = f"no answer after {waited:.1f} s"
+    return f"{what} {redact(url)}: {how}; for a slow server, raise io_timeout_s (--timeout)"
+
+
+def _kind(err: BaseException) -> str:
+    # aiohttp: ConnectionTimeoutError, SocketTimeoutError; botocore: ConnectTimeoutError,
+    # ReadTimeoutError
+    name = type(err).__name__
+    return "connect" if "Connect" in name else "read" if "Socket" in name or "Read" in name \
+        else "other"
 
 
 def check_storage_options(options: object, name: str = "storage_options") -> None:

@@ -18,6 +18,9 @@ MAX_EXPANSION = 1_000_000
 # Tries of remote reads after a transient failure (the streaming fetcher, start-up checks):
 RETRIES = 3  # further tries
 BACKOFF_S = 0.5  # before the first retry; doubled for each next one
+# A 429 or 503 that says how long to wait (Retry-After) is waited that long instead, up to
+# this: a server asking for more gets its next try then (listing.retry_wait)
+RETRY_AFTER_MAX_S = 60.0
 
 
 def expand_braces(pattern: str) -> list[str]:

@@ -188,8 +188,8 @@ def test_bad_scans_are_named_and_skipped(tmp_path: Path) -> None:
     bad.tofile(seq / "00" / "velodyne" / "000000.bin")
     manifest = convert(ConvertConfig(
         kind="pointcloud", src=str(tmp_path / "kitti"), out=str(tmp_path / "o"), workers=1,
-        on_error="skip", scan=with_learning_map(ScanOptions("kitti"), seq.parent /
-                                                "semantic.yaml")))
+        on_error="skip", allow_empty=True,  # every scan is bad: refused without it
+        scan=with_learning_map(ScanOptions("kitti"), seq.parent / "semantic.yaml")))
     assert manifest.total_samples == 0
     reasons = {e["key"]: e["reason"] for e in manifest.skipped}
     assert reasons == {"00_000000": "non-finite", "00_000001": "label-count",
@@ -283,8 +283,7 @@ def test_learning_map_keys_are_whole_classes(tmp_path: Path, table: str) -> None
 def test_options_a_layout_does_not_use_are_refused() -> None:
     with pytest.raises(ValueError, match="--ignore-label"):
         ScanOptions(ignore_label=0)
-    with pytest.raises(ValueError, match="--point-dims"):
-        ScanOptions(point_dims=5)
+    assert ScanOptions(point_dims=5).point_dims == 5  # the width of a .bin in class folders
     with pytest.raises(ValueError, match="its .label files"):
         ScanOptions("kitti", label_column="3")
 

@@ -61,8 +61,9 @@ def reference() -> str:
     parts = ["# The `shardflow` command", "",
              "Made by `python -m shardflow.tools.reference > docs/cli.md` from the parsers; a test "
              "checks that it is current. Exit codes: 0 done, 1 a data error (shard, key, "
-             "reason), 2 a usage error, 3 another OS error (a full disk, a permission), 4 a "
-             "worker process hung or died.", "", "```text", help_text(None).rstrip(), "```"]
+             "reason), 2 a usage error, 3 another OS error (a full disk, a permission, a "
+             "server that did not answer within --timeout: docs/reliability.md), 4 a worker "
+             "process hung or died.", "", "```text", help_text(None).rstrip(), "```"]
     for name in COMMANDS:
         parts += ["", f"## shardflow {name}", "", "```text", help_text(name).rstrip(), "```"]
         if name == "convert":

@@ -95,6 +95,20 @@ def add_storage_options(p: argparse.ArgumentParser, what: str = "shard URLs") ->
                    "as such (anon=true). Never written to a manifest, log or run folder")
 
 
+def add_timeout(p: argparse.ArgumentParser) -> None:
+    """`--timeout SECONDS`: how long a server may keep the command waiting; hand
+    `args.timeout` to storage.with_timeouts (or as io_timeout_s)."""
+    from shardflow.storage import CONNECT_TIMEOUT_S, READ_TIMEOUT_S
+
+    p.add_argument("--timeout", type=positive_seconds, default=READ_TIMEOUT_S,
+                   metavar="SECONDS",
+                   help="a server (http(s)://, s3://) that sends nothing for this long, or "
+                   f"does not connect within it (at most {CONNECT_TIMEOUT_S:g} s), stops the "
+                   "command with exit code 3 and an error naming the URL and the time "
+                   f"waited (default {READ_TIMEOUT_S:g}; a timeout in client_kwargs or "
+                   "config_kwargs of --storage-option wins)")
+
+
 class _StorageOptions(argparse.Action):
     """Adds one parsed `--storage-option` to the nested dict; refuses a key given twice, or
     given a value and options beneath it."""
@@ -133,7 +147,9 @@ def run_main(main: Callable[[], int], *, hints: dict[type[BaseException], str] |
 
         1  a data error (DataError: shard, key, reason)
         2  a usage error: a bad option or value, a missing or existing path (and `usage`)
-        3  an OS error other than those: a full disk, a permission
+        3  an OS error other than those: a full disk, a permission, a server that could
+           not be reached (ConnectionError) or did not answer within --timeout
+           (storage.StorageTimeout, a TimeoutError: the URL, what was done, the time waited)
         4  a worker process hung or died (WorkerError)
 
     `hints`: text added after the message of an error of that type (what to do next)."""

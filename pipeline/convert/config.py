@@ -20,7 +20,7 @@ from shardflow.errors import OnError, check_on_error
 from shardflow.samples.checks import CheckLimits
 from shardflow.samples.scans import ScanOptions
 from shardflow.shards.manifest import MANIFEST, part_manifest_name
-from shardflow.storage import Store, check_storage_options
+from shardflow.storage import Store, check_storage_options, with_timeouts
 from shardflow.urls import is_remote, redact
 
 
@@ -60,12 +60,18 @@ class ConvertConfig:
     # output bytes are the same either way, so neither is recorded or compared.
     engine: Literal["local", "ray"] = field(default="local", compare=False)
     ray_address: str | None = field(default=None, compare=False)
+    # A run that writes no sample is refused (convert/nothing.py) unless this is set; it
+    # decides whether the manifest is written, not what it holds: not recorded or compared.
+    allow_empty: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         # A local folder as pathlib writes it (so a journal from before URLs still matches).
         out = str(self.out)
         object.__setattr__(self, "out", out.rstrip("/") if is_remote(out) else str(Path(out)))
         check_storage_options(self.storage_options)
+        # the connect and read timeouts (storage.py), unless set already (--timeout, the user)
+        object.__setattr__(self, "storage_options",
+                           with_timeouts(self.storage_options, self.src, self.out))
         if self.kind not in SOURCE_KINDS:
             raise ValueError(f"kind={self.kind!r}: choose one of {', '.join(SOURCE_KINDS)}")
         check_on_error(self.on_error)
@@ -125,13 +131,13 @@ class ConvertConfig:
         args = asdict(self)
         args.update(src=redact(self.src), out=redact(self.out), part=list(self.part))
         for name in ("workers", "overwrite", "worker_timeout_s", "storage_options", "engine",
-                     "ray_address"):
+                     "ray_address", "allow_empty"):
             args.pop(name)
         if self.kind != "parquet":  # the other kinds' arguments stay as they were
             args.pop("parquet")
         if self.kind != "tabular":
             args.pop("tabular")
-        if not self.scan.per_point:  # a label per cloud: the arguments as they were
+        if self.scan == ScanOptions():  # a label per cloud, .bin of 4: the arguments as they were
             args.pop("scan")
         if self.text.tokenizer is None:  # as recorded before documents could be tokenized
             for name in ("tokenizer", "tokenizer_sha256"):

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from shardflow import executor
-from shardflow.convert import engine_ray, outdir
+from shardflow.convert import engine_ray, nothing, outdir
 from shardflow.convert.config import ConvertConfig
 from shardflow.convert.outdir import JOURNAL, Journal
 from shardflow.convert.parquet import ParquetPlan, plan_parquet
@@ -63,7 +63,7 @@ from shardflow.shards.manifest import (
 )
 from shardflow.shards.tarread import TarLimits, iter_regrouped
 from shardflow.shards.writer import Packed, ShardWriter, pack
-from shardflow.storage import Store
+from shardflow.storage import Store, timed
 from shardflow.text import pretokenized
 from shardflow.text.tokenizer import Tokenizer, load_tokenizer
 from shardflow.urls import redact
@@ -124,7 +124,8 @@ def _read_shards(urls: list[str], cfg: ConvertConfig, skips: SkipLog
     limits = TarLimits(cfg.max_member_bytes)
     for url in urls:
         try:
-            with fsspec.open(url, "rb", **cfg.storage_options) as f:
+            with timed("reading shard", url, cfg.storage_options), \
+                    fsspec.open(url, "rb", **cfg.storage_options) as f:
                 # its keys' members put back together: a shard from `tar -cf` of a folder
                 yield from iter_regrouped(f, redact(url), limits=limits,
                                           on_error=cfg.on_error, skips=skips)
@@ -252,10 +253,12 @@ def convert(cfg: ConvertConfig, progress: Progress | None = None) -> Manifest:
             return convert(cfg, progress)
     outdir.not_in_place(cfg)
     _refuse_tokenizing_ids(cfg)
+    plan = make_plan(cfg)
+    if _listed(plan, cfg) and not order_tasks(plan.tasks, cfg):
+        nothing.refuse_empty(cfg, plan, [], 0)  # before OUT is touched: --overwrite kept it
     store = cfg.store()
     journal = outdir.prepare_out(cfg, store)
     skips = SkipLog()
-    plan = make_plan(cfg)
     tasks: Iterable[Task]
     ahead = 0  # tasks the stream already starts after (a resumed parquet job seeks)
     if isinstance(plan, ParquetPlan):
@@ -281,6 +284,11 @@ def convert(cfg: ConvertConfig, progress: Progress | None = None) -> Manifest:
             writer.abort()
             raise
         return job.finish(plan)
+
+
+def _listed(plan: Plan, cfg: ConvertConfig) -> bool:
+    """Whether `plan.tasks` is every task (not a stream: shards, parquet, tabular)."""
+    return cfg.kind != "shards" and not isinstance(plan, (ParquetPlan, TabularPlan))
 
 
 class _Job:
@@ -359,6 +367,7 @@ class _Job:
 
     def finish(self, plan: Plan) -> Manifest:
         self._finish_shard(self.end)  # a rerun after this point has nothing left to convert
+        nothing.refuse_empty(self.cfg, plan, self.skips.entries, self.written)  # unmarked
         shards = [ShardInfo.from_json(s) for s in self.journal.shards]
         modality = plan.modality
         if self.cfg.kind == "shards":
@@ -367,7 +376,7 @@ class _Job:
                             plan.ignored, self.cfg.job_args(), reencoded=self.tally.reencoded,
                             offset_clouds=self.tally.offset_clouds,
                             labels=self.tally.label_stats(), tokens=self._tokens())
-        manifest.segmentation = self._segmentation()
+        manifest.segmentation = self._segmentation(plan)
         if isinstance(plan, TabularPlan):  # rows, blocks and the schema the loader reads
             manifest.tabular = {"schema": plan.schema.to_json(), "rows": self.tally.rows,
                                 "blocks": manifest.total_samples,
@@ -377,11 +386,12 @@ class _Job:
         return manifest
 
 
-    def _segmentation(self) -> dict[str, Any] | None:
+    def _segmentation(self, plan: Plan) -> dict[str, Any] | None:
         """The scans' section: this job's options, or, re-sharding scans, the source
-        manifest's classes, names and ignore label; the counts are this job's own."""
+        manifest's classes, names and ignore label; the counts are this job's own. Scans
+        without labels (scan_plan.py) have none."""
         opts = self.cfg.scan
-        if self.cfg.kind == "pointcloud" and opts.per_point:
+        if self.cfg.kind == "pointcloud" and plan.per_point:
             return segstats.section(self.tally.scans, opts.num_classes, opts.ignore_label,
                                     list(opts.class_names) if opts.class_names else None)
         if self.cfg.kind != "shards" or not self.tally.scans["frames"]:

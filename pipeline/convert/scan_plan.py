@@ -7,9 +7,11 @@ one task per scan, its labels file (if apart) carried in the task's second path.
     --layout scans SRC: every .bin/.npy/.ply/.xyz/.off under SRC is a scan; its labels are
         its --label-column, or a `<stem>.label` file beside it; key from the path
 
-A scan whose labels file is missing is a task all the same: converting it fails with a
-`missing-labels` error naming it (raised or skipped by --on-error), so nothing is dropped
-unseen.
+Where no scan has labels (no --label-column, no labels file beside any), the scans are
+converted as clouds without labels: `KEY.npy` alone, no segmentation section, read with
+pointcloud_loader(labels=False). Where some have, a scan whose labels file is missing is a
+task all the same: converting it fails with a `missing-labels` error naming it (raised or
+skipped by --on-error), so a forgotten file never passes as unlabelled.
 """
 
 from __future__ import annotations
@@ -33,14 +35,31 @@ def plan_scans(src: Path, opts: ScanOptions) -> Plan:
         names = set(rels)
         labels = [None if opts.label_column else _beside(r, names) for r in found]
         keys = make_keys(found)
-    if not found:
-        what = "velodyne/*.bin" if opts.layout == "kitti" else f"scans ({', '.join(SCAN_EXTS)})"
-        raise ValueError(f"{src}: no {what} to convert")
     used = set(found) | {lab for lab in labels if lab}
     ignored += [{"source": str(src / r), "reason": "not-a-scan"} for r in rels if r not in used]
+    if not found or not _labelled(src, opts, labels, set(rels)):
+        # none labelled: clouds, no label made up (no scan at all: convert/nothing.py says so)
+        return Plan("pointcloud", [InputItem(k, str(src / r), "points")
+                                   for k, r in zip(keys, found, strict=True)], None, ignored)
     tasks = [InputItem(k, str(src / r), "scan", mask=str(src / lab) if lab else None)
              for k, r, lab in zip(keys, found, labels, strict=True)]
-    return Plan("pointcloud", tasks, None, ignored)
+    return Plan("pointcloud", tasks, None, ignored, per_point=True)
+
+
+def _labelled(src: Path, opts: ScanOptions, labels: list[str | None], names: set[str]
+              ) -> bool:
+    """Whether the scans are labelled per point: by --label-column, or by a labels file
+    beside at least one of them. Options that map labels are refused where there are none."""
+    if opts.label_column is not None or any(lab in names for lab in labels if lab):
+        return True
+    # a learning map sets an ignore label of its own: name the option the user gave
+    given = "--learning-map" if opts.learning_map is not None else \
+        "--ignore-label" if opts.ignore_label is not None else None
+    if given:
+        raise ValueError(f"{src}: {given} maps labels, but no scan has any (no .label file "
+                         "beside one, no --label-column); leave it out to convert the scans "
+                         "without labels")
+    return False
 
 
 def _kitti(rels: list[str]) -> tuple[list[str], list[str | None]]:

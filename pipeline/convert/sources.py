@@ -69,6 +69,7 @@ class Plan:
     tasks: list[InputItem]
     classes: dict[str, int] | None = None
     ignored: list[dict[str, str]] = field(default_factory=list)
+    per_point: bool = False  # scenes labelled per point: the manifest gets `segmentation`
 
 
 def make_keys(relpaths: list[str]) -> list[str]:
@@ -129,9 +130,8 @@ def _class_folder_plan(src: Path, exts: tuple[str, ...], mode: str, modality: st
                        classes: dict[str, int] | None) -> Plan:
     if not src.is_dir():
         raise FileNotFoundError(f"{src}: not a folder (expected one subfolder per class)")
+    # no class folder: every file is passed over, and convert/nothing.py says what takes them
     folders = sorted(p.name for p in src.iterdir() if p.is_dir() and not p.is_symlink())
-    if not folders:
-        raise ValueError(f"{src}: no class subfolders; expected SRC/<class>/<file>")
     classes = _class_map(src, folders, classes)
     rels, ignored = _walk(src)
     keep = [r for r in rels if r.split("/", 1)[0] in classes and "/" in r and _ext(r) in exts]
@@ -168,7 +168,8 @@ def plan_imagefolder(src: Path, classes: dict[str, int] | None = None) -> Plan:
 
 
 def plan_pointcloud(src: Path, classes: dict[str, int] | None = None) -> Plan:
-    return _class_folder_plan(src, checks.POINTCLOUD_EXTS, "points", "pointcloud", classes)
+    # .bin too: a LiDAR scan (KITTI's velodyne) in a class folder is a cloud of that class
+    return _class_folder_plan(src, scans.SCAN_EXTS, "points", "pointcloud", classes)
 
 
 def plan_text(src: Path, opts: TextOptions) -> Plan:
@@ -176,9 +177,7 @@ def plan_text(src: Path, opts: TextOptions) -> Plan:
     rels, ignored = _walk(src) if src.is_dir() else ([src.name], [])
     ignored += [{"source": str(root / r), "reason": "not-a-text-file"}
                 for r in rels if _ext(r) not in ("txt", "jsonl")]
-    rels = [r for r in rels if _ext(r) in ("txt", "jsonl")]
-    if not rels:
-        raise ValueError(f"{src}: no .txt or .jsonl files to convert")
+    rels = [r for r in rels if _ext(r) in ("txt", "jsonl")]  # none: convert/nothing.py says so
     tasks = []
     for key, rel in zip(make_keys(rels), rels, strict=True):
         tasks.extend(_text_tasks(key, str(root / rel), _text_mode(rel, opts)))
@@ -330,7 +329,7 @@ def build_samples(task: InputItem, limits: checks.CheckLimits, text: TextOptions
         if task.mode == "scan":
             return [_scan_sample(task, data, limits, scan or scans.ScanOptions("scans"),
                                  max_file_bytes, storage_options or {})]
-        sample = _one_sample(task, data, limits)
+        sample = _one_sample(task, data, limits, (scan or scans.ScanOptions()).point_dims)
         if task.mask is not None:
             sample[masks.MASK_EXT] = _mask_member(task.mask, sample, max_file_bytes,
                                                   storage_options or {})
@@ -413,13 +412,16 @@ def _scan_sample(task: InputItem, data: bytes, limits: checks.CheckLimits,
     return {"__key__": task.key, **members}
 
 
-def _one_sample(task: InputItem, data: bytes, limits: checks.CheckLimits) -> Sample:
+def _one_sample(task: InputItem, data: bytes, limits: checks.CheckLimits, point_dims: int
+                ) -> Sample:
     sample: Sample = {"__key__": task.key}
     if task.mode == "image":
         image = checks.prepare_image(data, limits)
         sample[image.ext] = image.data
         if image.repairs:  # counted by the job into the manifest's `reencoded`
             sample["__repairs__"] = image.repairs
+    elif task.mode == "points" and _ext(task.path) == "bin":  # headerless: --point-dims
+        sample.update(scans.cloud_members(data, "bin", point_dims, limits.max_points))
     elif task.mode == "points":
         sample.update(checks.cloud_members(data, _ext(task.path), limits))
     else:

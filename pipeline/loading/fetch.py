@@ -24,6 +24,8 @@ import fsspec
 from shardflow.errors import DataError
 from shardflow.loading.shardcache import CacheWriter, ShardCache
 from shardflow.loading.shardlist import ShardSpec
+from shardflow.shards.listing import retry_wait
+from shardflow.storage import timed
 from shardflow.urls import BACKOFF_S, RETRIES, is_remote, redact, scrub
 
 log = logging.getLogger(__name__)
@@ -125,8 +127,9 @@ class Fetcher:
             return self._ready.pop(index, None)
 
     def _fetch(self, shard: Shard) -> None:
-        """Stream the shard; after a failure, reopen it where it broke off (a range request
-        for remote files), up to RETRIES times with exponential back-off."""
+        """Stream the shard; after a failure (a server that timed out too), reopen it where it
+        broke off (a range request for remote files), up to RETRIES times with exponential
+        back-off, or the wait a 429 or 503 asks for."""
         source, writer = self._source(shard.spec)
         delivered, failures, whole = 0, 0, False
         while not whole:
@@ -168,7 +171,8 @@ class Fetcher:
         if remote and not start:
             self.stats.add(remote_shards=1)
         try:
-            with fsspec.open(source, "rb", **options) as f:
+            with timed("reading shard", source, options), \
+                    fsspec.open(source, "rb", **options) as f:
                 if start:
                     f.seek(start)
                 while chunk := f.read(CHUNK):
@@ -186,10 +190,10 @@ class Fetcher:
 
     def _back_off(self, shard: Shard, failures: int, cause: Exception) -> bool:
         """Wait before the next try; False when the fetcher or the shard was stopped."""
+        wait = retry_wait(cause, failures - 1, BACKOFF_S)
         log.warning("reading %s failed (%s); try %d of %d in %.1f s", redact(shard.spec.url),
-                    type(cause).__name__, failures + 1, RETRIES + 1,
-                    BACKOFF_S * 2 ** (failures - 1))
-        self.stop.wait(BACKOFF_S * 2 ** (failures - 1))
+                    type(cause).__name__, failures + 1, RETRIES + 1, wait)
+        self.stop.wait(wait)
         return not (self.stop.is_set() or shard.cancelled.is_set())
 
     def _put(self, q: queue.Queue[Any], item: Any, shard: Shard | None) -> bool:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from shardflow.errors import OnError, check_on_error
 from shardflow.loading.holdout import KeyHoldout
-from shardflow.storage import check_storage_options
+from shardflow.storage import READ_TIMEOUT_S, check_storage_options
 
 ReaderKind = Literal["auto", "dali", "stream", "index"]  # e.g. "stream" for remote shards
 # Where batches land and training runs, e.g. device="cuda:1"; "gpu" is the older spelling of
@@ -65,6 +65,9 @@ class LoaderOptions:
     # {"client_kwargs": {"endpoint_url": URL}, "key": ..., "secret": ...}: used to resolve and
     # read the shards, never shown, logged or saved (a loader's state has none)
     storage_options: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
+    # A server (http(s)://, s3://) that sends nothing for this long, or does not connect in
+    # min(this, 10 s): retried mid-epoch, at build an error naming the URL (storage.py)
+    io_timeout_s: float = READ_TIMEOUT_S
     # The streaming reader (remote shards, or no DALI): shards fetched at once per rank, their
     # samples interleaved; a local folder caching remote shards, bounded by cache_limit bytes
     # (least recently used out; shared by the ranks of a machine). See loading/shardcache.py.
@@ -100,6 +103,9 @@ class LoaderOptions:
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s}: seconds > 0, or None to wait "
                              "forever")
+        if not 0 < self.io_timeout_s < float("inf"):  # also refuses NaN
+            raise ValueError(f"io_timeout_s={self.io_timeout_s}: seconds > 0 (default "
+                             f"{READ_TIMEOUT_S:g})")
         if self.holdout is not None and not isinstance(self.holdout, KeyHoldout):
             raise ValueError(f"holdout={self.holdout!r}: pass KeyHoldout('train' or 'eval', "
                              "percent) from shardflow.loading.holdout, or None")

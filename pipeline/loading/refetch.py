@@ -17,6 +17,7 @@ from shardflow.errors import DataError
 from shardflow.loading.shardlist import ShardSpec
 from shardflow.shards.daliindex import parse_index
 from shardflow.shards.tarread import TarLimits, iter_samples, split_name
+from shardflow.storage import StorageTimeout, timed
 from shardflow.urls import is_remote, redact
 
 log = logging.getLogger(__name__)
@@ -28,12 +29,16 @@ def samples_of(spec: ShardSpec, keys: set[str], limits: TarLimits, stats: Any
     """The samples of `spec` named by `keys`, as the streaming reader's parser gives them."""
     found: dict[str, Sample] = {}
     try:
-        found = _by_index(spec, keys, stats)
+        with timed("refetching samples by index from", spec.url, spec.storage_options):
+            found = _by_index(spec, keys, stats)
+    except StorageTimeout:
+        raise  # no answer is no sign of a missing index: reading through would wait again
     except (OSError, ValueError) as exc:
         log.info("%s: no usable index (%s); reading the shard for %d samples", redact(spec.url),
                  type(exc).__name__, len(keys))
     if keys - found.keys():
-        found.update(_by_reading(spec, keys - found.keys(), limits, stats))
+        with timed("refetching samples from", spec.url, spec.storage_options):
+            found.update(_by_reading(spec, keys - found.keys(), limits, stats))
     return found
 
 
@@ -57,7 +62,7 @@ def _by_index(spec: ShardSpec, keys: set[str], stats: Any) -> dict[str, Sample]:
         for ext, _off, _size, _name in members:
             data = next(it)
             if isinstance(data, BaseException):
-                raise OSError(f"range request failed: {type(data).__name__}")
+                raise OSError(f"range request failed: {type(data).__name__}") from data
             sample[ext] = data
         found[key] = sample
     return found

@@ -19,12 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import fsspec
-
 from shardflow.shards import indexdir
-from shardflow.shards.listing import count_from_index, list_shards, preflight
+from shardflow.shards.listing import count_from_index, exists, list_shards, preflight
 from shardflow.shards.manifest import MANIFEST, TokenForm, load_manifest
-from shardflow.storage import check_storage_options
+from shardflow.storage import check_storage_options, timed, with_timeouts
 from shardflow.urls import beside, check_scheme, expand_braces, redact
 
 T = TypeVar("T")
@@ -86,16 +84,21 @@ class Source:
 
 def resolve_source(source: str | Path | Sequence[str] | Source, *, allow_pipe: bool = False,
                    storage_options: Mapping[str, Any] | None = None,
-                   index: str | Path | None = None) -> Source:
+                   index: str | Path | None = None, io_timeout_s: float | None = None
+                   ) -> Source:
     """Resolve any accepted form of `source`; FileNotFoundError lists every missing shard.
-    `storage_options`: fsspec's keyword arguments for its URLs, kept with each shard.
+    `storage_options`: fsspec's keyword arguments for its URLs, kept with each shard, with
+    the connect and read timeouts of `io_timeout_s` seconds added (None: storage.py's
+    defaults; a server that does not answer in time raises storage.StorageTimeout).
     `index`: a folder holding the shards' manifest and .idx files (shards/indexdir.py).
     A `Source` (resolved already, perhaps split: a held-out part, a rank's share) is
     returned as it is."""
     if isinstance(source, Source):
-        return _resolved(source, storage_options, index)
+        return _resolved(source, storage_options, index, io_timeout_s)
     check_storage_options(storage_options)
-    options = dict(storage_options or {})
+    named = [str(source)] if isinstance(source, (str, Path)) else [str(u) for u in source]
+    options = with_timeouts(storage_options, *named, *([str(index)] if index else []),
+                            seconds=io_timeout_s)
     if index is not None:
         return _from_index_dir(source, str(index), options)
     if isinstance(source, (str, Path)):
@@ -114,12 +117,13 @@ def resolve_source(source: str | Path | Sequence[str] | Source, *, allow_pipe: b
 
 
 def _resolved(source: Source, storage_options: Mapping[str, Any] | None,
-              index: str | Path | None) -> Source:
+              index: str | Path | None, io_timeout_s: float | None) -> Source:
     # Refused rather than ignored: they were the resolver's to use, and a Source keeps
-    # what it was resolved with (each shard's storage options and .idx place).
-    if storage_options or index is not None:
-        raise ValueError(f"{source.describe()} is resolved already: pass storage_options and "
-                         "index to resolve_source, which keeps them with each shard")
+    # what it was resolved with (each shard's storage options, timeouts and .idx place).
+    if storage_options or index is not None or io_timeout_s is not None:
+        raise ValueError(f"{source.describe()} is resolved already: pass storage_options, "
+                         "io_timeout_s and index to resolve_source, which keeps them with "
+                         "each shard")
     return source
 
 
@@ -129,10 +133,10 @@ def _from_manifest(text: str, options: Mapping[str, Any]) -> Source | None:
         manifest_url, base = base, base.rsplit("/", 1)[0]
     else:
         manifest_url = f"{base}/{MANIFEST}"
-    fs, path = fsspec.core.url_to_fs(manifest_url, **options)
-    if not fs.exists(path):
+    if not exists(manifest_url, options):
         return None
-    m = load_manifest(manifest_url, options)
+    with timed("reading the manifest", manifest_url, options):
+        m = load_manifest(manifest_url, options)
     shards = tuple(ShardSpec(f"{base}/{s.name}", s.samples, s.sha256, options)
                    for s in m.shards)
     preflight([s.url for s in shards], text, options)

@@ -190,14 +190,15 @@ def _possible(name: str, value: Any, options: dict[str, Any], dali_readable: boo
 def source_and_options(kind: str, source: Any, options: dict[str, Any],
                        tuning_file: Path | None, use_tuning: bool) -> tuple[Any, dict[str, Any]]:
     """What every `*_loader` function does first: resolve `source` (refusing `pipe:` unless
-    `allow_pipe`; with `storage_options` for its URLs), then fill in the tuned choices that
-    apply to it."""
+    `allow_pipe`; with `storage_options` and `io_timeout_s` for its URLs), then fill in the
+    tuned choices that apply to it."""
     from shardflow.loading.readers import dali_readable, resolve_backend
     from shardflow.loading.shardlist import resolve_source
 
     resolved = resolve_source(source, allow_pipe=bool(options.get("allow_pipe", False)),
                               storage_options=options.get("storage_options"),
-                              index=options.get("index"))
+                              index=options.get("index"),
+                              io_timeout_s=options.get("io_timeout_s"))
     if use_tuning:
         dali = resolve_backend(options.get("backend", "auto"), kind) == "dali"
         options = apply(kind, options, tuning_file, dali_readable=dali_readable(resolved),

@@ -17,6 +17,9 @@ class PointCloudConfig(GraphOptions):
     voxels: None, "occupancy", "count" or "pillars" (see pipeline/pointcloud/voxelize.py), e.g.
     `voxels="occupancy", grid=32` gives `batch.voxels` of shape (B, 1, 32, 32, 32).
 
+    labels=False reads clouds without labels (make_shards stores scans of which none has
+    labels so): every batch.label is None, never a label made up.
+
     per_point_labels=True reads scenes labelled per point (make_shards --layout kitti|scans)
     into ragged `ScanBatch`es (pipeline/pointcloud/scene.py): no normalization (metres stay
     metres), every point kept unless `frame_points`; the scene options below apply, and
@@ -37,6 +40,7 @@ class PointCloudConfig(GraphOptions):
     # Training ops (shardflow.ops.points), in place of rotate, scale and jitter: a leading
     # RotateZ, Scale, Jitter run in the graph as those do; the rest in torch, before voxels.
     augment: Any = None
+    labels: bool = True  # False: clouds without a .cls (unlabelled scans); batch.label None
     # Scenes labelled per point (per_point_labels=True) only:
     per_point_labels: bool = False
     frame_points: int | None = None  # training: at most this many points a frame, drawn
@@ -80,6 +84,10 @@ class PointCloudConfig(GraphOptions):
                 raise ValueError(f"{', '.join(given)}: options of scenes labelled per point "
                                  "(per_point_labels=True)")
             return
+        if not self.labels:
+            raise ValueError("labels=False with per_point_labels: the one reads no label, the "
+                             "other a label per point; unlabelled scans are read with "
+                             "labels=False alone")
         if self.normalize:
             raise ValueError("normalize=True with per_point_labels: a scene keeps its metres")
         if self.voxels is not None or self.augment is not None:

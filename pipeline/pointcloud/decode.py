@@ -85,7 +85,7 @@ class CloudStage(DecodeCore):
                 points = self._drop_bad_values(enc, labels, *fetched)
             points = self._augmented(points, enc.keys)
             voxels = self._voxels(points)
-        label = torch.tensor(labels, dtype=torch.int64)
+        label = torch.tensor(labels, dtype=torch.int64) if self.cfg.labels else None
         (points, label, voxels, offset), ready = self.copier.move(points, label, voxels,
                                                                   scene.offsets_of(enc))
         return PointBatch(points=points, label=label, keys=list(enc.keys), voxels=voxels,

@@ -135,9 +135,11 @@ class PointCloudLoader(GraphLoader):
     def _check_one(self, enc: EncodedBatch, i: int, epoch: int) -> tuple[Any, SampleParams]:
         if self.cfg.per_point_labels:
             return self._check_scene(enc, i, epoch)
-        if enc.labels[i] is None:
-            raise DataError("missing-field", "no .cls member")
-        label = check_label(enc.labels[i] or b"", self.num_classes)
+        if self.cfg.labels and enc.labels[i] is None:
+            raise DataError("missing-field", "no .cls member (for clouds without labels, such "
+                            "as unlabelled scans, pass labels=False)")
+        label = check_label(enc.labels[i] or b"", self.num_classes) if self.cfg.labels \
+            else None
         rows = self._check_cloud(enc, i)
         return label, sample_params(self._augment, rows, enc.keys[i], epoch)
 

@@ -41,7 +41,9 @@ NO_IGNORE = -100  # the ignore label when the shards name none (torch's cross-en
 class ScanOptions:
     """How make_shards reads point clouds (its --layout, --point-dims, --label-column,
     --learning-map, --ignore-label). `classes`: one subfolder per class, a label per cloud
-    (the classification layout); `scans` and `kitti` hold scenes labelled per point."""
+    (the classification layout); `scans` and `kitti` hold scenes labelled per point, or
+    scenes without labels where none has any (convert/scan_plan.py). `point_dims` reads
+    every .bin, in class folders too."""
 
     layout: str = "classes"
     point_dims: int = 4  # float32 values per point of a .bin (KITTI 4, nuScenes 5)
@@ -63,8 +65,7 @@ class ScanOptions:
         given = [name for name, on in (
             ("--label-column", self.label_column is not None),
             ("--learning-map", self.learning_map is not None),
-            ("--ignore-label", self.ignore_label is not None),
-            ("--point-dims", self.point_dims != 4)) if on]
+            ("--ignore-label", self.ignore_label is not None)) if on]
         if self.layout == "classes" and given:
             raise ValueError(f"{', '.join(given)}: for scenes labelled per point; pass "
                              "--layout scans or --layout kitti")
@@ -169,6 +170,21 @@ def scan_members(data: bytes, ext: str, labels: bytes | None, opts: ScanOptions,
     return out
 
 
+def cloud_members(data: bytes, ext: str, point_dims: int, max_points: int
+                  ) -> dict[str, object]:
+    """A cloud stored without labels of its own (a class folder's, an unlabelled scan):
+    {"npy": float32 (N, C)}, and its offset if far from the origin; a .bin is read as
+    `point_dims` float32 values per point. DataError naming what is wrong."""
+    try:
+        points, offset = _points(_table(data, ext, point_dims, max_points), max_points)
+    except pointcloud_io.PointCloudFormatError as exc:
+        raise DataError(exc.reason, str(exc)) from None
+    out: dict[str, object] = {"npy": _npy(points)}
+    if offset is not None:
+        out[pointcloud_io.OFFSET_EXT] = pointcloud_io.offset_npy(offset)
+    return out
+
+
 def _table(data: bytes, ext: str, dims: int, max_points: int) -> np.ndarray:
     if ext == "bin":
         return pointcloud_io.read_bin(data, dims, max_points=max_points)
@@ -270,7 +286,8 @@ def check_labels(data: Any, rows: int, num_classes: int | None, ignore_label: in
     above 65535 always, at or above num_classes when that is known."""
     if data is None:
         raise DataError("missing-labels", "no .labels.npy member (convert with make_shards "
-                        "--layout kitti|scans)")
+                        "--layout kitti|scans and labels; read clouds without labels with "
+                        "labels=False, not per_point_labels)")
     raw = data.tobytes() if hasattr(data, "tobytes") else bytes(data)
     count, dtype, start = labels_header(raw)
     if count != rows:
