@@ -106,7 +106,7 @@ def test_an_unsorted_gnu_tar_reshards_to_every_sample(tmp_path):
         (src / f"img{i}.cls").write_bytes(str(i % 2).encode())
     order = [f"img{i}.jpg" for i in range(4)] + [f"img{i}.cls" for i in range(4)]
     shard = gnu_tar(tmp_path / "shards" / "unsorted.tar", src, *order)
-    with pytest.raises(DataError, match=r"apart.*make_shards.py shards puts .* back together"):
+    with pytest.raises(DataError, match=r"apart.*shardflow convert shards. puts .* back together"):
         with image_loader(str(shard), batch_size=2, size=16, device="cpu", reader="stream",
                           backend="portable", use_tuning=False) as loader:
             list(loader)

@@ -112,21 +112,26 @@ def test_a_stopped_index_goes_on_where_it_stopped(tmp_path, out):
 
 
 @pytest.mark.backend
-def test_a_shard_the_readers_refuse_is_named_and_left_without_an_index(tmp_path):
+def test_a_shard_the_readers_refuse_is_named_left_without_an_index_and_still_read(tmp_path):
     folder = tmp_path / "wds"
     labels = wds_shards(folder, shards=1)
     apart = folder / "apart.tar"  # a key's members apart: what `tar -cf` of a folder gives
     with wds.TarWriter(str(apart)) as sink:
-        sink.write({"__key__": "x1", "jpg": jpeg_bytes(90)})
+        sink.write({"__key__": "x1", "jpg": jpeg_bytes(90), "cls": b"0"})
         sink.write({"__key__": "x2", "jpg": jpeg_bytes(91), "cls": b"1"})
         sink.write({"__key__": "x1", "cls": b"0"})
     run_tool("make_shards", "index", folder, "--on-error", "skip", "--quiet", check=True)
     manifest = json.loads((folder / "manifest.json").read_text())
+    # The streaming reader reads x1 and x2 and refuses x1's second part, as the loaders do.
     assert [(Path(e["source"]).name, e["key"], e["reason"]) for e in manifest["skipped"]] == [
         ("apart.tar", "x1", "split-key")]
-    assert [s["name"] for s in manifest["shards"]] == ["part-000000.tar"]
+    assert [(s["name"], s["samples"], s.get("unindexed")) for s in manifest["shards"]] == [
+        ("apart.tar", 2, "split-key"), ("part-000000.tar", 5, None)]
     assert not apart.with_suffix(".idx").exists()
-    assert keys_read(folder, "stream", "portable") == labels  # the manifest's shards
+    assert keys_read(folder, "auto", "auto", on_error="skip") == {**labels, "x1": 0, "x2": 1}
+    proc = run_tool("verify_shards", folder)  # names the refused part, counts match
+    assert proc.returncode == 1 and "[split-key]" in proc.stdout
+    assert "apart.tar [split-key]" in proc.stdout and "sha256-mismatch" not in proc.stdout
     proc = run_tool("make_shards", "index", folder, "--quiet")
     assert proc.returncode != 0 and "have a manifest already" in proc.stderr
 
@@ -187,15 +192,22 @@ def read_alike(folder: Path, labels: dict[str, int]) -> None:
     assert keys_read(folder, "index", "portable") == labels
 
 
+# What the streaming reader reads of each (the loaders' own verdict), and what it refuses.
+STREAMED = {"spaces": ({"IMG 0001": 1, "IMG_0002": 2}, []),
+            "twice": ({"x2": 1}, [("x1", "duplicate-member")]),
+            "packed": ({"y1": 0, "y2": 1}, [])}
+
+
 @pytest.mark.parametrize("case, maker", [("spaces", write_tar), ("spaces", gnu_tar),
                                          ("twice", write_tar), ("packed", write_tar)],
                          ids=["spaces-tarfile", "spaces-gnu-tar", "twice", "packed"])
 @pytest.mark.backend
-def test_a_shard_an_index_cannot_describe_is_named_not_indexed(tmp_path, case, maker):
+def test_a_shard_an_index_cannot_describe_is_named_not_indexed_and_still_read(
+        tmp_path, case, maker):
     """Indexed, each of these shards gave an index that verify_shards and the loaders reading
     through it refuse (spaces) or read otherwise than the streaming reader (a member twice, a
-    gzipped member): now the shard, key and member are named, and under skip it is listed
-    and the rest indexed."""
+    gzipped member): now the shard, key and member are named; under skip it stays in the
+    manifest, unindexed, and the loaders stream the folder: read + skipped = the folder."""
     folder = tmp_path / "wds"
     labels = wds_shards(folder, shards=1)
     members, key, reason, words = BAD_SHARDS[case]
@@ -203,20 +215,29 @@ def test_a_shard_an_index_cannot_describe_is_named_not_indexed(tmp_path, case, m
     maker(bad, members)
     proc = run_tool("make_shards", "index", folder, "--quiet")
     assert proc.returncode != 0
-    for part in (str(bad), repr(key), words, f"[{reason}]", "make_shards shards"):
+    for part in (str(bad), repr(key), words, f"[{reason}]", "shardflow convert shards"):
         assert part in proc.stderr, proc.stderr
     assert not (folder / "manifest.json").exists() and not bad.with_suffix(".idx").exists()
     manifest, out = index_skipping(folder)
-    assert skipped(manifest) == [(bad.name, key, reason)]
-    assert [s["name"] for s in manifest["shards"]] == ["part-000000.tar"]
+    read, refused = STREAMED[case]
+    assert skipped(manifest) == [(bad.name, k, r) for k, r in refused]
+    assert {s["name"]: (s["samples"], s.get("unindexed")) for s in manifest["shards"]} == {
+        bad.name: (len(read), reason), "part-000000.tar": (5, None)}
     assert not bad.with_suffix(".idx").exists() and "left 1 shards without an index" in out
-    read_alike(folder, labels)
+    proc = run_tool("verify_shards", folder)
+    assert (proc.returncode == 0) == (not refused), proc.stdout
+    assert f"{bad.name} [{reason}]" in proc.stdout
+    with image_loader(str(folder), batch_size=4, size=16, use_tuning=False,
+                      on_error="skip") as loader:
+        got = {k: int(b.label[i]) for b in loader for i, k in enumerate(b.keys)}
+        assert got == {**labels, **read}
+        assert [(e["key"], e["reason"]) for e in loader.skipped] == refused
 
 
 @pytest.mark.parametrize("name, fix", [
-    ("IMG 0001.jpg", "make_shards shards rewrites it with its keys made safe"),
-    ("my photos/a.jpg", "make_shards shards rewrites it with its keys made safe"),
-    ("tab\tkey.jpg", "make_shards shards rewrites it with its keys made safe"),
+    ("IMG 0001.jpg", "`shardflow convert shards` rewrites it with its keys made safe"),
+    ("my photos/a.jpg", "`shardflow convert shards` rewrites it with its keys made safe"),
+    ("tab\tkey.jpg", "`shardflow convert shards` rewrites it with its keys made safe"),
     ("a.final version.jpg", "rename the file and pack it again"),  # extension `final version.jpg`
 ])
 def test_whitespace_in_a_member_name_is_refused_with_the_fix_that_works(tmp_path, name, fix):
@@ -278,24 +299,32 @@ def test_index_names_every_file_of_the_folder_it_leaves_out(tmp_path):
     assert "rename it to LOUD-000003.tar" in proc.stderr
     manifest, out = index_skipping(folder)
     assert {Path(e["source"]).name: e["reason"] for e in manifest["skipped"]} == {
-        "more-000001.tar.gz": "compressed-shard", "more-000002.tgz": "compressed-shard",
         "LOUD-000003.TAR": "unlisted-shard", "pipe.tar": "not-a-regular-file"}
-    assert [s["name"] for s in manifest["shards"]] == ["part-000000.tar"]
-    assert "left 4 shards without an index" in out
-    read_alike(folder, labels)
+    assert {s["name"]: s.get("unindexed") for s in manifest["shards"]} == {
+        "part-000000.tar": None, "more-000001.tar.gz": "compressed-shard",
+        "more-000002.tgz": "compressed-shard"}
+    assert "left 2 shards without an index" in out
+    os.remove(folder / "pipe.tar")
+    # Nothing hidden: the gzipped shards are read as before, the .TAR named by verify.
+    assert keys_read(folder, "auto", "auto") == {**labels, "g1": 1, "g2": 1}
+    proc = run_tool("verify_shards", folder)
+    assert proc.returncode == 1 and "rename it to LOUD-000003.tar [unlisted-shard]" in proc.stdout
 
 
 @pytest.mark.dali
-def test_dalis_reader_reads_what_index_kept_beside_what_it_named(tmp_path):
+def test_dalis_reader_refuses_a_folder_index_left_partly_unindexed_naming_the_shards(tmp_path):
     pytest.importorskip("nvidia.dali")
     folder = tmp_path / "wds"
     labels = wds_shards(folder, shards=2)
     for case, (members, *_) in BAD_SHARDS.items():
         write_tar(folder / f"{case}.tar", members)
     manifest, _ = index_skipping(folder)
-    assert [e["reason"] for e in manifest["skipped"]] == [
-        "compressed-member", "whitespace-name", "duplicate-member"]
-    assert keys_read(folder, "dali", "dali") == labels
+    assert sorted(s["unindexed"] for s in manifest["shards"] if "unindexed" in s) == [
+        "compressed-member", "duplicate-member", "whitespace-name"]
+    with pytest.raises(ValueError, match="packed.tar, spaces.tar, twice.tar"):
+        keys_read(folder, "dali", "dali")
+    read = keys_read(folder, "auto", "dali", on_error="skip")  # streamed
+    assert read == {**labels, **{k: v for r, _ in STREAMED.values() for k, v in r.items()}}
 
 
 # -- --out DIR: indexes for shards that cannot have them beside (read-only, remote) ----------
@@ -406,7 +435,7 @@ def test_an_index_folder_must_name_the_shards_it_is_given(tmp_path):
     folder = tmp_path / "wds"
     wds_shards(folder)
     out = tmp_path / "index"
-    with pytest.raises(FileNotFoundError, match="make_shards.py index SRC --out DIR"):
+    with pytest.raises(FileNotFoundError, match="shardflow index SRC --out DIR"):
         keys_read(folder, "stream", "portable", index=str(out))
     run_tool("make_shards", "index", folder / "part-00000[01].tar", "--out", out, "--quiet",
              check=True)

@@ -39,8 +39,10 @@ from shardflow.samples.checks import CheckLimits
 from shardflow.samples.downsize import OUTCOMES, Downsize
 from shardflow.samples.scans import ScanOptions, with_learning_map
 from shardflow.shards.manifest import Manifest, load_manifest, merge_parts
+from shardflow.storage import timed, with_timeouts
 from shardflow.tools.util import (
     add_storage_options,
+    add_timeout,
     parse_part,
     parse_size,
     positive_int,
@@ -58,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     helps = {"imagefolder": "one subfolder per class of images (ImageNet layout)",
              "manifest": "a CSV or JSONL file of path[,label]",
              "text": ".txt files (one document each, or one per line) or JSONL",
-             "pointcloud": "one subfolder per class of .npy/.ply/.off/.xyz files, or scenes "
-                           "labelled per point (--layout scans|kitti: LiDAR segmentation)",
+             "pointcloud": "one subfolder per class of .npy/.ply/.off/.xyz/.bin files, or "
+                           "LiDAR scenes (--layout scans|kitti): labelled per point, or "
+                           "unlabelled where no scan has labels",
              "shards": "existing tar shards (folder, glob, brace pattern or URL)",
              "parquet": "a Parquet file, a folder of them, or a quoted glob pattern "
                         "(one split of a Hugging Face dataset: 'data/train-*.parquet')",
@@ -82,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "cannot lie beside the shards; the loaders then take index=DIR, "
                        "verify_shards --index DIR")
     add_storage_options(index)
+    add_timeout(index)
     index.add_argument("--on-error", choices=("raise", "skip"), default="raise",
                        help="raise: stop at the first shard the readers would not read as it "
                        "is; skip: list it in the manifest's skipped and go on")
@@ -124,8 +128,13 @@ def _common_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--on-error", choices=("raise", "skip"), default="raise",
                    help="raise: stop at the first bad input; skip: record it and go on")
     p.add_argument("--overwrite", action="store_true", help="replace shards already in OUT")
+    p.add_argument("--allow-empty", action="store_true",
+                   help="write the manifest of a run that converts no sample (e.g. a --part "
+                   "slice with no input); without it such a run exits 2 naming what it passed "
+                   "over and skipped, and writes no manifest")
     p.add_argument("--quiet", action="store_true", help="no progress bar or warnings")
     add_storage_options(p, "URLs of OUT and of a shards source")
+    add_timeout(p)
 
 
 def _kind_options(p: argparse.ArgumentParser, kind: str) -> None:
@@ -184,10 +193,11 @@ def _scan_options(p: argparse.ArgumentParser) -> None:
                    help="classes: one subfolder per class (a label per cloud); scans: every "
                    ".bin/.npy/.ply/.xyz/.off under SRC is a scene labelled per point (its "
                    "--label-column, or a <stem>.label beside it); kitti: SemanticKITTI, "
-                   "sequences/NN/velodyne/*.bin with labels/*.label")
+                   "sequences/NN/velodyne/*.bin with labels/*.label. Scans of which none has "
+                   "labels are stored as clouds without any (pointcloud_loader labels=False)")
     p.add_argument("--point-dims", type=int, choices=range(3, 65), default=4, metavar="N",
-                   help=".bin scans: float32 values per point (KITTI 4: x y z remission; "
-                   "nuScenes 5)")
+                   help=".bin clouds and scans: float32 values per point (KITTI 4: x y z "
+                   "remission; nuScenes 5)")
     p.add_argument("--label-column", dest="scan_label", default=None, metavar="NAME|INDEX",
                    help="scans: the per-point label column, by PLY property name or by "
                    "index (negative from the end); taken out of the stored points")
@@ -300,7 +310,9 @@ def config_from_args(args: argparse.Namespace) -> ConvertConfig:
         tabular=_tabular(args), scan=_scan(args),
         max_member_bytes=getattr(args, "max_member_size", 256 * 2**20),
         workers=args.workers, overwrite=args.overwrite, worker_timeout_s=args.worker_timeout,
-        storage_options=args.storage_options, engine=args.engine, ray_address=args.ray_address)
+        storage_options=with_timeouts(args.storage_options, args.src, args.out,
+                                      seconds=args.timeout),
+        engine=args.engine, ray_address=args.ray_address, allow_empty=args.allow_empty)
 
 
 def print_summary(m: Manifest, out: str, seconds: float) -> None:
@@ -312,6 +324,8 @@ def print_summary(m: Manifest, out: str, seconds: float) -> None:
     elif m.labels:
         print(f"labels (no class map): {m.labels.to_json()['distinct']} distinct, "
               f"{m.labels.ranges[0][0]}..{m.labels.ranges[-1][1]}")
+    elif m.modality == "pointcloud" and m.total_samples and not m.segmentation:
+        print("no labels: clouds stored without one (pointcloud_loader(..., labels=False))")
     if m.tabular:
         print(f"rows: {m.tabular['rows']} in {m.tabular['blocks']} blocks")
     if m.segmentation:
@@ -350,18 +364,26 @@ def _index(args: argparse.Namespace) -> int:
     from shardflow.shards.indexing import index_source
     from shardflow.shards.tarread import TarLimits
 
-    with tqdm(unit="shard", disable=args.quiet, dynamic_ncols=True) as bar:
+    options = with_timeouts(args.storage_options, args.src, seconds=args.timeout)
+    with tqdm(unit="shard", disable=args.quiet, dynamic_ncols=True) as bar, \
+            timed("indexing", args.src, options):
         m = index_source(args.src, args.out, limits=TarLimits(args.max_member_size),
                          on_error=args.on_error, progress=lambda _name: bar.update(),
-                         storage_options=args.storage_options)
+                         storage_options=options)
     folder = Path(args.out if args.out is not None else args.src)
     print(f"indexed {len(m.shards)} shards, {m.total_samples} samples ({m.modality}) -> "
           f"{folder / 'manifest.json'}")
     if args.out is not None:
         print(f"read them with index={str(folder)!r} (verify_shards SRC --index {folder})")
+    unindexed = [s for s in m.shards if s.unindexed]
+    if unindexed:
+        print(f"left {len(unindexed)} shards without an index; the loaders stream them, "
+              "DALI's reader reads none of this folder (`shardflow convert shards` rewrites "
+              "them): " + ", ".join(f"{s.name} [{s.unindexed}]" for s in unindexed[:5])
+              + (" ..." if len(unindexed) > 5 else ""))
     if m.skipped:
-        print(f"left {len(m.skipped)} shards without an index (listed under 'skipped' in "
-              "manifest.json, each with its reason and what to do)")
+        print(f"skipped {len(m.skipped)} samples or shards the loaders cannot read (listed "
+              "under 'skipped' in manifest.json, each with its reason; verify names them)")
     return 0
 
 
@@ -409,6 +431,7 @@ def entry(argv: list[str] | None = None) -> NoReturn:
         # a missing source or an output already there: the message says it all (before
         # OSError, whose hint is about a full disk)
         FileNotFoundError: "", FileExistsError: "",
+        TimeoutError: "; finished shards are kept: rerun the same command to go on",
         OSError: "; nothing partial was left under a final name: free space or fix the cause "
                  "and rerun the same command to finish"})
 

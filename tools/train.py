@@ -144,7 +144,7 @@ def add_loader_flags(p: argparse.ArgumentParser) -> None:
                    "interleaved (default 2)")
     p.add_argument("--index", default=None, metavar="DIR",
                    help="--data's manifest.json and .idx files lie in DIR, not beside its "
-                   "shards (make_shards index SRC --out DIR: read-only or remote shards)")
+                   "shards (`shardflow index` SRC --out DIR: read-only or remote shards)")
     p.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="streaming reader: keep remote shards in this local folder (shared by "
                    "the ranks of a machine), so later epochs read them from disk")

@@ -5,7 +5,8 @@
     python tools/verify_shards.py 'shards/train-{000000..000009}.tar' --world-size 4
     python tools/verify_shards.py https://host/shards/ --index local-index/
 
-Exits 1 when anything is wrong (each problem is named with its shard and key), 0 otherwise.
+Exits 1 when anything is wrong (each problem is named with its shard and key), 0 otherwise;
+3 when a server does not answer within --timeout (the error names the URL and the wait).
 With --world-size, shows how the loaders will split the shards over that many ranks: their
 own plan (pipeline/loading/readplan.py: shards shuffled by (seed, epoch), each in turn to
 the rank with the fewest samples, every rank reading the smallest rank's count), from the
@@ -25,7 +26,14 @@ from shardflow.atomic import write_atomic
 from shardflow.loading.readplan import plan_epoch
 from shardflow.loading.shardlist import ShardSpec, Source
 from shardflow.shards.verify import ShardReport, problem_counts, verify
-from shardflow.tools.util import add_storage_options, positive_int, positive_seconds, run_main
+from shardflow.storage import timed, with_timeouts
+from shardflow.tools.util import (
+    add_storage_options,
+    add_timeout,
+    positive_int,
+    positive_seconds,
+    run_main,
+)
 
 MAX_LISTED = 20
 
@@ -35,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="a folder with manifest.json, a glob, a brace pattern or URL")
     p.add_argument("--index", default=None, metavar="DIR",
-                   help="the shards' manifest.json and .idx files lie in DIR (make_shards index "
+                   help="the shards' manifest.json and .idx files lie in DIR (`shardflow index` "
                    "SRC --out DIR), not beside them")
     p.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1,
                    help="shards verified in parallel")
@@ -50,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write the whole report (shards, problems, split) as JSON here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_storage_options(p)
+    add_timeout(p)
     return p
 
 
@@ -72,6 +81,17 @@ def print_problems(reports: list[ShardReport]) -> None:
         print(f"  ... and {len(problems) - MAX_LISTED} more")
     print("problems by reason: " + ", ".join(f"{k}={v}" for k, v in
                                              problem_counts(reports).items()))
+
+
+def print_unindexed(reports: list[ShardReport]) -> None:
+    """The shards `shardflow index` left without an index: read all the same, by the
+    streaming reader, which is no problem but is slower than DALI's reader."""
+    names = [f"{Path(r.url).name} [{r.expected.unindexed}]" for r in reports
+             if r.expected is not None and r.expected.unindexed]
+    if names:
+        print(f"{len(names)} shards have no index ({', '.join(names[:5])}"
+              f"{' ...' if len(names) > 5 else ''}): the loaders stream them, so DALI's reader "
+              "reads none of this folder; `shardflow convert shards` rewrites them")
 
 
 def split_view(reports: list[ShardReport], world_size: int, epoch: int, seed: int
@@ -130,9 +150,11 @@ def verify_with_progress(args: argparse.Namespace) -> tuple[list[ShardReport], A
             bar.update()
             bar.set_postfix(samples=samples)
 
-        return verify(args.source, workers=args.jobs, timeout_s=args.worker_timeout,
-                      progress=progress, storage_options=args.storage_options,
-                      index=args.index)
+        options = with_timeouts(args.storage_options, args.source, seconds=args.timeout)
+        # a shard's own timeout names the shard; one met here, finding the shards
+        with timed("listing", args.source, options):
+            return verify(args.source, workers=args.jobs, timeout_s=args.worker_timeout,
+                          progress=progress, storage_options=options, index=args.index)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(r.samples for r in reports)
     print(f"{len(reports)} shards, {total} samples"
           + (f" (manifest: {manifest.total_samples})" if manifest else " (no manifest)"))
+    print_unindexed(reports)
     split = split_view(reports, args.world_size, args.epoch, args.seed) \
         if args.world_size else None
     balanced = print_split(split) if split else True

@@ -209,7 +209,8 @@ def eval_share(held: Source, rank: int, world: int) -> Source | None:
     same shards as training), each rank reads its shards' slice."""
     if world <= 1:
         return held
-    shards = sorted(held.shards, key=lambda s: s.url)  # the same order on every rank
+    # the same order on every rank; a shard known to be empty is no rank's part
+    shards = sorted((s for s in held.shards if s.samples != 0), key=lambda s: s.url)
     if len(shards) >= world and all(s.samples is not None for s in shards):
         # the largest first: the greedy split then evens the ranks out best
         mine = split_ranks(sorted(shards, key=lambda s: -(s.samples or 0)), world)[rank]

@@ -3,6 +3,7 @@
 
     from shardflow import ShardDataset
     ds = ShardDataset("shards/images")          # local, https://, s3:// (storage_options=...)
+    ds = ShardDataset(url, io_timeout_s=10)     # a server silent for 10 s: StorageTimeout
     len(ds); ds[17]; ds.key(17); ds.get("class_3_00012"); ds.keys()
     # {"__key__": ..., "__url__": ..., "image": uint8 (H, W, 3), "label": 3, ...}
 
@@ -29,6 +30,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from shardflow.access.decode import MAX_PIXELS, decoded
 from shardflow.errors import DataError, OnError, SkipLog, check_on_error, handle
 from shardflow.loading.shardcache import ShardCache
@@ -36,6 +39,7 @@ from shardflow.loading.shardlist import ShardSpec, Source, resolve_source
 from shardflow.samples.checks import modality_of
 from shardflow.shards.daliindex import parse_index
 from shardflow.shards.tarread import split_name
+from shardflow.storage import timed
 from shardflow.urls import is_remote, redact
 
 log = logging.getLogger(__name__)
@@ -49,10 +53,12 @@ class ShardDataset:
     def __init__(self, source: str | Path | Sequence[str], *, decode: bool = True,
                  on_error: OnError = "raise", storage_options: Mapping[str, Any] | None = None,
                  index: str | Path | None = None, cache_dir: str | Path | None = None,
-                 max_pixels: int = MAX_PIXELS) -> None:
+                 max_pixels: int = MAX_PIXELS, io_timeout_s: float | None = None) -> None:
         check_on_error(on_error)
+        # io_timeout_s: a server silent this long (None: storage.READ_TIMEOUT_S) raises
+        # StorageTimeout naming the URL, here and at every read
         self.source: Source = resolve_source(source, storage_options=storage_options,
-                                             index=index)
+                                             index=index, io_timeout_s=io_timeout_s)
         self.decode, self.on_error, self.max_pixels = decode, on_error, max_pixels
         self.cache = ShardCache(cache_dir, 2**62) if cache_dir else None
         self.skipped = SkipLog()
@@ -149,9 +155,11 @@ class ShardDataset:
             import fsspec
 
             fs, path = fsspec.core.url_to_fs(spec.url, **spec.storage_options)
-            (found,) = fs.cat_ranges([path], [start], [end])
-            if isinstance(found, BaseException):
-                raise OSError(f"range request to {redact(spec.url)} failed: {found}")
+            with timed("reading shard", spec.url, spec.storage_options):
+                (found,) = fs.cat_ranges([path], [start], [end])
+                if isinstance(found, BaseException):
+                    raise OSError(f"range request to {redact(spec.url)} failed: {found}") \
+                        from found
             if len(found) > end - start:  # the server sent the whole shard, not the range
                 self._warn_no_ranges(spec)
                 found = found[start:end]
@@ -244,13 +252,13 @@ def _read_index(spec: ShardSpec) -> list[Members]:
     if local is not None and os.path.exists(local) and not os.path.isfile(local):
         raise DataError("bad-index", f"{redact(spec.index_url)} is not a regular file (opening "
                         "a FIFO blocks until a writer comes)", source=redact(spec.url))
-    try:
-        with fsspec.open(spec.index_url, "rb", **spec.storage_options) as f:
+    try:  # a timeout is StorageTimeout (no FileNotFoundError: the index may be there)
+        with timed("reading the index", spec.index_url, spec.storage_options), \
+                fsspec.open(spec.index_url, "rb", **spec.storage_options) as f:
             text = f.read().decode()
     except FileNotFoundError:
-        raise DataError("missing-index", f"no index at {redact(spec.index_url)}: make one with "
-                        "`shardflow index SRC` (--out DIR for shards you cannot write beside, "
-                        "then index=DIR)", source=redact(spec.url)) from None
+        raise DataError("missing-index", f"no index at {redact(spec.index_url)}: "
+                        f"{_index_advice(spec.url)}", source=redact(spec.url)) from None
     try:
         table = parse_index(text)
     except ValueError as exc:
@@ -263,7 +271,28 @@ def _read_index(spec: ShardSpec) -> list[Members]:
 
 
 def collate_skipping(samples: list[Any]) -> Any:
-    """torch's default_collate of the samples that are not None (skipped as bad)."""
+    """torch's default_collate of the samples that are not None (skipped as bad). An array
+    whose shape differs between samples (photos of their own sizes, clouds of their own
+    point counts) cannot stack: it comes as a list of tensors, one per sample."""
+    import torch
     from torch.utils.data import default_collate
 
-    return default_collate([s for s in samples if s is not None])
+    kept = [s for s in samples if s is not None]
+    if not kept or not isinstance(kept[0], dict):
+        return default_collate(kept)
+    ragged = [k for k, v in kept[0].items() if isinstance(v, np.ndarray)
+              and len({np.shape(s[k]) for s in kept}) > 1]
+    batch = default_collate([{k: v for k, v in s.items() if k not in ragged} for s in kept])
+    for k in ragged:
+        batch[k] = [torch.as_tensor(s[k]) for s in kept]
+    return batch
+
+
+def _index_advice(url: str) -> str:
+    """What makes an index for this shard: `shardflow index` reads members at their offsets
+    in a plain tar, so it refuses a gzipped shard, which a rewrite unpacks."""
+    if url.endswith((".tar.gz", ".tgz")):
+        return ("a gzipped shard has none (members lie at offsets of a plain tar): "
+                "`shardflow convert shards SRC DST` rewrites it as plain tar, with indexes")
+    return ("make one with `shardflow index SRC` (--out DIR for shards you cannot write "
+            "beside, then index=DIR)")

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from shardflow.errors import DataError
-from shardflow.samples import checks, headers, pointcloud_io
+from shardflow.samples import checks, headers, jpegscan, pointcloud_io
 from shardflow.samples.checks import IMAGE_MEMBERS, OFFSET_EXT, POINTCLOUD_EXTS, TEXT_EXTS
 from shardflow.samples.scans import LABELS_EXT, NO_IGNORE, check_labels
 from shardflow.shards.manifest import TokenForm
@@ -107,6 +107,7 @@ def image(data: bytes, max_pixels: int = MAX_PIXELS) -> np.ndarray:
     from shardflow.image.augment import CropParams
     from shardflow.image.portable import decode_window
 
+    data = jpegscan.readable(data)  # a header the loaders repair, repaired alike
     header = headers.check_header(data, max_pixels)
     whole = CropParams(0, 0, header.width, header.height, flip=False)
     try:

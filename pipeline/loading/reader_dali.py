@@ -33,8 +33,8 @@ def check_local_shard(url: str, idx: str | None = None) -> int:
     not mid-epoch)."""
     idx = idx or url[: -len(".tar")] + ".idx"
     if not os.path.isfile(idx):
-        raise DataError("missing-index", f"no index at {idx}; make it with tools/make_shards.py "
-                        "index (--out DIR for shards you cannot write beside), or read "
+        raise DataError("missing-index", f"no index at {idx}; make it with `shardflow index "
+                        "SRC` (--out DIR for shards you cannot write beside), or read "
                         "through the streaming reader", source=url)
     with open(idx) as f:
         try:

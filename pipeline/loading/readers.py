@@ -87,8 +87,8 @@ def pick_reader(source: Source, reader: ReaderKind, kind: str, backend: str = "d
         return "stream"
     if reader == "dali" and not local:
         raise ValueError("reader='dali' needs local .tar shards with .idx files (beside them, "
-                         "or in a folder given as index=DIR); use reader='stream' (or 'auto') "
-                         "for remote or unindexed shards")
+                         f"or in a folder given as index=DIR), which {_not_dali(source)} are "
+                         "not; use reader='stream' (or 'auto') for remote or unindexed shards")
     chosen = reader if reader != "auto" else ("dali" if local else "stream")
     log.info("%s loader: %s reader for %s", kind, chosen, source.describe())
     return chosen
@@ -136,6 +136,13 @@ def dali_readable(source: Source) -> bool:
     """Whether DALI's reader can read `source`: local .tar shards, each with its .idx."""
     return all(not is_remote(s.url) and s.url.endswith(".tar") and _has_index(s)
                for s in source.shards)
+
+
+def _not_dali(source: Source) -> str:
+    """The shards DALI's reader cannot read, named (the first five)."""
+    names = [s.url.rsplit("/", 1)[-1] for s in source.shards
+             if is_remote(s.url) or not s.url.endswith(".tar") or not _has_index(s)]
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def _has_index(shard: ShardSpec) -> bool:

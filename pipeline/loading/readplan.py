@@ -45,7 +45,10 @@ class EpochPlan:
 
 def plan_epoch(source: Source, *, epoch: int, seed: int, rank: int, world_size: int,
                shuffle: bool, batch_size: int, shuffle_buffer: int) -> EpochPlan:
-    ids = epoch_order(range(len(source.shards)), seed, epoch, shuffle)
+    # A shard known to hold no samples is planned for no rank: a reader is never handed one
+    # (DALI's refuses an empty index), and it never takes a rank's place.
+    ids = [i for i in epoch_order(range(len(source.shards)), seed, epoch, shuffle)
+           if source.shards[i].samples != 0]
     per_rank = split_ranks([source.shards[i] for i in ids], world_size)
     length, dropped = even_length(per_rank)
     if length == 0:

@@ -18,6 +18,7 @@ backend on large photos), and the ranks (readers.distributed).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,8 @@ from shardflow.errors import SkipLog
 from shardflow.loading import readers
 from shardflow.loading.readers import Placement
 from shardflow.loading.shardlist import Source
+from shardflow.samples.checks import TEXT_EXTS, TOKEN_EXTS, modality_of
+from shardflow.urls import is_remote
 
 _LOADER_OF = {"image": "image_loader", "text": "text_loader", "pointcloud": "pointcloud_loader",
               "tabular": "tabular_loader"}
@@ -57,7 +60,32 @@ def resolve(kind: str, source: Source, cfg: Any, gpu_decode: bool) -> Resolved:
 
 def check_modality(source: Source, kind: str) -> None:
     """Shards of another modality are refused at build: read, every sample would fail alone
-    as a missing member, which does not say that the loader is the wrong one."""
-    if source.modality in _LOADER_OF and kind in _LOADER_OF and source.modality != kind:
-        raise ValueError(f"these shards hold {source.modality} (manifest.json's modality), not "
-                         f"{kind}: read them with {_LOADER_OF[source.modality]}")
+    as a missing member, which does not say that the loader is the wrong one. The same
+    shards get the same answer however they are named (a folder with its manifest, a
+    pattern): the manifest's modality, else the first sample's members in its local index.
+    Captions beside images are text, which text_loader reads."""
+    held = _first_members(source)
+    if kind == "text" and held is not None and held & {*TEXT_EXTS, *TOKEN_EXTS}:
+        return
+    modality = source.modality or (modality_of(held) if held else None)
+    if modality in _LOADER_OF and kind in _LOADER_OF and modality != kind:
+        said = "manifest.json's modality" if source.modality else "their members"
+        raise ValueError(f"these shards hold {modality} ({said}), not {kind}: read them with "
+                         f"{_LOADER_OF[modality]}")
+
+
+def _first_members(source: Source) -> set[str] | None:
+    """The extensions of the first shard's first sample, from its local .idx; None where
+    there is none to read (remote or unindexed shards: the samples then say it)."""
+    for shard in source.shards[:1]:
+        if shard.samples == 0 or is_remote(shard.index_url) \
+                or not os.path.isfile(shard.index_url):  # not a FIFO: opening blocks
+            return None
+        try:
+            with open(shard.index_url) as f:
+                f.readline()  # "v1.2 N"
+                fields = f.readline().split()
+        except OSError:
+            return None
+        return {ext.lower() for ext in fields[0::4]} or None
+    return None

@@ -100,19 +100,23 @@ def check_image(data: bytes, limits: CheckLimits) -> str:
     """The one decodability rule: PIL decodes all of the image (a JPEG at 1/8 scale, which
     reads every block; pixel limit checked from the header first) and the loaders would
     decode it too (JPEG, PNG, WebP, BMP, TIFF; a JPEG header DALI and the loader's header
-    parser read). Returns PIL's format; DataError says why not."""
+    parser read, once a header they repair is repaired: jpegscan.readable). Returns PIL's
+    format; DataError says why not."""
+    data = jpegscan.readable(data)
     fmt = _decode(data, limits)
     problem = loader_problem(data, fmt)
     if problem is not None:
         reason = "bad-jpeg-structure" if fmt in ("JPEG", "MPO") else "unsupported-image-format"
         raise DataError(reason, f"{problem}; the loaders would refuse it (make_shards repairs "
-                        "it: convert the shards again with tools/make_shards.py shards)")
+                        "it: `shardflow convert shards` rewrites them)")
     return fmt
 
 
 def _decode(data: bytes, limits: CheckLimits) -> str:
     """PIL's decode of every byte (a JPEG's entropy data in full, at 1/8 scale); its format
     name, or DataError."""
+    if not data:  # as headers.check_header says it, for the loaders and ShardDataset
+        raise DataError("missing-field", "the image member is empty")
     allow_pixels(limits.max_pixels)
     try:
         with Image.open(io.BytesIO(data)) as img:

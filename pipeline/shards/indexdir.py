@@ -1,5 +1,5 @@
 """An index folder: DALI's `.idx` files and `manifest.json` for shards that lie elsewhere,
-read-only or remote (`make_shards index SRC --out DIR` writes one).
+read-only or remote (``shardflow index` SRC --out DIR` writes one).
 
     DIR/manifest.json     SRC's shards by name: samples, bytes, sha256; modality, labels
     DIR/NAME.idx          the index of SRC's NAME.tar
@@ -20,11 +20,12 @@ from typing import Any
 
 import fsspec
 
+from shardflow.shards import listing
 from shardflow.shards.listing import list_shards
 from shardflow.shards.manifest import MANIFEST, Manifest, ShardInfo, load_manifest
 from shardflow.urls import beside, expand_braces, redact
 
-SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+SHARD_SUFFIXES = listing.SHARD_SUFFIXES
 
 
 def index_path(url: str, index_dir: str | None) -> str:
@@ -41,7 +42,7 @@ def load_index_manifest(index_dir: str, storage_options: Mapping[str, Any] | Non
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     if not fs.isfile(path):
         raise FileNotFoundError(f"index={redact(index_dir)}: no {MANIFEST} there; write the "
-                                "folder with tools/make_shards.py index SRC --out DIR")
+                                "folder with `shardflow index SRC --out DIR`")
     return load_manifest(url, storage_options)
 
 
@@ -62,7 +63,7 @@ def matched(source: str | Sequence[str], index_dir: str,
         shown = ", ".join(redact(u) for u in unknown[:5])
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         raise ValueError(f"index={redact(index_dir)}: its {MANIFEST} does not name {shown}{more}"
-                         " (index those shards with make_shards index ... --out DIR)")
+                         " (index those shards with `shardflow index` ... --out DIR)")
     return [(u, by_name[shard_name(u)]) for u in urls], manifest
 
 

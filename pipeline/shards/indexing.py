@@ -1,4 +1,4 @@
-"""Indexes for shards made elsewhere (`make_shards index SRC [--out DIR]`), without rewriting
+"""Indexes for shards made elsewhere (``shardflow index` SRC [--out DIR]`), without rewriting
 a shard.
 
     SRC's shards      -> each read once: its DALI index (where every member's bytes lie),
@@ -14,7 +14,9 @@ glob, a brace pattern, an `https://` or `s3://` URL; the loaders then take `inde
 (shards/indexdir.py). The index lists exactly what the readers read as samples; a shard they
 would not read as it is (gzipped, a key's members apart or one twice, a refused member), or
 not alike through an index (a gzipped `key.txt.gz` member, whitespace in a member name), gets
-no index and is named with what to do: mostly, `make_shards shards` rewrites it. A folder's
+no index and is named with what to do: mostly, `shardflow convert shards` rewrites it. Under
+`--on-error skip` such a shard stays in the manifest, counted as the streaming reader reads
+it and marked `unindexed` with the reason: the loaders stream it, so no shard is hidden. A folder's
 shards are those the loaders list (.tar, .tar.gz, .tgz); a file that only its case hides from
 them (`A.TAR`) is named too. A run that stops goes on where it stopped: each indexed shard is
 journalled (JOURNAL, in the output folder) with its size and version (mtime, or a remote
@@ -36,9 +38,9 @@ from shardflow.atomic import write_atomic
 from shardflow.errors import DataError, OnError, SkipLog, handle
 from shardflow.samples.checks import check_label, modality_of
 from shardflow.shards import daliindex, indexdir
-from shardflow.shards.listing import list_shards, regular_file
+from shardflow.shards.listing import list_shards, regular_file, unlisted
 from shardflow.shards.manifest import MANIFEST, LabelStats, Manifest, ShardInfo
-from shardflow.shards.tarread import Located, TarLimits, iter_located, split_name
+from shardflow.shards.tarread import Located, TarLimits, iter_located, iter_samples, split_name
 from shardflow.shards.verify import HashingReader
 from shardflow.urls import redact
 
@@ -64,7 +66,7 @@ class Indexed:
 def index_shard(url: str, limits: TarLimits,
                 storage_options: Mapping[str, Any] | None = None) -> Indexed:
     """Read one shard (a path or any fsspec URL) and index it; DataError for a shard the
-    readers would not read as indexed (the reason says what `make_shards shards` would do)."""
+    readers would not read as indexed (the reason says what `shardflow convert shards` would do)."""
     shown = redact(url)
     samples: list[list[daliindex.Entry]] = []
     keys: set[str] = set()
@@ -78,7 +80,7 @@ def index_shard(url: str, limits: TarLimits,
     with fsspec.open(url, "rb", **(storage_options or {})) as raw:
         if raw.read(2) == GZIP_MAGIC:
             raise DataError("compressed-shard", "a gzipped tar: DALI's reader reads members at "
-                            "their offsets in a plain tar; make_shards shards rewrites it",
+                            "their offsets in a plain tar; `shardflow convert shards` rewrites it",
                             source=shown)
         raw.seek(0)
         reader = HashingReader(raw)
@@ -88,7 +90,7 @@ def index_shard(url: str, limits: TarLimits,
             if key != current:
                 if key in keys:
                     raise DataError("split-key", "the key's members lie apart (after other "
-                                    "keys); make_shards shards puts them back together",
+                                    "keys); `shardflow convert shards` puts them back together",
                                     source=shown, key=key)
                 keys.add(key)
                 samples.append([])
@@ -111,18 +113,18 @@ def _checked(m: Located, shown: str) -> bytes:
     key, ext = split_name(m.stored)
     if isinstance(m.data, DataError):
         raise DataError(m.data.reason, f"{m.data.detail}; the readers refuse it, so the "
-                        "shard is not indexed as it is (make_shards shards leaves it out)",
+                        "shard is not indexed as it is (`shardflow convert shards` leaves it out)",
                         source=shown, key=key)
     if m.name != m.stored:  # `key.txt.gz`, which the streaming reader gunzips
         raise DataError("compressed-member", f"member {m.stored!r} is gzipped: the streaming "
                         f"reader reads it unpacked as .{split_name(m.name)[1]}, while DALI's "
                         f"reader and the index reader would take its packed bytes as .{ext}; "
-                        "make_shards shards rewrites it unpacked", source=shown, key=key)
+                        "`shardflow convert shards` rewrites it unpacked", source=shown, key=key)
     if daliindex.has_whitespace(m.stored):
         # A plain `tar -cf` of a camera's folder gives `IMG 0001.jpg`. The converter makes
         # keys safe (sources.make_keys) but keeps extensions as they are.
-        fix = ("rename the file and pack it again (make_shards shards keeps extensions as "
-               "they are)" if daliindex.has_whitespace(ext) else "make_shards shards "
+        fix = ("rename the file and pack it again (`shardflow convert shards` keeps extensions as "
+               "they are)" if daliindex.has_whitespace(ext) else "`shardflow convert shards` "
                "rewrites it with its keys made safe ('IMG 0001' -> 'IMG_0001')")
         raise DataError("whitespace-name", f"member name {m.stored!r} holds whitespace, which "
                         f"a DALI index cannot hold (its fields are split on it); {fix}",
@@ -133,9 +135,9 @@ def _checked(m: Located, shown: str) -> bytes:
 def _duplicate(key: str, ext: str, shown: str) -> DataError:
     """A key with one member twice in a row (a tar extended with `tar -rf`)."""
     return DataError("duplicate-member", f"member {key}.{ext} appears twice: the streaming "
-                     "reader refuses the key, DALI's reader would take one copy; make_shards "
-                     "shards --on-error skip rewrites it with the first copy (and names the "
-                     "key in its report)", source=shown, key=key)
+                     "reader refuses the key, DALI's reader would take one copy; `shardflow "
+                     "convert shards --on-error skip` rewrites it with the first copy (and "
+                     "names the key in its report)", source=shown, key=key)
 
 
 def _label(data: bytes) -> list[int]:
@@ -164,7 +166,7 @@ def index_source(src: str | Path, out: str | Path | None = None, *,
     urls = _shards(src, storage_options)
     done = _journal(folder / JOURNAL)
     skips = SkipLog()
-    for err in _unlisted(src, urls):
+    for err in unlisted(src, urls):
         handle(err, on_error, skips)
     indexed: list[Indexed] = []
     with open(folder / JOURNAL, "a") as journal:
@@ -176,12 +178,17 @@ def index_source(src: str | Path, out: str | Path | None = None, *,
                 try:
                     entry = _indexed(url, version, limits, storage_options)
                 except DataError as err:
-                    handle(err, on_error, skips)  # under "skip": no index, listed in skipped
-                    continue
-                write_atomic(idx, entry.index.encode())
-                journal.write(entry.journal_line(version))
-                journal.flush()
-                os.fsync(journal.fileno())
+                    if on_error == "raise":
+                        raise
+                    entry = _unindexed(url, err, limits, storage_options, skips)
+                    if entry is None:
+                        continue
+                    idx.unlink(missing_ok=True)  # a stale one would send DALI's reader there
+                else:
+                    write_atomic(idx, entry.index.encode())
+                    journal.write(entry.journal_line(version))
+                    journal.flush()
+                    os.fsync(journal.fileno())
             indexed.append(entry)
             if progress is not None:
                 progress(indexdir.shard_name(url))
@@ -218,7 +225,7 @@ def _shards(src: str, storage_options: Mapping[str, Any] | None) -> list[str]:
     else what the pattern or URL lists; two with one name would share one .idx."""
     urls = list_shards(src, storage_options)
     if not urls:
-        odd = [Path(err.source).name for err in _unlisted(src, [])][:5]
+        odd = [Path(err.source).name for err in unlisted(src, [])][:5]
         raise ValueError(f"{redact(src)}: no shards to index (.tar, .tar.gz or .tgz files"
                          + (f"; {', '.join(odd)}: rename to lower case)" if odd else ")"))
     names = [indexdir.shard_name(u) for u in urls]
@@ -227,26 +234,6 @@ def _shards(src: str, storage_options: Mapping[str, Any] | None) -> list[str]:
         raise ValueError(f"{redact(src)}: shards share a name ({', '.join(twice[:5])}); an "
                          "index folder holds one NAME.idx per name: index them apart")
     return urls
-
-
-def _unlisted(src: str, urls: list[str]) -> list[DataError]:
-    """A local folder's files that only their case keeps from being listed (`A.TAR`): no
-    loader would read them, so they are named rather than passed over in silence."""
-    if "://" in src or not Path(src).is_dir():
-        return []
-    listed = {Path(u).name for u in urls}
-    found = [p for p in sorted(Path(src).iterdir())
-             if p.name.lower().endswith(indexdir.SHARD_SUFFIXES) and p.name not in listed
-             and not p.is_dir()]
-    return [DataError("unlisted-shard", "the loaders list .tar, .tar.gz and .tgz files, in "
-                      f"lower case: none would read it; rename it to {_lowered(p.name)}",
-                      source=str(p)) for p in found]
-
-
-def _lowered(name: str) -> str:
-    """`A.TAR` -> `A.tar`: the name with its shard suffix in lower case."""
-    suffix = next(s for s in indexdir.SHARD_SUFFIXES if name.lower().endswith(s))
-    return name[: -len(suffix)] + suffix
 
 
 def _version(url: str, storage_options: Mapping[str, Any] | None) -> tuple[int, str]:
@@ -269,6 +256,38 @@ def _indexed(url: str, version: tuple[int, str], limits: TarLimits,
         raise DataError("shard-changed", f"the store said {version[0]} bytes, {entry.info.bytes}"
                         " were read: the shard changed while it was indexed", source=redact(url))
     return entry
+
+
+def _unindexed(url: str, why: DataError, limits: TarLimits,
+               storage_options: Mapping[str, Any] | None, skips: SkipLog) -> Indexed | None:
+    """A shard left without an index stays in the manifest, marked with `why`, counted as the
+    streaming reader reads it, which the loaders then read it with: an index never hides a
+    shard. Its bad samples are skips, as the loaders' would be; None (a skip of the whole
+    shard) when it cannot be opened at all."""
+    shown = redact(url)
+    found = SkipLog(announce=False)
+    exts: set[str] = set()
+    labels: list[int] = []
+    count = 0
+    try:
+        regular_file(url, samples=None)
+        with fsspec.open(url, "rb", **(storage_options or {})) as raw:
+            reader = HashingReader(raw)
+            for sample in iter_samples(reader, shown, limits=limits,  # type: ignore[arg-type]
+                                       on_error="skip", skips=found):
+                count += 1
+                exts.update(k for k in sample if not k.startswith("__"))
+                if isinstance(sample.get("cls"), bytes):
+                    labels += _label(sample["cls"])  # type: ignore[arg-type]
+            reader.drain()
+    except (DataError, OSError) as err:
+        skips.add(err.located(source=shown) if isinstance(err, DataError) else
+                  DataError("unreadable-shard", str(err), source=shown))
+        return None
+    skips.extend(found.entries)
+    info = ShardInfo(indexdir.shard_name(url), count, reader.count, reader.sha.hexdigest(),
+                     unindexed=why.reason)
+    return Indexed(info, "", tuple(sorted(exts)), LabelStats.of(labels) if labels else None)
 
 
 def _journal(path: Path) -> dict[str, dict[str, Any]]:

@@ -7,17 +7,20 @@ is a regular file, checked before any reading starts.
                                          unreachable one, after the fetcher's retries)
 
 `storage_options` (fsspec's keyword arguments: endpoint, credentials) go to every fsspec call;
-they are never shown.
+they are never shown. A server that does not answer within their timeouts (storage.py) fails
+the check at once, naming the URL (StorageTimeout); other transient errors are tried again.
 """
 
 from __future__ import annotations
 
+import email.utils
 import logging
 import os
 import stat
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +28,13 @@ import fsspec
 
 from shardflow import urls as url_policy
 from shardflow.errors import DataError
+from shardflow.storage import StorageTimeout, causes, timed, timed_out
 from shardflow.urls import check_scheme, expand_braces, is_remote, redact, scrub
 
 log = logging.getLogger(__name__)
 
 SHARD_PATTERNS = ("*.tar", "*.tar.gz", "*.tgz")  # tarread gunzips a stream by its magic
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
 
 def list_shards(src: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
@@ -37,18 +42,57 @@ def list_shards(src: str, storage_options: Mapping[str, Any] | None = None) -> l
     check_scheme(src)
     local = Path(src)
     if "://" not in src and local.is_dir():
-        return [str(p) for p in sorted(p for pattern in SHARD_PATTERNS
-                                       for p in local.glob(pattern))]
+        found = [str(p) for p in sorted(p for pattern in SHARD_PATTERNS
+                                        for p in local.glob(pattern))]
+        for err in unlisted(src, found):  # read by no one: said, not passed over in silence
+            log.warning("%s: %s [%s]", err.source, err.detail, err.reason)
+        return found
     urls = []
     for url in expand_braces(src):
         urls.extend(_glob(url, storage_options) if any(c in url for c in "*?[") else [url])
     return urls
 
 
+def unlisted(src: str, urls: list[str]) -> list[DataError]:
+    """A local folder's files that only their case keeps from being listed (`A.TAR`): no
+    loader would read them, so index, verify and the loaders name them."""
+    if "://" in src or not Path(src).is_dir():
+        return []
+    listed = {Path(u).name for u in urls}
+    found = [p for p in sorted(Path(src).iterdir())
+             if p.name.lower().endswith(SHARD_SUFFIXES) and p.name not in listed
+             and not p.is_dir()]
+    return [DataError("unlisted-shard", "the loaders list .tar, .tar.gz and .tgz files, in "
+                      f"lower case: none would read it; rename it to {_lowered(p.name)}",
+                      source=str(p)) for p in found]
+
+
+def _lowered(name: str) -> str:
+    """`A.TAR` -> `A.tar`: the name with its shard suffix in lower case."""
+    suffix = next(s for s in SHARD_SUFFIXES if name.lower().endswith(s))
+    return name[: -len(suffix)] + suffix
+
+
 def _glob(url: str, storage_options: Mapping[str, Any] | None) -> list[str]:
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    found = sorted(fs.glob(path))
+    with timed("listing", url, storage_options):
+        found = sorted(fs.glob(path))
     return [fs.unstrip_protocol(p) if "://" in url else p for p in found]
+
+
+def exists(url: str, storage_options: Mapping[str, Any] | None = None) -> bool:
+    """Whether `url` names a file; StorageTimeout when its server does not answer in time
+    (fsspec's HTTP exists says False for that, as for any failure: asked to be strict, it
+    raises them, and all but a timeout still mean "not there")."""
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    web = url.startswith(("http://", "https://"))
+    with timed("looking for", url, storage_options):
+        try:
+            return bool(fs.exists(path, strict=True) if web else fs.exists(path))
+        except Exception as exc:
+            if not web or timed_out(exc):
+                raise
+            return False
 
 
 def regular_file(path: str, samples: int | None = 1) -> None:
@@ -72,8 +116,9 @@ def regular_file(path: str, samples: int | None = 1) -> None:
 
 def preflight(urls: list[str], source: str,
               storage_options: Mapping[str, Any] | None = None) -> None:
-    """One error listing every missing shard, or every unreachable one (a 5xx, a reset, a
-    timeout on each of the streaming reader's tries), and one for a source that matches none."""
+    """One error listing every missing shard, or every unreachable one (a 5xx or a reset on
+    each of the streaming reader's tries), and one for a source that matches none; a timeout
+    is raised at once (StorageTimeout, naming the shard)."""
     if not urls:
         raise FileNotFoundError(f"{scrub(source)}: no shards found")
     found = _found([u for u in urls if not u.startswith("pipe:")], storage_options)
@@ -137,7 +182,10 @@ def _listed(folder: str, urls: list[str], storage_options: Mapping[str, Any] | N
             ) -> dict[str, bool | str]:
     fs, path = fsspec.core.url_to_fs(folder, **(storage_options or {}))
     try:
-        listing = _retried(redact(folder), lambda: fs.ls(path, detail=False))
+        listing = _retried("listing", folder, lambda: fs.ls(path, detail=False),
+                           storage_options)
+    except StorageTimeout:
+        raise
     except Exception as exc:  # noqa: BLE001 - no such folder, or every try failed
         answer = _answer(exc)
         if answer is not False:
@@ -152,7 +200,9 @@ def _exists(url: str, storage_options: Mapping[str, Any] | None) -> bool | str:
     would report a shard that is there, behind a hiccup, as missing."""
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     try:
-        _retried(redact(url), lambda: fs.info(path))
+        _retried("checking", url, lambda: fs.info(path), storage_options)
+    except StorageTimeout:
+        raise
     except Exception as exc:  # noqa: BLE001 - an answer (404), or every try failed
         return _answer(exc)
     return True
@@ -169,20 +219,58 @@ def _answer(exc: BaseException) -> bool | str:
     return f"{_why(exc)} after {url_policy.RETRIES + 1} tries" if transient(exc) else _why(exc)
 
 
-def _retried(what: str, call: Any) -> Any:
+def _retried(doing: str, url: str, call: Any, storage_options: Mapping[str, Any] | None
+             ) -> Any:
     """`call()`, tried again after a transient error with the streaming reader's back-off
-    (pipeline/urls.py: RETRIES further tries, BACKOFF_S doubled each time)."""
+    (pipeline/urls.py: RETRIES further tries, BACKOFF_S doubled each time, or what a 429 or
+    503 asks in Retry-After). A timeout is not: the server had all of the read timeout to
+    answer, and a start-up that waited RETRIES times as long would say the same, only later.
+    It is raised as StorageTimeout (`doing` `url`: "checking https://...")."""
     for failures in range(url_policy.RETRIES + 1):
         try:
-            return call()
+            with timed(doing, url, storage_options):
+                return call()
+        except StorageTimeout:
+            raise
         except Exception as exc:
             if failures == url_policy.RETRIES or not transient(exc):
                 raise
-            wait = url_policy.BACKOFF_S * 2 ** failures
-            log.warning("checking %s failed (%s); try %d of %d in %.1f s", what, _why(exc),
-                        failures + 2, url_policy.RETRIES + 1, wait)
+            wait = retry_wait(exc, failures, url_policy.BACKOFF_S)
+            log.warning("%s %s failed (%s); try %d of %d in %.1f s", doing, redact(url),
+                        _why(exc), failures + 2, url_policy.RETRIES + 1, wait)
             time.sleep(wait)
     raise AssertionError("not reached: the last try returns or raises")
+
+
+def retry_wait(exc: BaseException, failures: int, backoff_s: float) -> float:
+    """Seconds to wait after `exc`, the try that failed after `failures` others: what a 429
+    or 503 asks in Retry-After (at most urls.RETRY_AFTER_MAX_S), else `backoff_s` doubled
+    for each earlier failure."""
+    asked = retry_after(exc)
+    return backoff_s * 2 ** failures if asked is None else asked
+
+
+def retry_after(exc: BaseException) -> float | None:
+    """The wait a 429 or 503 asks for (Retry-After: seconds, or an HTTP date), capped."""
+    for err in causes(exc):
+        if getattr(err, "status", None) in (429, 503):
+            value = (getattr(err, "headers", None) or {}).get("Retry-After")
+            return None if value is None else _seconds(str(value))
+    return None
+
+
+def _seconds(value: str) -> float | None:
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None  # neither form: our own back-off
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=timezone.utc)
+        seconds = (when - datetime.now(timezone.utc)).total_seconds()
+    return min(seconds if seconds >= 0 else 0.0, url_policy.RETRY_AFTER_MAX_S)  # NaN: 0
 
 
 def transient(exc: BaseException) -> bool:
@@ -195,18 +283,11 @@ def transient(exc: BaseException) -> bool:
     return any(isinstance(err, ConnectionError | TimeoutError)
                or any(word in type(err).__name__ for word in ("Connection", "Timeout",
                                                               "Disconnect"))
-               for err in _chain(exc))
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    errors = [exc]
-    while len(errors) < 8 and (errors[-1].__cause__ or errors[-1].__context__) is not None:
-        errors.append(errors[-1].__cause__ or errors[-1].__context__)  # type: ignore[arg-type]
-    return errors
+               for err in causes(exc))
 
 
 def _status(exc: BaseException) -> int | None:
-    for err in _chain(exc):
+    for err in causes(exc):
         status = getattr(err, "status", None)
         if isinstance(status, int):
             return status
@@ -215,7 +296,7 @@ def _status(exc: BaseException) -> int | None:
 
 def _why(exc: BaseException) -> str:
     status = _status(exc)
-    return f"HTTP {status}" if status is not None else type(_chain(exc)[-1]).__name__
+    return f"HTTP {status}" if status is not None else type(causes(exc)[-1]).__name__
 
 
 def count_from_index(url: str) -> int | None:

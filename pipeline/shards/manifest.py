@@ -45,15 +45,22 @@ class ShardInfo:
     samples: int
     bytes: int
     sha256: str
+    # Why `shardflow index` left it without a .idx (a reason: "compressed-shard", ...): the
+    # loaders stream it, counted all the same. None: indexed, or written by the converter.
+    unindexed: str | None = None
 
     def to_json(self) -> dict[str, object]:
-        return {"name": self.name, "samples": self.samples, "bytes": self.bytes,
-                "sha256": self.sha256}
+        doc: dict[str, object] = {"name": self.name, "samples": self.samples,
+                                  "bytes": self.bytes, "sha256": self.sha256}
+        if self.unindexed is not None:
+            doc["unindexed"] = self.unindexed
+        return doc
 
     @classmethod
     def from_json(cls, doc: dict[str, object]) -> ShardInfo:
+        unindexed = doc.get("unindexed")
         return cls(str(doc["name"]), int(doc["samples"]), int(doc["bytes"]),  # type: ignore[call-overload]
-                   str(doc["sha256"]))
+                   str(doc["sha256"]), None if unindexed is None else str(unindexed))
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import posixpath
 import tarfile
 import zlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, NamedTuple
 
@@ -311,13 +311,17 @@ class _GzipChecked:
 
 
 def iter_samples(stream: BinaryIO, url: str, *, limits: TarLimits | None = None,
-                 on_error: OnError = "raise", skips: SkipLog | None = None) -> Iterator[Sample]:
-    """Samples (`__key__`, `__url__`, ext -> bytes) of one shard, in archive order."""
+                 on_error: OnError = "raise", skips: SkipLog | None = None,
+                 located: Callable[[Located], None] | None = None) -> Iterator[Sample]:
+    """Samples (`__key__`, `__url__`, ext -> bytes) of one shard, in archive order;
+    `located` is shown each member and where it lies (what an index must say of it)."""
     limits, skips = limits or TarLimits(), skips if skips is not None else SkipLog()
     grouper = _Grouper(url, on_error, skips)
     try:
-        for name, data in iter_members(stream, url, limits):
-            yield from grouper.add(name, data)
+        for m in iter_located(stream, url, limits):
+            if located is not None:
+                located(m)
+            yield from grouper.add(m.name, m.data)
     except OSError as exc:
         yield from grouper.fail(DataError("truncated", str(exc), source=url))
     except DataError as err:
@@ -431,7 +435,7 @@ class _Grouper:
             detail += " (its members are apart; all of it is dropped)"
         else:
             detail += f" more than {HOLD_BACK} samples later; its first part was passed on"
-        detail += ("; make_shards.py shards puts each key's members back together (a plain "
+        detail += ("; `shardflow convert shards` puts each key's members back together (a plain "
                    "`tar -cf` of a folder stores them in directory order)")
         self._reject(key, DataError("split-key", detail, source=self.url, key=key))
         return True
