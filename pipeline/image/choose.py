@@ -5,7 +5,8 @@ decoder decodes every pixel of the window at full scale.
 
     up to PROBES samples spread over the shards (ShardDataset, raw members, local shards
     with indexes) -> each image's stored size from its header -> the median shorter side
-    >= LARGE x size (most random crops then take a 1/2 scale or more) -> "portable"
+    >= LARGE x size -> "portable" (a window is drafted where it is 4x size or more, to
+    leave 2x after the draft: portable.HEADROOM; below that the row cut alone gains)
 
 Measured on 2 cores (tools/bench_loader.py, paired in one run): on 3000-4000 px photos of
 about 1 MB (--photos large) the portable backend read 2.2x the images a second of the DALI

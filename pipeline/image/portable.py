@@ -5,9 +5,10 @@ DALI backend's CPU path does after its region-of-interest decode.
     encoded bytes, the window in the stored frame (loader.py: augment.py's crop, to_stored)
       -> PIL (JPEG, PNG, WebP, BMP, TIFF), decode, crop the window, RGB: the very pixels DALI's
          window decode gives (both are libjpeg-turbo; measured bit-exact batches)
-         or, where the window is at least twice `size` on both sides: `draft` asks libjpeg
+         or, where the window is at least 4x `size` on both sides: `draft` asks libjpeg
          for a 1/2, 1/4 or 1/8 scale decode (in the DCT domain: most of the work of a large
-         photo is never done) and PIL resizes the window, still larger than `size`, to size
+         photo is never done), leaving the window HEADROOM (2) x `size` or more, and PIL
+         resizes it to size
          (a JPEG is decoded down to the window's last row, rows.py, and, where it has
          restart markers, from the last one above the window, restarts.py)
       -> resize.batch: the torch resize, EXIF turn and flip of the DALI backend's CPU path
@@ -45,6 +46,12 @@ from shardflow.samples.headers import ORIENTATIONS
 # MPO opens as JPEG: PIL's JPEG plugin hands it to its MPO reader, which gives the first image.)
 FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "TIFF")
 SCALES = (8, 4, 2)  # the scales libjpeg decodes at in the DCT domain, largest first
+# A drafted window keeps at least HEADROOM x `size` pixels on both sides, so PIL's
+# antialiased resize still reduces it 2x or more. At 1x (a 1/8 draft left barely `size`) the
+# DCT's 8x8 block average stood in for the resize filter: mean |difference| to DALI's pixels
+# up to 5.1 per image and 85 at a pixel (photos of 128-416 px at 32-128); at 2x, 1.7 and 28
+# at most, for a fifth to a quarter of the rate on large photos (docs/portable.md).
+HEADROOM = 2
 
 
 class PortableImageStage(ImageStage):
@@ -81,12 +88,12 @@ class PortableImageStage(ImageStage):
 def decode_window(data: Any, window: CropParams, size: int, draft: bool = True,
                   cut: bool = True) -> np.ndarray:
     """The window (stored frame) of an encoded JPEG or PNG as HWC uint8 RGB: as stored (the
-    same pixels as DALI's window decode), or, with `draft` where the window is at least twice
+    same pixels as DALI's window decode), or, with `draft` where the window is at least 4x
     `size` on both sides, already resized to size x size from a JPEG decoded at 1/2, 1/4 or
-    1/8 scale (resize.py's resize of it is then the identity). With `cut`, a JPEG is decoded
-    down to the last row the window (and the resize's filter) reads, not below: the same
-    pixels (rows.py); and where it has restart markers, from the last one above the window:
-    the same rows, and a drafted window within one level (restarts.py)."""
+    1/8 scale, the largest that leaves it HEADROOM x `size` (resize.py's resize of it is then
+    the identity). With `cut`, a JPEG is decoded down to the last row the window reads, not
+    below: the same pixels (rows.py); and where it has restart markers, from the last one
+    above the window: the same rows, and the same drafted window (restarts.py)."""
     # One copy of the bytes: BytesIO shares a bytes object, and rows.py feeds a view of it.
     data = data if isinstance(data, bytes) else bytes(data)
     if cut:
@@ -110,9 +117,16 @@ def _from_the_top(data: bytes, window: CropParams, size: int, draft: bool, cut: 
             # bilinear), which is why this can skip resize.py's.
             box = (window.x / scale, window.y / scale, (window.x + window.width) / scale,
                    (window.y + window.height) / scale)
-            if cut and rows.load_rows(img, rows.resized_rows(box, size, img.height),
-                                      data) is False:
+            # Cut to the scaled pixels the box touches, as resize.py resizes the window
+            # alone: PIL's filter would otherwise read past the box, into the photo around
+            # the window (measured at 32-64 px: largest difference to DALI's 16-25, against
+            # 24-29 reading past it), and no row below the window need be decoded.
+            left, top = math.floor(box[0]), math.floor(box[1])
+            right, bottom = math.ceil(box[2]), math.ceil(box[3])
+            if cut and rows.load_rows(img, bottom, data) is False:
                 return _from_the_top(data, window, size, draft, cut=False)
+            img = img.crop((left, top, min(right, img.width), min(bottom, img.height)))
+            box = (box[0] - left, box[1] - top, box[2] - left, box[3] - top)
             return _rgb(_as_rgb(img).resize((size, size), Image.Resampling.BILINEAR, box=box))
         right, bottom = window.x + window.width, window.y + window.height
         if cut and rows.load_rows(img, bottom, data) is False:
@@ -126,10 +140,9 @@ def _below_restart(data: bytes, window: CropParams, size: int, draft: bool
     there is none, or the file is cut short or does not decode from there (the caller then
     decodes it from the top, which raises as before)."""
     scale = draft_scale(window, size) if draft else 1
-    # The first row PIL reads: the window's top, less the resize filter's reach where the
-    # window is drafted (rows.resized_rows, upwards), in whole scaled rows.
-    reach = (window.height / scale / size + 1.0) * scale if scale > 1 else 0.0
-    first = max(0, math.floor((window.y - reach) / scale) - 1) * scale
+    # The first row PIL reads: the window's top, in whole scaled rows (a drafted window is
+    # cut to the scaled pixels it touches before its resize: _from_the_top), and one more.
+    first = max(0, math.floor(window.y / scale) - 1) * scale
     found = restarts.cut_above(data, first)
     if found is None or not headers.whole_jpeg(data):
         return None
@@ -153,10 +166,11 @@ def _as_stored(img: Image.Image, orientation: int) -> Image.Image:
 
 
 def draft_scale(window: CropParams, size: int) -> int:
-    """The largest DCT scale (1/8, 1/4, 1/2) at which the window is still `size` pixels or
-    more on both sides; 1 when it is not even twice that."""
+    """The largest DCT scale (1/8, 1/4, 1/2) at which the window is still HEADROOM x `size`
+    pixels or more on both sides; 1 when even 1/2 leaves less."""
+    least = HEADROOM * size
     for scale in SCALES:
-        if window.width // scale >= size and window.height // scale >= size:
+        if window.width // scale >= least and window.height // scale >= least:
             return scale
     return 1
 
