@@ -304,11 +304,12 @@ def test_index_names_every_file_of_the_folder_it_leaves_out(tmp_path):
         "part-000000.tar": None, "more-000001.tar.gz": "compressed-shard",
         "more-000002.tgz": "compressed-shard"}
     assert "left 2 shards without an index" in out
-    os.remove(folder / "pipe.tar")
-    # Nothing hidden: the gzipped shards are read as before, the .TAR named by verify.
-    assert keys_read(folder, "auto", "auto") == {**labels, "g1": 1, "g2": 1}
-    proc = run_tool("verify_shards", folder)
+    proc = run_tool("verify_shards", folder)  # what the loaders would not read, named
     assert proc.returncode == 1 and "rename it to LOUD-000003.tar [unlisted-shard]" in proc.stdout
+    assert "pipe.tar: manifest.json does not list it" in proc.stdout
+    os.remove(folder / "pipe.tar")
+    # Nothing hidden: the gzipped shards are read as before.
+    assert keys_read(folder, "auto", "auto") == {**labels, "g1": 1, "g2": 1}
 
 
 @pytest.mark.dali

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -227,7 +228,11 @@ def verify(source: str, *, workers: int = 1, limits: CheckLimits | None = None,
     total number of shards). `storage_options`: fsspec's keyword arguments for its URLs.
     `index`: a folder with the shards' manifest and .idx files (shards/indexdir.py)."""
     items, manifest = shard_urls(source, storage_options, index)
-    odd = unlisted(source, [url for url, _ in items]) if index is None else []
+    odd: list[DataError] = []  # files of the folder no loader reads, named as problems
+    if index is None:
+        odd = unlisted(source, [url for url, _ in items])
+        if manifest is not None:
+            odd += _not_in_manifest(source, items)
     if not items and not odd:
         raise FileNotFoundError(f"{redact(source)}: no shards found")
     opts = VerifyOptions(limits or CheckLimits(), TarLimits(),
@@ -248,6 +253,19 @@ def verify(source: str, *, workers: int = 1, limits: CheckLimits | None = None,
         found.add(err)
         reports.append(ShardReport(err.source, problems=found.entries))
     return reports, manifest
+
+
+def _not_in_manifest(source: str, items: list[tuple[str, ShardInfo | None]]
+                     ) -> list[DataError]:
+    """Shards of a local folder that its manifest.json does not list: the loaders read a
+    folder through its manifest, so they would never read them (a FIFO `index` passed over,
+    a shard copied in after it ran)."""
+    if "://" in source or not Path(source).is_dir():
+        return []
+    listed = {Path(url).name for url, _ in items}
+    return [DataError("not-in-manifest", "manifest.json does not list it, so no loader reads "
+                      "it: index or convert the folder again", source=url)
+            for url in list_shards(source) if Path(url).name not in listed]
 
 
 def _check_keys_across_shards(reports: list[ShardReport]) -> None:
