@@ -116,7 +116,7 @@ def _decode(data: bytes, limits: CheckLimits) -> str:
     """PIL's decode of every byte (a JPEG's entropy data in full, at 1/8 scale); its format
     name, or DataError."""
     if not data:  # as headers.check_header says it, for the loaders and ShardDataset
-        raise DataError("missing-field", "the image member is empty")
+        raise DataError("missing-field", "the image is empty (0 bytes)")
     allow_pixels(limits.max_pixels)
     try:
         with Image.open(io.BytesIO(data)) as img:

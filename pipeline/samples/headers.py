@@ -249,7 +249,7 @@ def check_header(data: bytes, max_pixels: int) -> ImageHeader:
     """The header, with the size checked against `max_pixels` before anything is decoded.
     An empty member is no image: "missing-field", as the loaders say of an absent one."""
     if not data:
-        raise DataError("missing-field", "the image member is empty")
+        raise DataError("missing-field", "the image is empty (0 bytes)")
     header = read_header(data)
     width, height = header.width, header.height
     if width < 1 or height < 1:
