@@ -39,6 +39,9 @@ def test_bench_loader_figures(tmp_path, modality, size):
         assert set(result["clouds_per_s"]) == {"shardflow", "plain loop"}
         assert result["voxelize"]["points_per_s_per_core"] > 0
     assert out.with_suffix(".md").read_text().strip() in proc.stdout
+    if modality == "image":  # 3 batches of 8: the table says so, and shows no ratio
+        assert "too small to measure: 24 images are 3 batches" in proc.stdout
+        assert "| ratio" not in proc.stdout
     assert (tmp_path / "bench.png").stat().st_size > 1000
     assert not (tmp_path / "work").exists(), "the benchmark's work folder was left behind"
 
@@ -554,3 +557,55 @@ def test_bench_loader_captions_pipeline_beside_webdataset_map(tmp_path):
     assert out.with_suffix(".md").read_text().strip() in proc.stdout
     assert (tmp_path / "captions.png").stat().st_size > 1000
     assert not (tmp_path / "work").exists(), "the benchmark's work folder was left behind"
+
+
+@pytest.mark.parametrize("classes", [2, 3, 1000])
+def test_the_recipe_contenders_take_the_class_count_from_the_folder(bench_tools, tmp_path,
+                                                                    classes):
+    """`bench --source DIR` on a folder of any number of classes: the mixup contenders mix
+    into that many (their soft targets' width), on both sides."""
+    from conftest import jpeg_bytes
+
+    from shardflow.tools.bench import recipe
+
+    src = tmp_path / "src"
+    for c in range(classes):
+        (src / f"c{c:04d}").mkdir(parents=True)
+        (src / f"c{c:04d}" / "a.jpg").write_bytes(jpeg_bytes(c, size=(32, 24)))
+    (src / "c0000" / "b.jpg").write_bytes(jpeg_bytes(5000, size=(32, 24)))  # a full batch
+    corpus = bench_tools[0].build_corpus(tmp_path / "work", 0, 2, 1, source=src)
+    corpus = type(corpus)(corpus.folder, corpus.shards, corpus.images, 2, 1, size=16)
+    ours = recipe.OursRecipe(corpus)
+    try:
+        batch = next(iter(ours.loader))
+        assert batch.target.shape == (2, classes)
+    finally:
+        ours.loader.close()
+    theirs = recipe.TorchvisionRecipe(corpus)
+    assert theirs.mix.classes == classes
+
+
+def test_a_run_too_small_to_time_says_so_and_gives_no_ratio(bench_tools):
+    """One batch of 64, or contenders timed for a fraction of a second: the figures would be
+    start-up and noise (the tour once printed 'DALI by hand 82,790 images/s')."""
+    from pathlib import Path
+
+    from shardflow.tools.bench.core import Timings
+    from shardflow.tools.bench.image import Corpus
+
+    loader = bench_tools[0]
+    runs = {"shardflow": None, "DALI by hand": None}
+    quick = Timings(seconds={"shardflow": [0.05], "DALI by hand": [0.0008]})
+    one_batch = Corpus(Path("."), Path("."), 64, 64, 2)
+    said = loader.too_small(one_batch, quick, runs)
+    assert said is not None and "1 batches of 64" in said and "DALI by hand" in said
+    enough = Timings(seconds={"shardflow": [0.6, 0.7, 0.6], "DALI by hand": [0.4, 0.4, 0.5]})
+    assert loader.too_small(Corpus(Path("."), Path("."), 800, 64, 2), enough, runs) is None
+    table = loader.print_table({
+        "images": 64, "batch_size": 64, "threads": 2, "repeats": 1, "torchvision": "v2",
+        "backend": "dali", "images_per_s": {"shardflow": 1280.0},
+        "ratios": {"shardflow/dali": 0.005},
+        "cpu_s_per_image": {"shardflow": 0.001}, "too_small": said,
+        "time_to_first_batch_s": 0.2, "overlap": 1.1, "rss_mb_after_each_epoch": [900],
+        "peak_rss_mb": 910})
+    assert "too small to measure" in table and "| ratio" not in table

@@ -221,9 +221,11 @@ def test_train_py_trains_one_shard_holding_out_by_key_and_resumes_alike(one_shar
     assert summary["loader"]["threads"] == max(1, cores() // 2)
     assert "local_world_size=2 ranks on this node" in summary["loader"]["threads_from"]
     assert summary["skipped_samples"] == 0 and "held out 10%" in first.stdout
-    run_tool("train", *common, "--steps", 6, "--prefetch", 3, check=True)
+    resumed = run_tool("train", *common, "--steps", 6, "--prefetch", 3, check=True)
     again = json.loads((out / "summary.json").read_text())
     assert again["resumed_at_step"] == 3 and again["held_out"] == summary["held_out"]
+    assert again["steps_this_run"] == 3  # what this process ran, said as such
+    assert resumed.stdout.startswith("3 steps (resumed at step 3, to step 6)"), resumed.stdout
     assert (again["loader"]["prefetch"], again["loader"]["prefetch_from"]) == (3, "--prefetch")
     steps = [json.loads(line) for line in (out / "keys.jsonl").read_text().splitlines()]
     trained = {k for record in steps for k in record["keys"]}
@@ -297,3 +299,28 @@ def test_offload_and_activation_checkpointing_flags_take_effect(one_shard, tmp_p
                                "ddp": False, "augment": None}
     assert states["flags"]["fingerprint"]["offload_optimizer"] is True
     assert states["plain"]["fingerprint"]["offload_optimizer"] is False
+
+
+def test_held_out_classes_training_never_met_are_named(tmp_path):
+    """Class-sorted shards (a conversion without --shuffle-seed): the held-out shard holds a
+    class no training step met, so its accuracy is chance at best; the run says so, and
+    names the fix."""
+    src = make_image_folder(tmp_path / "src", per_class=3, size=24)  # 10 classes
+    run_tool("make_shards", "imagefolder", src, tmp_path / "shards", "--max-count", 3,
+             "--quiet", check=True)
+    out = tmp_path / "run"
+    proc = run_tool("train", "--task", "image", "--data", tmp_path / "shards", "--out", out,
+                    "--steps", 4, "--batch-size", 3, "--size", 24, "--precision", "fp32",
+                    "--quiet", check=True)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["held_out"].endswith("train-000009.tar")
+    assert summary["eval_classes_unseen_in_training"] == [9]
+    assert "100% of the held-out samples are of classes training never met (9)" in proc.stderr
+    assert "--shuffle-seed" in proc.stderr
+
+
+def test_a_short_run_is_not_all_warm_up():
+    from shardflow.tools.train import warmup_steps
+
+    assert [warmup_steps(None, n) for n in (20, 60, 1000)] == [2, 6, 20]
+    assert warmup_steps(50, 20) == 50  # as given

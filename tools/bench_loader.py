@@ -98,9 +98,29 @@ def contenders(c: bi.Corpus, backend: str = "auto", photos: str = "small") -> di
     return runs
 
 
+# Below either, a figure is the loader's start and prefetch, or the scheduler's noise.
+MIN_BATCHES, MIN_TIMED_S = 4, 1.0  # an epoch's batches; a contender's seconds, all rounds
+
+
+def too_small(c: bi.Corpus, timings: Any, runs: dict[str, Any]) -> str | None:
+    """Why this run cannot be timed, or None: an epoch of a few batches is mostly the
+    loader's start and its prefetch, and a contender timed for under a second in all is
+    timer and scheduler noise."""
+    batches = -(-c.images // c.batch_size)
+    name = min(runs, key=timings.median)
+    timed = sum(timings.seconds[name])
+    if batches >= MIN_BATCHES and timed >= MIN_TIMED_S:
+        return None
+    return (f"too small to measure: {c.images} images are {batches} batches of "
+            f"{c.batch_size}, and {name} was timed for {timed:.2f} s in all (at least "
+            f"{MIN_BATCHES} batches and {MIN_TIMED_S:.0f} s are needed), so no ratio is "
+            "shown; rerun with more --images or --repeats (the defaults measure)")
+
+
 def report(c: bi.Corpus, timings: Any, runs: dict[str, Any], args: argparse.Namespace
            ) -> dict[str, Any]:
     rate = {name: timings.rate(name, c.images) for name in runs}
+    small = too_small(c, timings, runs)
     ratios = {f"shardflow/{short}": round(timings.ratio("shardflow", name), 3)
               for name, short in {**BASELINES, **{n: n for n in OPTIONAL}}.items()
               if name in runs}
@@ -117,6 +137,7 @@ def report(c: bi.Corpus, timings: Any, runs: dict[str, Any], args: argparse.Name
         "shardflow RandAugment+mixup", "torchvision-style RandAugment+mixup"), 3)
     return {
         "images": c.images, "batch_size": c.batch_size, "threads": c.threads,
+        "too_small": small,  # then the table prints no ratio (the JSON keeps them)
         "photos": "your source" if args.source else args.photos,
         "backend": runs["shardflow"].loader.backend,  # what "shardflow" ran ("auto" resolved)
         "repeats": args.repeats, "torchvision": runs["torchvision-style uint8"].flavour,
@@ -137,11 +158,17 @@ def print_table(r: dict[str, Any]) -> str:
              f"{r['backend']} backend)", "",
              "| loader | images/s | CPU-s/image |", "|---|---|---|"]
     lines += [f"| {k} | {v} | {r['cpu_s_per_image'][k]} |" for k, v in r["images_per_s"].items()]
-    lines += ["", "| ratio | value |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in r["ratios"].items()]
-    lines += ["", f"time to first batch: {r['time_to_first_batch_s']} s; overlap: "
-              f"{r['overlap']} (1.0 = perfect); RSS after each epoch (MB): "
-              f"{r['rss_mb_after_each_epoch']}; peak RSS {r['peak_rss_mb']} MB"]
+    if r.get("too_small"):
+        lines += ["", r["too_small"]]
+    else:
+        lines += ["", "| ratio (x faster than) | value |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in r["ratios"].items()]
+    lines += ["", f"time to first batch: {r['time_to_first_batch_s']} s (from building the "
+              "loader to its first batch)",
+              f"overlap: {r['overlap']} (an epoch beside a stand-in training step as long as "
+              "its loading, over the longer of the two alone: 1.0 hides loading entirely)",
+              f"memory: RSS after each epoch {r['rss_mb_after_each_epoch']} MB, peak "
+              f"{r['peak_rss_mb']} MB (flat: nothing grows from epoch to epoch)"]
     return "\n".join(lines)
 
 

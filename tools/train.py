@@ -84,13 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_fallbacks(p)
     add_pointcloud_flags(p)
     add_ctr_flags(p)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    p.add_argument("--weight-decay", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum")
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--grad-accum", type=positive_int, default=1)
-    p.add_argument("--clip", type=float, default=1.0, help="gradient norm limit; 0: no clipping")
+    add_optimizer_flags(p)
     p.add_argument("--checkpoint-every", type=positive_int, default=100)
     p.add_argument("--checkpoint-minutes", type=float, default=5.0)
     p.add_argument("--keep", type=positive_int, default=3)
@@ -110,6 +104,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true")
     add_storage_options(p, "URLs of --data and --eval-data")
     return p
+
+
+def add_optimizer_flags(p: argparse.ArgumentParser) -> None:
+    """The optimizer and its learning-rate schedule (warm-up, then cosine decay)."""
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                   help="default adamw")
+    p.add_argument("--weight-decay", type=float, default=0.05, help="default 0.05")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum (default 0.9)")
+    p.add_argument("--warmup", type=int, default=None, metavar="STEPS",
+                   help="steps of linear learning-rate warm-up (default: 20, or a tenth of "
+                   "a shorter run's steps, so that a short run is not all warm-up)")
+    p.add_argument("--grad-accum", type=positive_int, default=1,
+                   help="batches per optimizer step (default 1)")
+    p.add_argument("--clip", type=float, default=1.0,
+                   help="gradient norm limit (default 1.0); 0: no clipping")
 
 
 def add_augment_flags(p: argparse.ArgumentParser) -> None:
@@ -268,7 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.out}: this run already finished; see its summary.json")
         return 0
     add_to_summary(args.out, {"loader": built.loader_settings})
-    print(f"{summary['steps']} steps in {summary['wall_s']:.1f} s ({summary['device']}, "
+    resumed = summary.get("resumed_at_step")
+    ran = f"{summary['steps_this_run']} steps" + (
+        f" (resumed at step {resumed}, to step {summary['steps']})" if resumed else "")
+    print(f"{ran} in {summary['wall_s']:.1f} s ({summary['device']}, "
           f"{summary['precision']}): loss {summary['final_loss']:.3f}, "
           f"{evaluation_line(summary)}, {summary['samples_per_s']:.0f} "
           f"samples/s; run folder {args.out}")
@@ -309,7 +322,8 @@ def make_trainer(args: argparse.Namespace, built: Built, split: EvalSplit, info:
                          "torchrun, or leave the flag out")
     cfg = TrainConfig(run_dir=args.out, steps=steps, lr=args.lr, optimizer=args.optimizer,
                       weight_decay=args.weight_decay, momentum=args.momentum,
-                      warmup=args.warmup, grad_accum=args.grad_accum, clip=args.clip or None,
+                      warmup=warmup_steps(args.warmup, steps), grad_accum=args.grad_accum,
+                      clip=args.clip or None,
                       precision=args.precision, log_every=args.log_every,
                       checkpoint_every=args.checkpoint_every,
                       checkpoint_minutes=args.checkpoint_minutes, keep=args.keep,
@@ -323,6 +337,11 @@ def make_trainer(args: argparse.Namespace, built: Built, split: EvalSplit, info:
     data = {"data": split.train.fingerprint(),
             **({"held_out_by_key": f"{split.by_key}%"} if split.by_key else {})}
     return Trainer(task, built.loader, cfg, device, data, info), steps
+
+
+def warmup_steps(given: int | None, steps: int) -> int:
+    """--warmup as given, else 20 steps or a tenth of the run, whichever is fewer."""
+    return given if given is not None else min(20, steps // 10)
 
 
 def _compression(spec: str) -> str:

@@ -15,6 +15,21 @@ from shardflow.trainers.task import EvalTotals, StepOutput
 
 class Classification(ABC):
     model: torch.nn.Module
+    num_classes: int
+
+    def class_counts(self, which: str) -> torch.Tensor:
+        """How often each class was met, in training ("train") or evaluation ("eval"), kept
+        on the model's device: counted without a sync per step."""
+        name = f"_{which}_counts"
+        if getattr(self, name, None) is None:
+            device = next(self.model.parameters()).device
+            setattr(self, name, torch.zeros(self.num_classes, dtype=torch.int64, device=device))
+        return getattr(self, name)  # type: ignore[no-any-return]
+
+    def _count(self, label: torch.Tensor, which: str) -> None:
+        counts = self.class_counts(which)
+        counts.index_add_(0, label.clamp(0, len(counts) - 1).long(),
+                          torch.ones_like(label, dtype=torch.int64))
 
     @abstractmethod
     def _inputs(self, batch: Any) -> torch.Tensor:
@@ -22,10 +37,12 @@ class Classification(ABC):
 
     def forward(self, batch: Any) -> StepOutput:
         logits = self.model(self._inputs(batch))
+        self._count(batch.label, "train")
         return StepOutput(F.cross_entropy(logits.float(), batch.label))
 
     def evaluate(self, batch: Any) -> EvalTotals:
         logits = self.model(self._inputs(batch)).float()
+        self._count(batch.label, "eval")
         loss = F.cross_entropy(logits, batch.label, reduction="sum")
         correct = (logits.argmax(1) == batch.label).sum()
         # .item() syncs with the device; evaluation is not the hot path

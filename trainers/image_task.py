@@ -49,6 +49,7 @@ class ImageClassification(Classification):
 
     def forward(self, batch: Any) -> StepOutput:
         logits = self.model(self._inputs(batch)).float()
+        self._count(batch.label, "train")
         target = getattr(batch, "target", None)
         if target is not None:  # mixed: soft targets, smoothed by the mix
             return StepOutput(torch.sum(-target * F.log_softmax(logits, dim=1),

@@ -201,6 +201,25 @@ def _after_step(trainer: Trainer, window: _Window, progress: Progress | None) ->
     return _Window()
 
 
+def _classes_unseen(trainer: Trainer) -> list[int]:
+    """Classes of the held-out data that no training step of this run met (every rank's
+    counted): an accuracy on them says nothing of learning, so it is said, not averaged in
+    silently. Empty for a task without class counts."""
+    counts = getattr(trainer.task, "class_counts", None)
+    if counts is None:
+        return []
+    trained, evaluated = (sum_over_ranks(counts(which).tolist(), trainer.dist)
+                          for which in ("train", "eval"))
+    unseen = [c for c, (t, e) in enumerate(zip(trained, evaluated, strict=True)) if e and not t]
+    if unseen and trainer.dist.is_main:
+        share = sum(evaluated[c] for c in unseen) / max(1, sum(evaluated))
+        log.warning("%.0f%% of the held-out samples are of classes training never met (%s): "
+                    "their accuracy is chance at best. Shuffle at conversion (shardflow "
+                    "convert --shuffle-seed 0), so that every shard holds every class, or "
+                    "give --eval-data", 100 * share, ", ".join(map(str, unseen[:10])))
+    return unseen
+
+
 def _traffic(trainer: Trainer) -> dict[str, Any] | None:
     """The gradients' bytes per step (trainers/compression.py), None for one process."""
     from shardflow.trainers.distributed import compression_of
@@ -223,8 +242,11 @@ def _finish(trainer: Trainer, eval_loader: Any, held_out: str, last_loss: Any,
     samples, skipped, unknown = sum_over_ranks(
         [trainer.samples, trainer.loader.skipped_samples(),
          trainer.loader.skipped_of_unknown_size()], trainer.dist)
+    unseen = _classes_unseen(trainer) if eval_loader is not None else []
     summary = {
         "steps": trainer.step, "final_loss": last_loss, **metrics,
+        "steps_this_run": trainer.step - (resumed_at or 0),
+        "eval_classes_unseen_in_training": unseen,
         "samples_per_s": samples / max(wall, 1e-9), "wall_s": wall,
         "data_wait": trainer.wait_s / max(wall, 1e-9),
         "device": str(trainer.device), "precision": trainer.precision.name,

@@ -77,9 +77,14 @@ class Source:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def describe(self) -> str:
-        """A credential-free name for logs, errors and state dicts."""
-        first = redact(self.shards[0].url) if self.shards else "?"
-        return f"{len(self.shards)} shards from {first}"
+        """A credential-free name for logs, errors and state dicts: the shards' folder where
+        they share one, else the first shard."""
+        if not self.shards:
+            return "0 shards"
+        folders = {s.url.rsplit("/", 1)[0] for s in self.shards if "/" in s.url}
+        if len(folders) == 1 and all("/" in s.url for s in self.shards):
+            return f"{len(self.shards)} shards in {redact(folders.pop())}/"
+        return f"{len(self.shards)} shards from {redact(self.shards[0].url)}"
 
 
 def resolve_source(source: str | Path | Sequence[str] | Source, *, allow_pipe: bool = False,

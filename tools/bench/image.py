@@ -32,6 +32,11 @@ class Corpus:
     threads: int
     size: int = 224
 
+    @property
+    def classes(self) -> int:
+        """The folder's class count (its subfolders), which the mixup contenders need."""
+        return sum(1 for p in self.folder.iterdir() if p.is_dir())
+
 
 # -- ours ----------------------------------------------------------------------------------------
 

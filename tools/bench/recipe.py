@@ -21,10 +21,11 @@ from shardflow.tools.bench import image as bi
 NUM_OPS, MAGNITUDE, BINS = 2, 9, 31
 
 
-def _mix() -> Any:
+def _mix(classes: int) -> Any:
     from shardflow import ops
 
-    return ops.Mix(0.8, 1.0, classes=10, label_smoothing=0.1)
+    # From the data: `bench --source DIR` benchmarks folders of any number of classes.
+    return ops.Mix(0.8, 1.0, classes=classes, label_smoothing=0.1)
 
 
 class OursRecipe:
@@ -35,7 +36,7 @@ class OursRecipe:
         from shardflow import ops
 
         self.ours = bi.Ours(c, augment=[ops.RandAugment(NUM_OPS, MAGNITUDE, BINS)],
-                            batch_augment=[_mix()])
+                            batch_augment=[_mix(c.classes)])
 
     @property
     def loader(self) -> Any:
@@ -133,7 +134,7 @@ class TorchvisionRecipe:
         self.loader = torch.utils.data.DataLoader(dataset, batch_size=c.batch_size,
                                                   shuffle=True, num_workers=c.threads,
                                                   persistent_workers=True)
-        self.mix, self.batches = _mix(), 0
+        self.mix, self.batches = _mix(c.classes), 0
 
     def epoch(self) -> int:
         from shardflow import ops
