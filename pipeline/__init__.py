@@ -12,6 +12,16 @@ if TYPE_CHECKING:  # what __getattr__ gives, for the type checker
     from shardflow.compose.pipeline import Pipeline as Pipeline
 
 
+# What `from shardflow import *`, dir(shardflow) and an editor's completion list: each is
+# imported on first use (__getattr__).
+__all__ = ["image_loader", "text_loader", "pointcloud_loader", "tabular_loader", "Pipeline",
+           "fields", "ops", "ShardDataset", "collate_skipping", "merge_states", "__version__"]
+
+
+def __dir__() -> list[str]:
+    return sorted(set(__all__) | set(globals()))
+
+
 def __getattr__(name: str) -> object:
     # Lazy: `import shardflow` stays light (no torch/DALI) for the shard tools.
     if name == "image_loader":

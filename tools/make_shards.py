@@ -43,6 +43,7 @@ from shardflow.storage import timed, with_timeouts
 from shardflow.tools.util import (
     add_storage_options,
     add_timeout,
+    bar_off,
     parse_part,
     parse_size,
     positive_int,
@@ -365,7 +366,7 @@ def _index(args: argparse.Namespace) -> int:
     from shardflow.shards.tarread import TarLimits
 
     options = with_timeouts(args.storage_options, args.src, seconds=args.timeout)
-    with tqdm(unit="shard", disable=args.quiet, dynamic_ncols=True) as bar, \
+    with tqdm(unit="shard", disable=bar_off(args.quiet), dynamic_ncols=True) as bar, \
             timed("indexing", args.src, options):
         m = index_source(args.src, args.out, limits=TarLimits(args.max_member_size),
                          on_error=args.on_error, progress=lambda _name: bar.update(),
@@ -411,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         return _index(args)
     cfg = config_from_args(args)
     start = time.perf_counter()
-    with tqdm(unit="sample", disable=args.quiet, dynamic_ncols=True) as bar:
+    with tqdm(unit="sample", disable=bar_off(args.quiet), dynamic_ncols=True) as bar:
         def progress(samples: int, nbytes: int, total: int | None) -> None:
             bar.total = total
             bar.update(samples - bar.n)

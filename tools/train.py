@@ -33,6 +33,7 @@ from tqdm import tqdm
 from shardflow.loading.shardlist import resolve_source
 from shardflow.tools.util import (
     add_storage_options,
+    bar_off,
     device_name,
     parse_size,
     positive_int,
@@ -234,7 +235,7 @@ def run(trainer: Any, evaluation: Any, held_out: str, steps: int, quiet: bool
         ) -> dict[str, Any]:
     from shardflow.trainers.run import fit
 
-    with tqdm(total=steps, disable=quiet, unit="step") as bar:
+    with tqdm(total=steps, disable=bar_off(quiet), unit="step") as bar:
         def progress(r: dict[str, Any]) -> None:
             bar.update(r["step"] - bar.n)
             bar.set_postfix_str(f"loss {r['loss']:.3f} {r['samples_per_s']:.0f}/s "

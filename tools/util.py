@@ -130,6 +130,12 @@ class _StorageOptions(argparse.Action):
         setattr(namespace, self.dest, options)
 
 
+def bar_off(quiet: bool) -> bool | None:
+    """tqdm's `disable`: off when asked, and (None) off where stderr is no terminal, so that
+    logs and CI output get no bar redrawn into them, nor log lines glued onto one."""
+    return True if quiet else None
+
+
 def setup_logging(quiet: bool) -> None:
     logging.basicConfig(level=logging.ERROR if quiet else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

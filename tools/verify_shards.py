@@ -30,6 +30,7 @@ from shardflow.storage import timed, with_timeouts
 from shardflow.tools.util import (
     add_storage_options,
     add_timeout,
+    bar_off,
     positive_int,
     positive_seconds,
     run_main,
@@ -143,7 +144,7 @@ def report_json(reports: list[ShardReport], manifest: Any, split: dict[str, Any]
 def verify_with_progress(args: argparse.Namespace) -> tuple[list[ShardReport], Any]:
     from tqdm import tqdm
 
-    with tqdm(unit="shard", disable=args.quiet, file=sys.stderr, leave=False,
+    with tqdm(unit="shard", disable=bar_off(args.quiet), file=sys.stderr, leave=False,
               dynamic_ncols=True) as bar:
         def progress(samples: int, shards: int) -> None:
             bar.total = shards

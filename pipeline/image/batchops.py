@@ -160,17 +160,25 @@ def build(augment: Sequence[Any], batch_augment: Sequence[Any], *, seed: int,
         if not isinstance(op, ops.Op):
             raise ValueError(f"augment: {op!r} is not a shardflow.ops.Op (subclass ops.Op with "
                              "draw and torch; mixup and cutmix go in batch_augment)")
+        if isinstance(op, ops.crop.WindowOp):  # torchvision's habit: a crop would crop twice
+            raise ValueError(f"augment: {op!r} chooses a window, and the loader crops already "
+                             "(size, crop_scale, crop_ratio; train=False: crop_fraction): set "
+                             "those, or give views=[View(...)] for crops of their own")
     if len(batch_augment) > 1:
         raise ValueError(f"batch_augment={list(batch_augment)!r}: one ops.Mix at most (it "
                          "mixes mixup and cutmix itself: ops.Mix(mixup_alpha, cutmix_alpha))")
     mix = batch_augment[0] if batch_augment else None
     if mix is not None:
-        _check_mix(mix, labels, num_classes)
+        mix = _checked_mix(mix, labels, num_classes)
     return BatchOps(tuple(augment), mix, seed, channels_first, mean_std,
                     targets=tuple(name for name, _ in targets))
 
 
-def _check_mix(mix: Any, labels: bool, num_classes: int | None) -> None:
+def _checked_mix(mix: Any, labels: bool, num_classes: int | None) -> Any:
+    """The mix as the loader runs it: checked against the shards' classes, and given their
+    count where it was left out (ops.MixUp(0.8), as timm's users write it)."""
+    import copy
+
     from shardflow import ops
 
     if not isinstance(mix, ops.Mix):
@@ -179,9 +187,16 @@ def _check_mix(mix: Any, labels: bool, num_classes: int | None) -> None:
     if not labels:
         raise ValueError("batch_augment mixes labels into soft targets, but this loader reads "
                          "none (labels=False)")
+    if mix.classes is None:
+        if num_classes is None:
+            raise ValueError(f"batch_augment: {mix!r} has no class count and the shards' "
+                             "manifest gives none: pass classes=N")
+        mix = copy.copy(mix)  # the user's op stays as given
+        mix.classes = num_classes
     if num_classes is not None and mix.classes != num_classes:
         raise ValueError(f"batch_augment: {mix!r} has classes={mix.classes}, but the shards "
                          f"hold {num_classes} classes")
+    return mix
 
 
 def _normalized(images: Any, mean: Sequence[float], std: Sequence[float]) -> Any:

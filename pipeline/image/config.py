@@ -82,7 +82,9 @@ class ImageConfig(GraphOptions):
                              "the targets' names")
         for name in ("augment", "batch_augment"):
             value = getattr(self, name)
-            if not isinstance(value, (tuple, list)):  # one op alone is taken too
+            if value is None:  # no ops, as a list of none
+                value = ()
+            elif not isinstance(value, (tuple, list)):  # one op alone is taken too
                 value = (value,)
             object.__setattr__(self, name, tuple(value))
 

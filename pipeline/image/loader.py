@@ -31,7 +31,7 @@ from shardflow.image.portable import PortableImageStage
 from shardflow.loading import mix, readers, settled, tuning
 from shardflow.loading.batch import EncodedBatch
 from shardflow.loading.graphstage import GraphLoader
-from shardflow.loading.options import Device
+from shardflow.loading.options import Device, check_names
 from shardflow.loading.rng import sample_rng
 from shardflow.loading.shardlist import Source
 from shardflow.samples import headers, jpegscan, masks
@@ -67,6 +67,7 @@ def image_loader(source: str | Path | Sequence[str] | Source | mix.Mixture, *,
     was measured on this machine (tuning.py), else from the rules of loading/settled.py;
     `loader.settled` records which.
     """
+    check_names("image_loader", options, ImageConfig)
     if mix.is_mixture(source) or "epoch_samples" in options:  # by weight; mix.py
         return mix.build_from(image_loader, mix.sources_of(source), {
             "batch_size": batch_size, "train": train, "seed": seed, "device": device,

@@ -6,6 +6,7 @@ dataclass of named fields, never a positional tuple.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,11 @@ class ImageBatch:
     views: list[Any] | None = None  # a loader with views: one tensor per view (image: the first)
     targets: dict[str, Any] | None = None  # a loader with targets: name -> (N, H, W)
 
+    def __iter__(self) -> Iterator[Any]:
+        """`images, labels = batch`, as a (image, label) DataLoader batch unpacks; the soft
+        targets in place of the labels where batch_augment made them."""
+        return iter((self.image, self.label if self.target is None else self.target))
+
     def __len__(self) -> int:
         return len(self.keys)
 
@@ -102,6 +108,10 @@ class TextBatch:
     attention_mask: Any
     keys: list[str]
 
+    def __iter__(self) -> Iterator[Any]:
+        """`tokens, labels = batch`, as Hugging Face's (input_ids, labels) pairs unpack."""
+        return iter((self.input_ids, self.labels))
+
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
@@ -120,6 +130,10 @@ class PointBatch:
     keys: list[str]
     voxels: Any = None
     offset: Any = None  # torch.Tensor float64 (N, 3)
+
+    def __iter__(self) -> Iterator[Any]:
+        """`points, labels = batch` (the voxels in place of the points where asked for)."""
+        return iter((self.points if self.voxels is None else self.voxels, self.label))
 
     def __len__(self) -> int:
         return len(self.keys)

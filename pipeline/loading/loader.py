@@ -101,7 +101,8 @@ class Loader(IterableDataset, ABC):  # type: ignore[type-arg]
         self.device, self.decode = decided.placement.device, decided.placement.decode
         self.cuda_index = decided.placement.cuda_index
         Loader.__init__(self, decided.source, batch_size=cfg.batch_size, seed=cfg.seed,
-                        rank=rank, world_size=world_size, shuffle=cfg.train,
+                        rank=rank, world_size=world_size,
+                        shuffle=cfg.train if cfg.shuffle is None else cfg.shuffle,
                         shuffle_buffer=cfg.shuffle_buffer, on_error=cfg.on_error,
                         prefetch=cfg.prefetch, reader=decided.reader, timeout_s=cfg.timeout_s,
                         backend=decided.backend)

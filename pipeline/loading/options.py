@@ -11,9 +11,11 @@ clouds): DALI's CPU threads and the number of classes labels must stay below.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -47,6 +49,8 @@ class LoaderOptions:
 
     batch_size: int
     train: bool = True  # shuffle and augment; False: a fixed order, no augmentation
+    # The order alone, apart from `train` (torch's DataLoader(shuffle=)): None follows train
+    shuffle: bool | None = None
     seed: int = 0
     device: Device = "auto"  # where batches land: "cpu", "cuda", "cuda:N" or "auto"
     decode: Decode = "auto"  # where decoding and augmentation run: "cpu", "gpu" or "auto"
@@ -152,3 +156,20 @@ def interval(cfg: object, name: str, low: float, high: float) -> None:
     lo, hi = getattr(cfg, name)
     if not low < lo <= hi <= high:
         raise ValueError(f"{name}={getattr(cfg, name)}: need {low} < low <= high <= {high}")
+
+
+MIX_OPTIONS = ("epoch_batches", "epoch_samples", "mixing")  # a mixture's (loading/mix.py)
+
+
+def check_names(function: str, given: Mapping[str, Any], config: type,
+                also: Iterable[str] = MIX_OPTIONS) -> None:
+    """TypeError for an option `function` does not take, naming the function and the
+    closest names it does take (`crop_sacle` -> `crop_scale`), not the config class inside;
+    checked before anything is read."""
+    known = {f.name for f in dataclasses.fields(config)} | set(also)
+    for name in given:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.6)
+            hint = (f"; did you mean {' or '.join(map(repr, close))}?" if close else
+                    f"; it takes {', '.join(sorted(known))}")
+            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}{hint}")

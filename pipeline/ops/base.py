@@ -60,6 +60,22 @@ class Op:
         return f"{type(self).__name__}({fields})"
 
 
+def span(value: Any, op: object, name: str, *, centre: float = 0.0,
+         low: float | None = None) -> tuple[float, float]:
+    """A range in either of torchvision's forms: a number x, meaning centre - x .. centre + x
+    (not below `low`), or a (min, max) pair. Anything else is refused, showing both."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+        bottom = centre - value if low is None else max(low, centre - value)
+        return float(bottom), float(centre + value)
+    if isinstance(value, tuple | list) and len(value) == 2 and \
+            all(isinstance(v, int | float) and not isinstance(v, bool) for v in value) and \
+            value[0] <= value[1] and (low is None or value[0] >= low):
+        return float(value[0]), float(value[1])
+    raise ValueError(f"{type(op).__name__}({name}={value!r}): give a number x >= 0 (the range "
+                     f"{centre:g} - x .. {centre:g} + x) or a (min, max) pair, as torchvision "
+                     "takes it")
+
+
 def sample_rngs(seed: int, epoch: int, keys: Sequence[str]) -> list[random.Random]:
     """One generator per sample for the ops, apart from the crop's (shardflow.loading.rng):
     adding an op changes no crop window."""

@@ -28,6 +28,7 @@ from shardflow.ops.base import (
     per_sample,
     put_rows,
     rows,
+    span,
     through_lut,
     to_uint8,
 )
@@ -190,17 +191,24 @@ class ColorJitter(Op):
     """torchvision's ColorJitter: brightness, contrast and saturation factors drawn from
     [max(0, 1 - x), 1 + x], hue from [-h, h], applied in an order drawn per image."""
 
-    def __init__(self, brightness: float = 0.0, contrast: float = 0.0,
-                 saturation: float = 0.0, hue: float = 0.0) -> None:
-        if not 0 <= hue <= 0.5:
-            raise ValueError(f"ColorJitter hue={hue}: must be in [0, 0.5]")
+    def __init__(self, brightness: float | tuple[float, float] = 0.0,
+                 contrast: float | tuple[float, float] = 0.0,
+                 saturation: float | tuple[float, float] = 0.0,
+                 hue: float | tuple[float, float] = 0.0) -> None:
+        """Each a number x (factors in [max(0, 1 - x), 1 + x]; hue in [-x, x]) or a (min,
+        max) pair, as torchvision takes them."""
         self.brightness, self.contrast, self.saturation, self.hue = (
             brightness, contrast, saturation, hue)
+        lowest, highest = self._ranges()[3] or (0.0, 0.0)
+        if not -0.5 <= lowest <= highest <= 0.5:
+            raise ValueError(f"ColorJitter hue={hue}: must lie in [-0.5, 0.5]")
 
     def _ranges(self) -> list[tuple[float, float] | None]:
-        around_one = [(max(0.0, 1 - x), 1 + x) if x else None
-                      for x in (self.brightness, self.contrast, self.saturation)]
-        return [*around_one, (-self.hue, self.hue) if self.hue else None]
+        around_one = [span(x, self, name, centre=1.0, low=0.0) if x else None
+                      for name, x in (("brightness", self.brightness),
+                                      ("contrast", self.contrast),
+                                      ("saturation", self.saturation))]
+        return [*around_one, span(self.hue, self, "hue") if self.hue else None]
 
     def draw(self, rng: random.Random) -> tuple[list[int], list[float | None]]:
         order = rng.sample(range(4), 4)
@@ -339,6 +347,9 @@ class Normalize(Op):
     """torchvision's Normalize on a uint8 batch: float32 (x - mean) / std per channel, mean
     and std in 0..255 units as the loaders take them (shardflow.image.graph.IMAGENET_MEAN:
     0.485 * 255, ...), i.e. torchvision's ToTensor then Normalize(mean / 255, std / 255).
+    torchvision's own 0..1 values (every mean at most 1, every std under 1) are taken as
+    such: a spread under 1 level in 255 would leave nothing to see, so the units cannot be
+    confused (mean 0, std 1 is the identity in either).
 
     The last op of a recipe: it returns floats, and every op refuses what is not uint8
     (check_uint8), so an op after it raises. image_loader normalizes after its ops itself
@@ -358,6 +369,9 @@ class Normalize(Op):
         check_uint8(images, self)
         if len(self.mean) not in (1, images.shape[1]):
             raise ValueError(f"{self!r}: {len(self.mean)} means for {images.shape[1]} channels")
-        mean = on_device(list(self.mean), images.device, torch.float32).view(1, -1, 1, 1)
-        std = on_device(list(self.std), images.device, torch.float32).view(1, -1, 1, 1)
+        unit = 255.0 if max(self.mean) <= 1 and max(self.std) < 1 else 1.0  # see above
+        mean = on_device([m * unit for m in self.mean], images.device,
+                         torch.float32).view(1, -1, 1, 1)
+        std = on_device([v * unit for v in self.std], images.device,
+                        torch.float32).view(1, -1, 1, 1)
         return (images.float() - mean) / std

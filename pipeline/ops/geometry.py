@@ -30,6 +30,7 @@ from shardflow.ops.base import (
     per_sample,
     put_rows,
     rows,
+    span,
     to_uint8,
 )
 from shardflow.ops.color import blend
@@ -243,13 +244,15 @@ class Affine(_Warp):
     translation of up to translate = (x, y) of the sides, a scale in `scale`, a shear in
     `shear` degrees ((x_lo, x_hi) or (x_lo, x_hi, y_lo, y_hi)), about the centre."""
 
-    def __init__(self, degrees: float = 0.0, translate: tuple[float, float] | None = None,
+    def __init__(self, degrees: float | tuple[float, float] = 0.0,
+                 translate: tuple[float, float] | None = None,
                  scale: tuple[float, float] | None = None,
                  shear: tuple[float, ...] | None = None) -> None:
+        span(degrees, self, "degrees")  # refused here, not at the first batch
         self.degrees, self.translate, self.scale, self.shear = degrees, translate, scale, shear
 
     def draw(self, rng: random.Random) -> tuple[float, float, float, float, float, float]:
-        angle = rng.uniform(-self.degrees, self.degrees)
+        angle = rng.uniform(*span(self.degrees, self, "degrees"))
         tx, ty = ((rng.uniform(-self.translate[0], self.translate[0]),
                    rng.uniform(-self.translate[1], self.translate[1]))
                   if self.translate else (0.0, 0.0))
@@ -270,11 +273,12 @@ class Rotate(_Warp):
     """torchvision's RandomRotation: an angle uniform in (-degrees, degrees),
     counter-clockwise, about the centre, zeros where nothing maps."""
 
-    def __init__(self, degrees: float) -> None:
+    def __init__(self, degrees: float | tuple[float, float]) -> None:
+        span(degrees, self, "degrees")
         self.degrees = degrees
 
     def draw(self, rng: random.Random) -> float:
-        return rng.uniform(-self.degrees, self.degrees)
+        return rng.uniform(*span(self.degrees, self, "degrees"))
 
     @staticmethod
     def matrix(angle: float, h: int, w: int) -> list[float]:

@@ -49,11 +49,13 @@ class Mix:
     alphas above 0, cutmix is chosen with probability `switch_prob`, else mixup."""
 
     def __init__(self, mixup_alpha: float = 0.8, cutmix_alpha: float = 1.0, *,
-                 classes: int, prob: float = 1.0, switch_prob: float = 0.5,
+                 classes: int | None = None, prob: float = 1.0, switch_prob: float = 0.5,
                  label_smoothing: float = 0.1) -> None:
+        """`classes`: the soft targets' width; None: a loader's batch_augment takes it from
+        the shards' manifest (ops.apply outside a loader needs it given)."""
         if mixup_alpha <= 0 and cutmix_alpha <= 0:
             raise ValueError("Mix needs mixup_alpha > 0 or cutmix_alpha > 0")
-        if classes < 1:
+        if classes is not None and classes < 1:
             raise ValueError(f"Mix classes={classes}: must be at least 1")
         self.mixup_alpha, self.cutmix_alpha, self.classes = mixup_alpha, cutmix_alpha, classes
         self.prob, self.switch_prob, self.label_smoothing = prob, switch_prob, label_smoothing
@@ -83,6 +85,9 @@ class Mix:
                  ) -> tuple[torch.Tensor, torch.Tensor, MixParams]:
         """(images, soft targets (N, classes), what was drawn). uint8 images stay uint8
         (mixup rounds to the nearest level); float images are mixed in float."""
+        if self.classes is None:
+            raise ValueError(f"{self!r}: give classes=N (a loader's batch_augment takes it "
+                             "from the shards' manifest)")
         params = self.draw(rng, images.shape[-2], images.shape[-1])
         targets = soft_targets(labels, self.classes, self.label_smoothing)
         targets = params.lam * targets + (1.0 - params.lam) * targets.flip(0)

@@ -27,7 +27,7 @@ from shardflow.errors import DataError, OnError
 from shardflow.loading import mix, readers, settled, tuning
 from shardflow.loading.batch import EncodedBatch
 from shardflow.loading.graphstage import GraphLoader
-from shardflow.loading.options import Device
+from shardflow.loading.options import Device, check_names
 from shardflow.loading.shardlist import Source
 from shardflow.pointcloud.config import PointCloudConfig, split_augment
 from shardflow.pointcloud.decode import CloudStage, DecodeStage
@@ -58,6 +58,7 @@ def pointcloud_loader(source: str | Path | Sequence[str] | Source | mix.Mixture,
     (decode, reader, threads, prefetch) come from it (pipeline/loading/tuning.py), else from
     the rules of loading/settled.py; `loader.settled` records which.
     """
+    check_names("pointcloud_loader", options, PointCloudConfig)
     if mix.is_mixture(source) or "epoch_samples" in options:  # by weight; mix.py
         return mix.build_from(pointcloud_loader, mix.sources_of(source), {
             "batch_size": batch_size, "train": train, "seed": seed, "device": device,

@@ -41,6 +41,7 @@ from shardflow.loading.agreement import rank_agreement
 from shardflow.loading.batch import EncodedBatch, TabularBatch
 from shardflow.loading.delivery import DeviceCopier
 from shardflow.loading.loader import Loader, Produced
+from shardflow.loading.options import check_names
 from shardflow.loading.prefetch import Stage
 from shardflow.loading.readplan import EpochPlan
 from shardflow.loading.shardlist import Source
@@ -65,6 +66,7 @@ def tabular_loader(source: str | Path | Sequence[str] | Source, *, batch_size: i
     columns and sizes. `source` may be a `Source` resolved already (resolve_source; e.g. a
     held-out part of one: its manifest's schema and counts travel with it).
     `rank`/`world_size` default to torch.distributed's."""
+    check_names("tabular_loader", options, TabularConfig)
     resolved, tuned = tuning.source_and_options("tabular", source, options, tuning_file,
                                                 use_tuning)
     options, record = settled.settle(options, tuned, tuning_file, {})

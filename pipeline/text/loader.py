@@ -37,6 +37,7 @@ from shardflow.loading.agreement import rank_agreement
 from shardflow.loading.batch import EncodedBatch, TextBatch
 from shardflow.loading.delivery import DeviceCopier
 from shardflow.loading.loader import Loader, Produced
+from shardflow.loading.options import check_names
 from shardflow.loading.prefetch import Burst
 from shardflow.loading.readplan import EpochPlan
 from shardflow.loading.shardlist import Source
@@ -68,6 +69,7 @@ def text_loader(source: str | Path | Sequence[str] | Source | mix.Mixture, *,
     torch.distributed's. A tuning file's reader and prefetch apply where left automatic
     (pipeline/loading/tuning.py); `loader.settled` records which.
     """
+    check_names("text_loader", options, TextConfig)
     if mix.is_mixture(source) or "epoch_samples" in options:  # by weight; mix.py
         return mix.build_from(text_loader, mix.sources_of(source), {
             "batch_size": batch_size, "seq_len": seq_len, "objective": objective,

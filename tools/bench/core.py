@@ -51,12 +51,15 @@ def alternate(contenders: dict[str, Callable[[], object]], *, repeats: int = 3,
     contender: a rate is only comparable over the same work."""
     from tqdm import tqdm
 
+    from shardflow.tools.util import bar_off
+
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats={repeats}, warmup={warmup}: need repeats >= 1, warmup >= 0")
     # On stderr: what is running now (the figures go to stdout). No monitor thread: it would
     # outlive the benchmark.
     tqdm.monitor_interval = 0
-    bar = tqdm(total=len(contenders) * (warmup + repeats), unit="run", leave=False)
+    bar = tqdm(total=len(contenders) * (warmup + repeats), unit="run", leave=False,
+                disable=bar_off(False))
     try:
         for name, fn in contenders.items():
             for _ in range(warmup):
