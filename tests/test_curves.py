@@ -185,3 +185,41 @@ def test_a_resumed_run_hides_the_steps_it_logs_again(tmp_path):
     assert [(e.step, e.value) for e in board.Scalars("train/loss")] == \
         [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0), (5, 50.0)]
     assert [e.value for e in board.Scalars("eval/loss")] == [1.5]
+
+
+def test_the_axes_tell_the_truth():
+    """An accuracy stuck at 0 is drawn on 0..1, not on -0.04..0.04; the benchmark's memory
+    axis starts at 0, so a 1% change looks like one."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    records = [{"step": s, "loss": 2.0 - s / 10, "samples_per_s": 50.0, "data_wait": 0.1}
+               for s in range(5)]
+    fig = Figure()
+    curves._panels(fig, records, [{"step": 4, "eval_loss": 2.3, "accuracy": 0.0}])
+    assert fig.axes[1].get_ylim() == (0.0, 1.0)
+    fig = Figure()
+    curves._panels(fig, records, [{"step": 4, "eval_loss": 2.3, "perplexity": 40.0}])
+    assert fig.axes[1].get_ylim()[1] > 1  # an unbounded metric keeps its range
+
+
+def test_the_bench_memory_axis_starts_at_zero(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from shardflow.tools import bench_loader
+
+    drawn: list = []
+    real = Figure.savefig
+
+    def keep(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        drawn.append(self)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)  # plt.subplots makes a Figure
+    result = {"images": 800, "batch_size": 64, "threads": 2, "time_to_first_batch_s": 0.3,
+              "images_per_s": {"shardflow": 1200.0, "torchvision-style uint8": 900.0},
+              "rss_mb_after_each_epoch": [2613.0, 2630.0, 2643.0]}
+    bench_loader.plot(result, tmp_path / "bench.png")
+    memory = drawn[-1].axes[-1]
+    assert memory.get_ylim()[0] == 0 and (tmp_path / "bench.png").stat().st_size > 1000

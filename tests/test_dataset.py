@@ -346,3 +346,26 @@ def test_scene_labels_agree_with_the_loader(tmp_path, backend):
                                             "float": "bad-labels"}
     assert np.array_equal(access["ok"]["labels"], loaded["ok"][2])
     assert np.array_equal(access["ok"]["points"], loaded["ok"][0])
+
+
+def test_stats_bins_come_from_the_data(tmp_path):
+    """Photos all 40 px wide are one bar at 40 (it was "0-64" on a fixed scale), and sizes
+    spread out are cut in steps from the smallest to the largest, every sample in one."""
+    from shardflow.access import stats
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    sizes = [(40, 30 + 10 * i) for i in range(6)]
+    with tarfile.open(raw / "a.tar", "w", format=tarfile.GNU_FORMAT) as tar:
+        for i, size in enumerate(sizes):
+            blob = jpeg_bytes(i, size)
+            info = tarfile.TarInfo(f"k{i}.jpg")
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+    run_tool("make_shards", "index", raw, check=True)
+    found = stats.gather(ShardDataset(raw))
+    assert found["width"]["bins"] == [[40, 40, 6]]
+    heights = found["height"]["bins"]
+    assert heights[0][0] == 30 and heights[-1][1] == 80
+    assert [c for *_, c in heights] == [1] * 6  # six heights, six bars
+    assert all(b - a in (8, 9) for a, b, _ in heights)

@@ -303,6 +303,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
                 marker="o")
     memory.set_xlabel("epoch of shardflow's loader")
     memory.set_ylabel("resident memory of the process (MB)")
+    memory.set_ylim(0, max(r["rss_mb_after_each_epoch"]) * 1.1)  # from 0: 1% looks as 1%
     fig.suptitle(f"{r['images']} photo-like JPEGs, batch {r['batch_size']}, "
                  f"{r['threads']} threads; time to first batch {r['time_to_first_batch_s']} s")
     fig.tight_layout()

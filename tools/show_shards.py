@@ -134,8 +134,8 @@ def _stats(ds: Any, args: argparse.Namespace) -> int:
     for name, title in titles.items():
         if name in found:
             bins = found[name]["bins"]
-            panels.append(view.histogram(title, [f"{a}-{b}" for a, b, _ in bins],
-                                         [c for _, _, c in bins]))
+            names = [f"{a}" if a == b else f"{a}-{b}" for a, b, _ in bins]
+            panels.append(view.histogram(title, names, [c for _, _, c in bins]))
     if not panels:
         bad = ", ".join(f"{reason}={n}" for reason, n in found["bad"].items())
         every = found["bad"] and sum(found["bad"].values()) == found["counted"]

@@ -138,7 +138,11 @@ def _panels(fig: Any, records: list[dict[str, Any]], evals: list[dict[str, Any]]
     else:
         metric.text(0.5, 0.5, "no evaluation logged", ha="center", va="center",
                     transform=metric.transAxes, color="gray")
-    metric.set(title="evaluation", ylabel="metric")
+    # Accuracy, mIoU and AUC are fractions: the whole 0..1 axis, so that 0.02 of change
+    # does not fill the panel; an unbounded metric (none logged yet) keeps its own range.
+    bounded = all(0 <= v <= 1 for name in names for v in _series(evals, name)[1])
+    metric.set(title="evaluation", ylabel="metric", **({"ylim": (0, 1)} if bounded and names
+                                                       else {}))
     speed.plot(*_series(records, "samples_per_s"), color="tab:green", **style)
     speed.set(title="throughput (all ranks)", ylabel="samples/s", xlabel="step", ylim=(0, None))
     wait.plot(*_series(records, "data_wait", 100.0), color="tab:red", **style)

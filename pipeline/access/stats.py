@@ -20,10 +20,7 @@ from shardflow.errors import DataError
 from shardflow.samples import checks, headers
 from shardflow.samples.checks import IMAGE_MEMBERS, POINTCLOUD_EXTS, TEXT_EXTS
 
-EDGES: dict[str, list[float]] = {"side": [0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1 << 30],
-         "aspect": [0, 0.5, 0.75, 0.9, 1.1, 1.34, 1.8, 2.5, 1e9],
-         "length": [0, 64, 256, 1024, 4096, 16384, 65536, 1 << 40],
-         "points": [0, 256, 1024, 4096, 16384, 65536, 262144, 1 << 40]}
+BINS = 12  # at most; fewer where the data holds fewer distinct values
 
 
 def gather(ds: ShardDataset, limit: int | None = None, seed: int = 0) -> dict[str, Any]:
@@ -95,20 +92,27 @@ def _summary(ds: ShardDataset, counted: int, found: dict[str, list[float]],
         out["classes"] = {names.get(k, str(k)): n for k, n in sorted(labels.items())}
     for name, values in found.items():
         if values:
-            edges = EDGES["side" if name in ("width", "height") else
-                          "length" if name in ("length", "tokens") else name]
-            out[name] = _histogram(values, edges)
+            out[name] = _histogram(values)
     return out
 
 
-def _histogram(values: list[float], edges: list[float]) -> dict[str, Any]:
+def _histogram(values: list[float]) -> dict[str, Any]:
+    """Bins drawn from the data: equal steps from its smallest to its largest value (whole
+    numbers for whole-number data), so photos all 64 px wide are one bar at 64, not a bar
+    "64-128" of a fixed scale."""
     array = np.asarray(values, np.float64)
-    counts, _ = np.histogram(array, bins=edges)
-    used = np.flatnonzero(counts)  # the bins from the first to the last that hold any
-    keep = range(int(used[0]), int(used[-1]) + 1)
-    return {"min": float(array.min()), "median": float(np.median(array)),
-            "max": float(array.max()), "mean": round(float(array.mean()), 3),
-            "bins": [[_edge(edges[i]), _edge(edges[i + 1]), int(counts[i])] for i in keep]}
+    lo, hi = float(array.min()), float(array.max())
+    if lo == hi:
+        bins = [[_edge(lo), _edge(hi), len(array)]]
+    else:
+        edges = np.linspace(lo, hi, min(BINS, len(np.unique(array))) + 1)
+        if np.all(array == np.round(array)):
+            edges = np.unique(np.round(edges))
+        counts, _ = np.histogram(array, bins=edges)
+        bins = [[_edge(edges[i]), _edge(edges[i + 1]), int(counts[i])]
+                for i in range(len(counts))]
+    return {"min": lo, "median": float(np.median(array)), "max": hi,
+            "mean": round(float(array.mean()), 3), "bins": bins}
 
 
 def _edge(value: float) -> float | int:
