@@ -121,3 +121,11 @@ def test_no_progress_bar_is_drawn_into_a_log(tmp_path):
     proc = run_tool("make_shards", "imagefolder", src, tmp_path / "out", check=True)
     assert "10 samples" in proc.stdout
     assert "\r" not in proc.stderr and "%|" not in proc.stderr, proc.stderr
+
+
+def test_an_empty_class_folder_is_named(tmp_path):
+    src = make_image_folder(tmp_path / "src", per_class=1, size=24)
+    (src / "zz_empty").mkdir()
+    proc = run_tool("make_shards", "imagefolder", src, tmp_path / "out", "--quiet", check=True)
+    assert "classes: 11" in proc.stdout
+    assert "1 classes hold no sample (zz_empty)" in proc.stdout

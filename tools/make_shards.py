@@ -322,6 +322,11 @@ def print_summary(m: Manifest, out: str, seconds: float) -> None:
           f"in {seconds:.1f} s ({size / 1e6 / max(seconds, 1e-9):.1f} MB/s)")
     if m.classes:
         print(f"classes: {len(m.classes)}")
+        empty = _empty_classes(m)
+        if empty:
+            print(f"warning: {len(empty)} classes hold no sample ({', '.join(empty[:5])}"
+                  f"{' ...' if len(empty) > 5 else ''}): kept in the class map, so that labels "
+                  "match another split's, but no model learns them from these shards")
     elif m.labels:
         print(f"labels (no class map): {m.labels.to_json()['distinct']} distinct, "
               f"{m.labels.ranges[0][0]}..{m.labels.ranges[-1][1]}")
@@ -347,6 +352,16 @@ def print_summary(m: Manifest, out: str, seconds: float) -> None:
     if m.ignored:
         print(f"passed over {len(m.ignored)} files that are not inputs of this kind "
               "(listed under 'ignored' in manifest.json)")
+
+
+def _empty_classes(m: Manifest) -> list[str]:
+    """The class map's names whose label no written sample has (an empty class folder, or
+    one whose every file was skipped)."""
+    if not m.classes or m.labels is None:
+        return []
+    seen = set(m.labels.values())
+    return [name for name, label in sorted(m.classes.items(), key=lambda kv: kv[1])
+            if label not in seen]
 
 
 def _print_reencoded(reencoded: dict[str, int]) -> None:
