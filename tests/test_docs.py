@@ -138,6 +138,18 @@ def test_the_readme_tour_runs_in_a_folder_of_its_own_and_learns(tmp_path):
     assert summary["accuracy"] > 0.25 and summary["eval_classes_unseen_in_training"] == []
 
 
+# A command by its old script name: `shardflow X` is the one name (tools/main.py COMMANDS).
+STALE = re.compile(r"\b(?:make_shards|verify_shards|show_shards|bench_loader|bench_convert|"
+                   r"bench_stream|train_tokenizer|plot_run|gpu_check)\.py\b|tools/train\.py"
+                   r"|\.venv/bin/python tools/")
+
+
+def test_every_command_goes_by_one_name():
+    found = [f"{path.name}:{n}: {line.strip()}" for path in pages()
+             for n, line in enumerate(path.read_text().splitlines(), 1) if STALE.search(line)]
+    assert found == []
+
+
 def test_a_block_that_rotted_fails(workspace):
     """The planted bug: the text page's first example with a keyword the loader does not
     take, as an API rename would leave it."""

@@ -4,7 +4,7 @@ webdataset's ShardWriter with a PIL decode of every image (what a script checkin
 does), and the converters of MosaicML Streaming (MDSWriter) and LitData (litdata.optimize, 2
 workers) where they import (the bench extra: pip install -e ".[bench]").
 
-    python tools/bench_convert.py --out bench-out [--count 2000] [--repeats 3]
+    shardflow bench-convert --out bench-out [--count 2000] [--repeats 3]
 
 Input MB/s on the built-in photo-like corpus, medians of alternating repeats after a warm-up,
 and ratios measured in the same run: against `tar -cf`, make_shards' 2 workers against its 1,

@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""Loader throughput: shardflow beside the baselines of shared/BENCHMARKS.md.
+"""Loader throughput: shardflow beside the usual loaders (docs/benchmarks.md).
 
-    python tools/bench_loader.py [--images 800] [--batch-size 64] [--repeats 5] [--json PATH]
-    python tools/bench_loader.py --modality text [--docs 20000]      # tokens/s
-    python tools/bench_loader.py --modality pointcloud [--clouds 600] # points/s, voxelization
-    python tools/bench_loader.py --modality lidar [--frames 24]  # per frame: overlap, voxels
-    python tools/bench_loader.py --modality tabular [--rows 100000]   # rows/s, hashing/core
-    python tools/bench_loader.py --modality captions  # a Pipeline: image + caption tokens + json
-    python tools/bench_loader.py --source my_images/                  # your data, not ours
+    shardflow bench [--images 800] [--batch-size 64] [--repeats 5] [--json PATH]
+    shardflow bench --modality text [--docs 20000]      # tokens/s
+    shardflow bench --modality pointcloud [--clouds 600] # points/s, voxelization
+    shardflow bench --modality lidar [--frames 24]  # per frame: overlap, voxels
+    shardflow bench --modality tabular [--rows 100000]   # rows/s, hashing/core
+    shardflow bench --modality captions  # a Pipeline: image + caption tokens + json
+    shardflow bench --source my_images/                  # your data, not ours
 
 Images:
 Same JPEG bytes for everyone (a photo-like corpus as an image folder and as shards), same work

@@ -2,7 +2,7 @@
 """The streaming reader against an S3 server: moto's, started on 127.0.0.1 for the run (the dev
 extra), holding the built-in photo-like corpus as shards.
 
-    python tools/bench_stream.py [--images 400] [--shard-size 2MB] [--repeats 3] [--json X]
+    shardflow bench-stream [--images 400] [--shard-size 2MB] [--repeats 3] [--json X]
 
 Figures, each the median of alternating repeats: a reader epoch (encoded batches: fetching and
 tar parsing, no decoding) with 1 and with 4 shards in flight; the first and the second epoch

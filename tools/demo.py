@@ -2,7 +2,7 @@
 """The main job on the built-in data: generate the datasets, shard them, verify them, load and
 train on them (images, text, point clouds, click logs, LiDAR scans labelled per point).
 
-    python tools/demo.py --out demo-out
+    shardflow demo --out demo-out
 
 Everything is deterministic and local (no downloads). Prints one line per dataset.
 """
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     ctr_ok = train_ctr(args.out)
     lidar_ok = train_lidar(args.out)
     print(f"\nshards are in {args.out / 'shards'}; check any of them with\n"
-          f"  python tools/verify_shards.py {args.out / 'shards' / 'images'} --world-size 2")
+          f"  shardflow verify {args.out / 'shards' / 'images'} --world-size 2")
     return 0 if ctr_ok and lidar_ok and all(line.split()[-2] == "ok" for line in lines) else 1
 
 

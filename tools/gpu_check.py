@@ -10,9 +10,9 @@ into the checkout (tools/checkout.py):
 
 On a machine without CUDA, the same orchestration at tiny sizes on the CPU (what the tests run):
 
-    python tools/gpu_check.py --dry-run --json /tmp/gc.json [--only delivery,copies]
+    shardflow gpu-check --dry-run --json /tmp/gc.json [--only delivery,copies]
         [--timeout-scale 0.5] [--timeout copies=120] [--budget 600] [--amp-batch 128] [--list]
-    python tools/gpu_check.py --stand-in [--stand-in-s 0.5] [--stand-in-fail ddp] --json ...
+    shardflow gpu-check --stand-in [--stand-in-s 0.5] [--stand-in-fail ddp] --json ...
 
 Each part runs in its own subprocess (`--part NAME --json-part FILE`) under its own timeout
 (`--timeout-scale F` scales them all, `--timeout NAME=S` sets one), and the whole run under a

@@ -1,17 +1,17 @@
 #!/usr/bin/env python3
 """Convert a dataset to WebDataset tar shards with DALI index files and a manifest.
 
-    python tools/make_shards.py imagefolder data/train shards/train --max-size 64MB
-    python tools/make_shards.py text corpus/ shards/text --split-lines
-    python tools/make_shards.py shards 'old/train-{000000..000099}.tar' shards/new
-    python tools/make_shards.py parquet 'hf/data/train-*.parquet' shards/train --image-column img
-    python tools/make_shards.py tabular day_0.gz shards/criteo --preset criteo
-    python tools/make_shards.py tabular train.csv shards/t --label-column click \
+    shardflow convert imagefolder data/train shards/train --max-size 64MB
+    shardflow convert text corpus/ shards/text --split-lines
+    shardflow convert shards 'old/train-{000000..000099}.tar' shards/new
+    shardflow convert parquet 'hf/data/train-*.parquet' shards/train --image-column img
+    shardflow convert tabular day_0.gz shards/criteo --preset criteo
+    shardflow convert tabular train.csv shards/t --label-column click \
         --dense-columns price --categorical-columns site,device
-    python tools/make_shards.py imagefolder SRC OUT --part 0/4   # one of four machines
-    python tools/make_shards.py merge OUT                       # after all parts
-    python tools/make_shards.py imagefolder SRC OUT --engine ray --ray-address auto  # on Ray
-    python tools/make_shards.py imagefolder SRC s3://bucket/train \
+    shardflow convert imagefolder SRC OUT --part 0/4   # one of four machines
+    shardflow convert merge OUT                       # after all parts
+    shardflow convert imagefolder SRC OUT --engine ray --ray-address auto  # on Ray
+    shardflow convert imagefolder SRC s3://bucket/train \
         --storage-option client_kwargs.endpoint_url=https://objects.example.org
 
 OUT may be an fsspec URL (s3://, gs://, memory://...): each shard and .idx is written whole

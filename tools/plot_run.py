@@ -2,8 +2,8 @@
 """Draw a run folder's curves.png from its metrics.jsonl and eval.jsonl: loss (train and
 eval), the eval metrics, samples/s and the data-wait share per logged step.
 
-    python tools/plot_run.py runs/r1                   # (re)writes runs/r1/curves.png
-    python tools/plot_run.py runs/r1 --out r1.png
+    shardflow plot runs/r1                   # (re)writes runs/r1/curves.png
+    shardflow plot runs/r1 --out r1.png
 
 train.py draws the same figure at the end of a run; this draws it at any time: while the run
 is going, or after it was killed. Needs matplotlib (in the dev extra).

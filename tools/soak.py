@@ -3,7 +3,7 @@
 for many steps, watching resident memory, open file descriptors and threads; JSON and a PNG
 chart.
 
-    python tools/soak.py --out soak-out [--epochs 30] [--steps 1500]
+    shardflow soak --out soak-out [--epochs 30] [--steps 1500]
 
 Not a test: it takes minutes. Memory growth per epoch should be zero within noise.
 """

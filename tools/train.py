@@ -1,19 +1,19 @@
 #!/usr/bin/env python3
 """Train a task on shards; running the same command again resumes from the run folder.
 
-    python tools/train.py --task image --data shards/train --out runs/r1 --steps 300
-    python tools/train.py --task image --data shards/train --eval-data shards/val --epochs 2
-    python tools/train.py --task text --objective clm --data shards/text --out runs/t1 --steps 300
-    python tools/train.py --task pointcloud --model voxnet --data shards/pc --out runs/p1 --epochs 5
-    python tools/train.py --task pointcloud-seg --model bev --data shards/kitti --out s1 --epochs 5
-    python tools/train.py --task ctr --model dlrm --data shards/criteo --out runs/c1 --epochs 1
+    shardflow train --task image --data shards/train --out runs/r1 --steps 300
+    shardflow train --task image --data shards/train --eval-data shards/val --epochs 2
+    shardflow train --task text --objective clm --data shards/text --out runs/t1 --steps 300
+    shardflow train --task pointcloud --model voxnet --data shards/pc --out runs/p1 --epochs 5
+    shardflow train --task pointcloud-seg --model bev --data shards/kitti --out s1 --epochs 5
+    shardflow train --task ctr --model dlrm --data shards/criteo --out runs/c1 --epochs 1
 
 Without --eval-data, every 10th shard of --data (sorted by name, at least one) is held out for
 evaluation and never trained on; with too few shards for that (one, or fewer than the ranks
 plus one), 10% of the samples by key hash instead. summary.json says which.
 
 Loader threads and prefetch: --loader-threads / --prefetch, else the tuning file's choices
-(tools/bench_loader.py --tune; --tuning-file, --no-tuning), else what the loader functions
+(shardflow tune; --tuning-file, --no-tuning), else what the loader functions
 choose for the same arguments (threads: the cores divided among the ranks on this node,
 torchrun's LOCAL_WORLD_SIZE). summary.json's "loader" says which was used.
 """
@@ -164,8 +164,8 @@ def add_loader_flags(p: argparse.ArgumentParser) -> None:
                    "first; default 32GiB)")
     tuning = p.add_mutually_exclusive_group()
     tuning.add_argument("--tuning-file", type=Path, default=None, metavar="PATH",
-                        help="the loader tuning file to use (written by tools/bench_loader.py "
-                        "--tune; default: ~/.cache/shardflow/tuning.json where it exists): "
+                        help="the loader tuning file to use (written by `shardflow tune`; "
+                        "default: ~/.cache/shardflow/tuning.json where it exists): "
                         "its choices fill in what the flags leave automatic")
     tuning.add_argument("--no-tuning", dest="use_tuning", action="store_false",
                         help="use no tuning file")

@@ -2,7 +2,7 @@
 """Train a byte-level BPE tokenizer on the `.txt` documents of shards (needs HF tokenizers:
 pip install 'shardflow[text]').
 
-    python tools/train_tokenizer.py shards/text --out tokenizer.json --vocab-size 8000
+    shardflow train-tokenizer shards/text --out tokenizer.json --vocab-size 8000
 
 The result has the special tokens the text loader looks for ([PAD], [SEP], [MASK]) and
 decodes back to the exact text (byte-level: no unknown tokens). Documents that fail the text

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Verify shards: checksums, tar structure, keys, DALI index and every sample's content.
 
-    python tools/verify_shards.py shards/train [--json report.json]
-    python tools/verify_shards.py 'shards/train-{000000..000009}.tar' --world-size 4
-    python tools/verify_shards.py https://host/shards/ --index local-index/
+    shardflow verify shards/train [--json report.json]
+    shardflow verify 'shards/train-{000000..000009}.tar' --world-size 4
+    shardflow verify https://host/shards/ --index local-index/
 
 Exits 1 when anything is wrong (each problem is named with its shard and key), 0 otherwise;
 3 when a server does not answer within --timeout (the error names the URL and the wait).

@@ -1,4 +1,4 @@
-"""The parts of tools/gpu_check.py, most valuable first, with their default timeouts (PARTS:
+"""The parts of `shardflow gpu-check`, most valuable first, with their default timeouts (PARTS:
 350 s in all, plus HEADER_TIMEOUT_S, 20 s, for the header: 370 s, within BUDGET_S, the 6.25
 minutes of one command on a lent GPU machine that the check may take; on one GPU without DALI,
 dali is skipped at once and ranks in seconds). The run as a whole has that budget (--budget):
