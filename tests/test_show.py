@@ -163,3 +163,12 @@ def test_stats_of_shards_whose_every_sample_is_bad_say_so(tmp_path):
     proc = run_tool("show_shards", tmp_path, "--stats", "--out", tmp_path / "s.png")
     assert proc.returncode == 2
     assert "every sample counted is bad (bad-image=2)" in proc.stderr
+
+
+def test_a_captioned_sample_is_captioned_by_its_caption():
+    from shardflow.tools.show_shards import _caption
+
+    names = {0: "circle"}
+    assert _caption({"__key__": "k", "label": 0, "txt": "a red circle"}, names) == "circle"
+    assert _caption({"__key__": "k", "txt": " a dog on a sofa\n"}, names) == "a dog on a sofa"
+    assert _caption({"__key__": "k", "txt": "  "}, names) == "k"

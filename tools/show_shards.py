@@ -7,13 +7,13 @@
     shardflow show shards/text --index 7
 
 A grid draws samples drawn evenly from --seed (or the first ones with --first), captioned with
-their label's name (the manifest's classes), their key otherwise: images fitted in a tile,
-documents as excerpts, point clouds projected from above, the front and the side. With
---augment each image tile is followed by the same image through those ops (shardflow.ops,
-drawn per key), to see what an augmentation does. --stats counts classes, image sizes and
-aspects (from headers), text lengths, stored tokens and points per cloud, over every sample
-or --limit of them, as a PNG of histograms and the same figures as JSON. --key/--index print
-one sample's members and decoded values, and with --out save its picture.
+their label's name (the manifest's classes), their own caption (.txt), their key otherwise:
+images fitted in a tile, documents as excerpts, point clouds projected from above, the front
+and the side. With --augment each image tile is followed by the same image through those ops
+(shardflow.ops, drawn per key), to see what an augmentation does. --stats counts classes, image
+sizes and aspects (from headers), text lengths, stored tokens and points per cloud, over every
+sample or --limit of them, as a PNG of histograms and the same figures as JSON. --key/--index
+print one sample's members and decoded values, and with --out save its picture.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _grid(ds: Any, args: argparse.Namespace) -> int:
         sample = ds[i]
         if sample is None:  # bad: named in the log, and a tile says so
             sample = {"__key__": ds.key(i)}
-        caption = names.get(sample.get("label"), None) or str(sample["__key__"])
+        caption = _caption(sample, names)
         tiles.append(view.tile(sample, caption))
         if ops is not None:
             tiles.append(view.tile(_augmented(sample, ops, args.seed), "+ " + args.augment))
@@ -103,6 +103,14 @@ def _ops(spec: str) -> Any:
     from shardflow.ops import spec as ops_spec
 
     return ops_spec.parse(spec)
+
+
+def _caption(sample: dict[str, Any], names: dict[int, str]) -> str:
+    """A tile's caption: the label's class name, else the sample's own caption (`.txt`
+    beside an image, as img2dataset writes it), else its key."""
+    text = sample.get("txt")
+    return names.get(sample.get("label"), None) or \
+        (text.strip() if isinstance(text, str) and text.strip() else str(sample["__key__"]))
 
 
 def _augmented(sample: dict[str, Any], ops: Any, seed: int) -> dict[str, Any]:
