@@ -141,8 +141,11 @@ def test_one_sample_by_key_or_index_shows_its_members(shards, tmp_path, capsys):
     assert f"index 4, key {key!r}" in printed and ".cls: 1 bytes" in printed
     assert "image: uint8 (48, 48, 3)" in printed and "label:" in printed
     Image.open(tmp_path / "one.png").load()
-    show_shards.main([str(shards["text"]), "--index", "-1"])
+    show_shards.main([str(shards["text"]), "--at", "-1"])
     assert "text: 'Chronicle" in capsys.readouterr().out
+    # --index is the index folder, as verify's and train's: a number is sent to --at
+    with pytest.raises(ValueError, match="for sample 3, use --at 3"):
+        show_shards.main([str(shards["text"]), "--index", "3"])
 
 
 def test_an_unknown_key_or_a_bad_grid_is_a_usage_error(shards):

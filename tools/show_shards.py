@@ -4,7 +4,7 @@
     shardflow show shards/images --grid 4x4 --augment rand-m9-n2 --out aug.png
     shardflow show shards/images --stats --out stats.png         # + stats.json beside it
     shardflow show shards/images --key 03_ring_03_ring_00012     # one sample, whole
-    shardflow show shards/text --index 7
+    shardflow show shards/text --at 7
 
 A grid draws samples drawn evenly from --seed (or the first ones with --first), captioned with
 their label's name (the manifest's classes), their own caption (.txt), their key otherwise:
@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="draw a grid of samples (default 8x8 when nothing else is asked)")
     what.add_argument("--stats", action="store_true", help="histograms of what it holds")
     what.add_argument("--key", default=None, help="one sample by key")
-    what.add_argument("--index", type=int, default=None, help="one sample by global index")
+    what.add_argument("--at", type=int, default=None, metavar="N",
+                      help="one sample by its number in the source (0-based)")
     p.add_argument("--out", type=Path, default=None,
                    help="the PNG to write (grid and stats: default show.png / stats.png; "
                    "stats writes the .json beside it)")
@@ -47,20 +48,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="which samples a grid draws")
     p.add_argument("--limit", type=positive_int, default=None,
                    help="stats: count this many samples, drawn evenly (default: all)")
-    p.add_argument("--index-dir", default=None, metavar="DIR",
-                   help="the shards' .idx files and manifest, when not beside them")
+    p.add_argument("--index", "--index-dir", dest="index_dir", default=None, metavar="DIR",
+                   help="the shards' .idx files and manifest, when not beside them (as "
+                   "verify's and train's --index)")
     add_storage_options(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.index_dir is not None and args.index_dir.isdigit() and \
+            not Path(args.index_dir).is_dir():
+        raise ValueError(f"--index {args.index_dir}: --index names the index folder, as in "
+                         f"verify and train; for sample {args.index_dir}, use --at "
+                         f"{args.index_dir}")
     setup_logging(quiet=False)
     from shardflow.access.dataset import ShardDataset
 
     ds = ShardDataset(args.src, storage_options=args.storage_options, index=args.index_dir,
                       on_error="skip")
-    if args.key is not None or args.index is not None:
+    if args.key is not None or args.at is not None:
         return _one(ds, args)
     if args.stats:
         return _stats(ds, args)
@@ -160,7 +167,7 @@ def _stats(ds: Any, args: argparse.Namespace) -> int:
 def _one(ds: Any, args: argparse.Namespace) -> int:
     from shardflow.access import view
 
-    i = args.index if args.index is not None else ds.index_of(args.key)
+    i = args.at if args.at is not None else ds.index_of(args.key)
     raw = ds.raw(i)
     if raw is None:
         return 1  # its shard cut short: the reason was logged, naming shard and key
