@@ -15,21 +15,25 @@ from shardflow.trainers.task import EvalTotals, StepOutput
 
 class Classification(ABC):
     model: torch.nn.Module
-    num_classes: int
 
-    def class_counts(self, which: str) -> torch.Tensor:
+    def class_counts(self, which: str) -> torch.Tensor | None:
         """How often each class was met, in training ("train") or evaluation ("eval"), kept
-        on the model's device: counted without a sync per step."""
+        on the model's device: counted without a sync per step. None for a task that does not
+        say its class count (`num_classes`)."""
+        classes = getattr(self, "num_classes", None)
+        if classes is None:
+            return None
         name = f"_{which}_counts"
         if getattr(self, name, None) is None:
             device = next(self.model.parameters()).device
-            setattr(self, name, torch.zeros(self.num_classes, dtype=torch.int64, device=device))
+            setattr(self, name, torch.zeros(classes, dtype=torch.int64, device=device))
         return getattr(self, name)  # type: ignore[no-any-return]
 
     def _count(self, label: torch.Tensor, which: str) -> None:
         counts = self.class_counts(which)
-        counts.index_add_(0, label.clamp(0, len(counts) - 1).long(),
-                          torch.ones_like(label, dtype=torch.int64))
+        if counts is not None:
+            counts.index_add_(0, label.clamp(0, len(counts) - 1).long(),
+                              torch.ones_like(label, dtype=torch.int64))
 
     @abstractmethod
     def _inputs(self, batch: Any) -> torch.Tensor:

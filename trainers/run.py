@@ -206,10 +206,10 @@ def _classes_unseen(trainer: Trainer) -> list[int]:
     counted): an accuracy on them says nothing of learning, so it is said, not averaged in
     silently. Empty for a task without class counts."""
     counts = getattr(trainer.task, "class_counts", None)
-    if counts is None:
+    found = [counts(which) for which in ("train", "eval")] if counts is not None else []
+    if not found or any(c is None for c in found):
         return []
-    trained, evaluated = (sum_over_ranks(counts(which).tolist(), trainer.dist)
-                          for which in ("train", "eval"))
+    trained, evaluated = (sum_over_ranks(c.tolist(), trainer.dist) for c in found)
     unseen = [c for c, (t, e) in enumerate(zip(trained, evaluated, strict=True)) if e and not t]
     if unseen and trainer.dist.is_main:
         share = sum(evaluated[c] for c in unseen) / max(1, sum(evaluated))
