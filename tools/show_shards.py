@@ -115,9 +115,10 @@ def _ops(spec: str) -> Any:
 def _caption(sample: dict[str, Any], names: dict[int, str]) -> str:
     """A tile's caption: the label's class name, else the sample's own caption (`.txt`
     beside an image, as img2dataset writes it), else its key."""
-    text = sample.get("txt")
-    return names.get(sample.get("label"), None) or \
-        (text.strip() if isinstance(text, str) and text.strip() else str(sample["__key__"]))
+    label, text = sample.get("label"), sample.get("txt")
+    name = names.get(label) if isinstance(label, int) else None
+    return name or (text.strip() if isinstance(text, str) and text.strip()
+                    else str(sample["__key__"]))
 
 
 def _augmented(sample: dict[str, Any], ops: Any, seed: int) -> dict[str, Any]:
