@@ -150,6 +150,34 @@ def test_every_command_goes_by_one_name():
     assert found == []
 
 
+LONGEST = 40  # words in a sentence of a page's prose (tables and code apart)
+ITEM = re.compile(r"^\s*(?:[-*]|\d+\.)\s+")
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(`*\[])")
+
+
+def long_sentences(path: Path) -> list[str]:
+    """The sentences of `path`'s prose over LONGEST words: fenced blocks, tables and
+    headings left out, each list item apart, an inline `code span` one word."""
+    prose: list[str] = []
+    fenced = False
+    for line in path.read_text().splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced and not line.lstrip().startswith(("|", "#", "![")):
+            prose.append("\n" + line if ITEM.match(line) or not line.strip() else line)
+    text = re.sub(r"`[^`]*`", "X", "\n".join(prose))
+    found = []
+    for item in re.split(r"\n\s*\n|\n(?=\s*(?:[-*]|\d+\.)\s)", text):
+        for sentence in SENTENCE_END.split(" ".join(ITEM.sub("", item).split())):
+            if len(sentence.split()) > LONGEST:
+                found.append(f"{path.name}: {len(sentence.split())} words: {sentence[:80]}...")
+    return found
+
+
+def test_sentences_are_short():
+    assert [s for path in pages() if path.name != "cli.md" for s in long_sentences(path)] == []
+
+
 def test_a_block_that_rotted_fails(workspace):
     """The planted bug: the text page's first example with a keyword the loader does not
     take, as an API rename would leave it."""

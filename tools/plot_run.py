@@ -6,7 +6,7 @@ eval), the eval metrics, samples/s and the data-wait share per logged step.
     shardflow plot runs/r1 --out r1.png
 
 train.py draws the same figure at the end of a run; this draws it at any time: while the run
-is going, or after it was killed. Needs matplotlib (in the dev extra).
+is going, or after it was killed. Needs matplotlib, which installs with shardflow.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry(argv: list[str] | None = None) -> NoReturn:
     """The command: main, its errors as one line and an exit code (util.run_main)."""
-    # ImportError: matplotlib, from the dev extra
+    # ImportError: matplotlib (a dependency) missing from this environment
     run_main(lambda: main(argv), usage=(ImportError,))
 
 

@@ -100,8 +100,8 @@ def draw(run_dir: Path, out: Path | None = None) -> tuple[Path, int]:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise ImportError("curves.png needs matplotlib: pip install matplotlib (in the dev "
-                          "extra)") from None
+        raise ImportError("curves.png needs matplotlib, a dependency of shardflow: pip "
+                          "install matplotlib") from None
     fig = Figure(figsize=(11, 7.5), layout="constrained")
     FigureCanvasAgg(fig)
     _panels(fig, records, read_records(run_dir / EVALS))
