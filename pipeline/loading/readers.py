@@ -134,14 +134,16 @@ def _auto_backend() -> Backend:
 
 def dali_readable(source: Source) -> bool:
     """Whether DALI's reader can read `source`: local .tar shards, each with its .idx."""
-    return all(not is_remote(s.url) and s.url.endswith(".tar") and _has_index(s)
-               for s in source.shards)
+    return all(_dali_reads(s) for s in source.shards)
+
+
+def _dali_reads(shard: ShardSpec) -> bool:
+    return not is_remote(shard.url) and shard.url.endswith(".tar") and _has_index(shard)
 
 
 def _not_dali(source: Source) -> str:
     """The shards DALI's reader cannot read, named (the first five)."""
-    names = [s.url.rsplit("/", 1)[-1] for s in source.shards
-             if is_remote(s.url) or not s.url.endswith(".tar") or not _has_index(s)]
+    names = [s.url.rsplit("/", 1)[-1] for s in source.shards if not _dali_reads(s)]
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 

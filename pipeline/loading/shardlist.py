@@ -13,6 +13,7 @@ either, a source can be read by one rank only (there is nothing to balance ranks
 from __future__ import annotations
 
 import heapq
+import logging
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,12 +21,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from shardflow.shards import indexdir
-from shardflow.shards.listing import count_from_index, exists, list_shards, preflight
+from shardflow.shards.listing import count_from_index, exists, list_shards, preflight, unlisted
 from shardflow.shards.manifest import MANIFEST, TokenForm, load_manifest
 from shardflow.storage import check_storage_options, timed, with_timeouts
 from shardflow.urls import beside, check_scheme, expand_braces, redact
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,8 @@ def resolve_source(source: str | Path | Sequence[str] | Source, *, allow_pipe: b
         if found is not None:
             return found
         urls = list_shards(text, options) if not text.startswith("pipe:") else [text]
+        for err in unlisted(text, urls):  # read by no loader: said, not passed over in silence
+            log.warning("%s: %s [%s]", err.source, err.detail, err.reason)
     else:
         urls = [u for item in source for u in expand_braces(str(item))]
     for url in urls:

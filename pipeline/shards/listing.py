@@ -42,11 +42,8 @@ def list_shards(src: str, storage_options: Mapping[str, Any] | None = None) -> l
     check_scheme(src)
     local = Path(src)
     if "://" not in src and local.is_dir():
-        found = [str(p) for p in sorted(p for pattern in SHARD_PATTERNS
-                                        for p in local.glob(pattern))]
-        for err in unlisted(src, found):  # read by no one: said, not passed over in silence
-            log.warning("%s: %s [%s]", err.source, err.detail, err.reason)
-        return found
+        return [str(p) for p in sorted(p for pattern in SHARD_PATTERNS
+                                       for p in local.glob(pattern))]
     urls = []
     for url in expand_braces(src):
         urls.extend(_glob(url, storage_options) if any(c in url for c in "*?[") else [url])
